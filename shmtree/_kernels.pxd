@@ -1,0 +1,37 @@
+# Interface of the reduction kernels (shmtree/_kernels.pyx), cimported by the engine.
+#
+# A kernel computes, in one fused pass, dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i]
+# for i < n, in that fixed order (so the same inputs always give the same bits).  dst may be the same
+# pointer as srcs[0] (accumulate in place) but never partially overlaps any source.  nsrc >= 1
+# (nsrc == 1 is a copy).  n counts items, not bytes.  Kernels never touch the GIL.
+
+ctypedef void (*reduce_fn)(void *dst, const void **srcs, int nsrc, Py_ssize_t n) noexcept nogil
+
+# op codes
+cdef enum:
+    OP_SUM = 0
+    OP_PROD = 1
+    OP_MIN = 2
+    OP_MAX = 3
+    N_OPS = 4
+
+# dtype codes
+cdef enum:
+    DT_BOOL = 0
+    DT_I1 = 1
+    DT_I2 = 2
+    DT_I4 = 3
+    DT_I8 = 4
+    DT_U1 = 5
+    DT_U2 = 6
+    DT_U4 = 7
+    DT_U8 = 8
+    DT_F2 = 9
+    DT_F4 = 10
+    DT_F8 = 11
+    DT_C8 = 12
+    DT_C16 = 13
+    N_DTYPES = 14
+
+# The kernel for (op, dtype), or NULL where the pair is not supported (min/max of complex).
+cdef reduce_fn get_kernel(int op, int dtype) noexcept nogil
