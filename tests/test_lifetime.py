@@ -1,0 +1,457 @@
+"""Failure and lifetime rules of DESIGN.md section 5: dead peers, timeouts, aborts, no leaks.
+
+- a worker SIGKILLed mid-allreduce: run raises WorkerError naming it; with a Group and hand-made
+  processes the survivors raise PeerLostError within a few seconds (the dead process is left a
+  zombie on purpose: a zombie is dead);
+- timeout=: CollectiveTimeoutError (a TimeoutError) on the rank whose timeout ran out; a stopped
+  peer is not a dead one; afterwards the group is aborted and every call raises PeerLostError
+  at once;
+- nothing outlives the group: Group.close() frees its fds and mappings, and killing a whole job
+  (every process of it, with SIGKILL) leaves nothing in /dev/shm (the autouse fixture of
+  conftest.py checks /dev/shm and child processes after every test as well).
+"""
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import shmtree
+
+BIG_N = (4 << 20) // 8 + 5        # a ~4 MiB float64 array (many chunks)
+
+
+def shm_listing():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def new_shm_entries(before, settle_s):
+    """Entries of /dev/shm not in ``before``, after waiting up to settle_s for them to go."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        new = shm_listing() - before
+        if not new or time.monotonic() >= deadline:
+            return sorted(new)
+        time.sleep(0.05)
+
+
+def is_gone(p):
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def stop_processes(procs, timeout=5.0):
+    """Terminate, then kill, then join every started process (SIGKILL also ends stopped ones)."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+
+
+def error_name(e):
+    for cls in (shmtree.PeerLostError, shmtree.CollectiveTimeoutError,
+                shmtree.CollectiveMismatchError, shmtree.WorkerError, shmtree.ShmtreeError):
+        if isinstance(e, cls):
+            return cls.__name__
+    return f"{type(e).__name__} (not a ShmtreeError): {e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL under shmtree.run
+
+def kill_worker(comm, victim, n):
+    x = np.full(n, comm.rank + 1.0)
+    out = np.empty_like(x)
+    for i in range(10 ** 9):
+        if comm.rank == victim and i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)    # before its 3rd call
+        comm.allreduce(x, out=out)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("P,victim,n,start_method",
+                         [(4, 1, 1000, None), (4, 1, BIG_N, None), (3, 0, BIG_N, None),
+                          (5, 4, 7, None), (8, 3, 65537, None), (2, 1, 1000, "forkserver")])
+def test_run_sigkill_mid_allreduce(P, victim, n, start_method):
+    kw = {} if start_method is None else dict(start_method=start_method)
+    t0 = time.monotonic()
+    with pytest.raises(shmtree.WorkerError) as info:
+        shmtree.run(kill_worker, P, args=(victim, n), **kw)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert err.rank == victim, f"reported rank {err.rank}, the dead one is {victim}: {err}"
+    assert str(err).startswith(f"rank {victim} failed:"), str(err)
+    assert elapsed < 30, f"run took {elapsed:.1f} s to report the death"
+
+
+# ---------------------------------------------------------------------------------------------
+# a Group with hand-made processes: the survivors raise PeerLostError
+
+def doomed_member(group, rank, victim, how, n, queue, death_time):
+    """Loops on allreduce; the victim dies before its 3rd call (SIGKILL or a plain exit)."""
+    try:
+        comm = group.join(rank)
+        x = np.full(n, rank + 1.0)
+        for i in range(10 ** 9):
+            if rank == victim and i == 2:
+                death_time.value = time.monotonic()
+                if how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(3)
+            comm.allreduce(x)
+    except BaseException as e:  # noqa: B036 -- reported to the parent
+        queue.put((rank, error_name(e), time.monotonic()))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("P,victim,how,n", [(4, 1, "sigkill", 1000), (4, 1, "sigkill", BIG_N),
+                                            (3, 0, "sigkill", 100), (3, 2, "exit", 100)])
+def test_group_survivors_raise_peer_lost(P, victim, how, n):
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    death_time = ctx.RawValue("d", 0.0)
+    procs = []
+    with shmtree.Group(P) as group:
+        try:
+            for rank in range(P):
+                p = ctx.Process(target=doomed_member,
+                                args=(group, rank, victim, how, n, queue, death_time))
+                p.start()
+                procs.append(p)
+            # do not join or poll the victim: it stays a zombie, which must count as dead
+            reports = {}
+            deadline = time.monotonic() + 60
+            while len(reports) < P - 1 and time.monotonic() < deadline:
+                if queue.empty():
+                    time.sleep(0.01)
+                    continue
+                rank, name, t = queue.get()
+                reports[rank] = (name, t)
+        finally:
+            stop_processes(procs)
+    assert death_time.value > 0, "the victim never reached its 3rd call"
+    assert sorted(reports) == [r for r in range(P) if r != victim], \
+        f"survivors that reported within 60 s: {sorted(reports)}"
+    for rank, (name, t) in reports.items():
+        delay = t - death_time.value
+        assert name == "PeerLostError", f"rank {rank} raised {name}"
+        assert delay < 10, f"rank {rank} noticed the death after {delay:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------
+# timeouts
+
+def timeout_worker(comm, sleeper, timeouts, sleep_s, collective):
+    """The sleeper calls only after sleep_s; the others call with timeouts[rank].  Then every
+    rank calls three more times; all must raise PeerLostError at once."""
+    def call(timeout):
+        if collective == "barrier":
+            comm.barrier(timeout=timeout)
+        else:
+            comm.allreduce(np.ones(1000), timeout=timeout)
+
+    rep = {}
+    if comm.rank == sleeper:
+        time.sleep(sleep_s)
+        timeout = None
+    else:
+        timeout = timeouts.get(comm.rank)
+    t0 = time.monotonic()
+    try:
+        call(timeout)
+        rep["first"] = "returned"
+    except Exception as e:
+        rep["first"] = error_name(e)
+        rep["first_is_timeout_error"] = isinstance(e, TimeoutError)
+    rep["first_s"] = time.monotonic() - t0
+    later = []
+    for what in ("allreduce", "barrier", "allreduce"):
+        t0 = time.monotonic()
+        try:
+            if what == "barrier":
+                comm.barrier()
+            else:
+                comm.allreduce(np.ones(3), timeout=20)
+            later.append((what, "returned", time.monotonic() - t0))
+        except Exception as e:
+            later.append((what, error_name(e), time.monotonic() - t0))
+    rep["later"] = later
+    return rep
+
+
+def check_timeout_reports(results, sleeper, timeouts):
+    failures = []
+    timeout_errors = 0
+    for rank, rep in enumerate(results):
+        first, secs = rep["first"], rep["first_s"]
+        if rank == sleeper:
+            # the group was aborted while it slept: its call raises at once
+            if first != "PeerLostError" or secs > 1.0:
+                failures.append(f"sleeper rank {rank}: {first} after {secs:.2f} s "
+                                f"(wanted PeerLostError at once)")
+        elif timeouts.get(rank) is not None:
+            t = timeouts[rank]
+            if first == "CollectiveTimeoutError":
+                timeout_errors += 1
+                if not rep.get("first_is_timeout_error"):
+                    failures.append(f"rank {rank}: CollectiveTimeoutError is not a TimeoutError")
+                if not (t * 0.8 <= secs <= t + 3.0):
+                    failures.append(f"rank {rank}: timeout={t} raised after {secs:.2f} s")
+            elif first == "PeerLostError":      # another rank's timeout aborted the group first
+                if secs > t + 5.0:
+                    failures.append(f"rank {rank}: PeerLostError after {secs:.2f} s")
+            else:
+                failures.append(f"rank {rank}: {first} after {secs:.2f} s "
+                                f"(wanted CollectiveTimeoutError)")
+        else:
+            if first != "PeerLostError" or secs > max(timeouts.values()) + 5.0:
+                failures.append(f"rank {rank} (no timeout): {first} after {secs:.2f} s "
+                                f"(wanted PeerLostError within a few seconds of the abort)")
+        for what, name, s in rep["later"]:
+            if name != "PeerLostError" or s > 1.0:
+                failures.append(f"rank {rank}: later {what}: {name} after {s:.2f} s "
+                                f"(wanted PeerLostError at once)")
+    if timeout_errors == 0:
+        failures.append("no rank raised CollectiveTimeoutError")
+    assert not failures, "\n".join(failures)
+
+
+def run_ok(fn, nprocs, **kw):
+    try:
+        return shmtree.run(fn, nprocs, **kw)
+    except shmtree.WorkerError as e:
+        pytest.fail(f"{e}\n--- remote traceback ---\n{getattr(e, 'remote_traceback', None)}")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("collective", ["allreduce", "barrier"])
+@pytest.mark.parametrize("timeouts", [{0: 0.5, 1: 0.5}, {0: 0.5}, {1: 1.0, 2: 0.5}],
+                         ids=["two_ranks_0.5", "rank0_only", "ranks_1_2"])
+def test_timeout_aborts_group(timeouts, collective):
+    P = 3 if len(timeouts) < 2 or 2 not in timeouts else 4
+    sleeper = P - 1 if P == 3 else 3
+    results = run_ok(timeout_worker, P, args=(sleeper, timeouts, 2.5, collective))
+    check_timeout_reports(results, sleeper, timeouts)
+
+
+def stopped_member(group, rank, queue):
+    """Rank 2 stops itself (SIGSTOP); rank 0 waits with a timeout, rank 1 without."""
+    comm = group.join(rank)
+    x = np.ones(100)
+    comm.allreduce(x)                               # everyone is up
+    rep = dict(rank=rank)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x, timeout=1.5 if rank == 0 else None)
+        rep["first"] = "returned"
+    except Exception as e:
+        rep["first"] = error_name(e)
+    rep["first_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:
+        comm.barrier()
+        rep["later"] = "returned"
+    except Exception as e:
+        rep["later"] = error_name(e)
+    rep["later_s"] = time.monotonic() - t0
+    queue.put(rep)
+
+
+@pytest.mark.timeout(90)
+def test_stopped_peer_is_not_dead():
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    procs = []
+    reports = {}
+    with shmtree.Group(3) as group:
+        try:
+            for rank in range(3):
+                p = ctx.Process(target=stopped_member, args=(group, rank, queue))
+                p.start()
+                procs.append(p)
+            deadline = time.monotonic() + 60
+            while len(reports) < 2 and time.monotonic() < deadline:
+                if queue.empty():
+                    time.sleep(0.01)
+                    continue
+                rep = queue.get()
+                reports[rep["rank"]] = rep
+            # rank 2 is stopped now (it stopped before the others could time out); resume it
+            stopped = psutil.Process(procs[2].pid)
+            for _ in range(200):
+                if stopped.status() == psutil.STATUS_STOPPED:
+                    break
+                time.sleep(0.05)
+            os.kill(procs[2].pid, signal.SIGCONT)
+            while len(reports) < 3 and time.monotonic() < deadline:
+                if queue.empty():
+                    time.sleep(0.01)
+                    continue
+                rep = queue.get()
+                reports[rep["rank"]] = rep
+        finally:
+            stop_processes(procs)
+    assert sorted(reports) == [0, 1, 2], f"reports: {reports}"
+    r0, r1, r2 = reports[0], reports[1], reports[2]
+    assert r0["first"] == "CollectiveTimeoutError", f"rank 0 (timeout=1.5): {r0}"
+    assert 1.2 <= r0["first_s"] <= 4.5, f"rank 0 (timeout=1.5): {r0}"
+    assert r1["first"] == "PeerLostError" and r1["first_s"] < 1.5 + 5, f"rank 1: {r1}"
+    assert r2["first"] == "PeerLostError" and r2["first_s"] < 1.0, f"rank 2 (resumed): {r2}"
+    for rep in (r0, r1, r2):
+        assert rep["later"] == "PeerLostError" and rep["later_s"] < 1.0, rep
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing outlives the group
+
+def shm_like_mappings():
+    """Lines of /proc/self/maps that look like shared-memory segments."""
+    with open("/proc/self/maps") as f:
+        return sorted(line.split(None, 5)[-1].strip() for line in f
+                      if "/dev/shm" in line or "memfd:" in line or "shmtree" in line
+                      or "SYSV" in line)
+
+
+def fd_targets():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+@pytest.mark.timeout(60)
+def test_group_close_frees_fds_and_mappings():
+    with shmtree.Group(4, chunk_bytes=4096):
+        pass                                        # warm-up (lazy imports, caches)
+    fds, maps = fd_targets(), shm_like_mappings()
+    for P in (1, 2, 4, 8, 8, 4):
+        group = shmtree.Group(P)
+        group.close()
+    with shmtree.Group(3, tree="ring") as g:
+        assert isinstance(g, shmtree.Group)
+    assert fd_targets() == fds, "Group.close() left file descriptors open"
+    assert shm_like_mappings() == maps, "Group.close() left shared mappings"
+
+
+def tiny_worker(comm):
+    return float(comm.allreduce(np.ones(4))[0])
+
+
+@pytest.mark.timeout(90)
+def test_run_frees_fds_and_mappings():
+    assert run_ok(tiny_worker, 2) == [2.0, 2.0]    # warm-up
+    fds, maps = fd_targets(), shm_like_mappings()
+    for P in (1, 3, 4):
+        assert run_ok(tiny_worker, P) == [float(P)] * P
+    with pytest.raises(shmtree.WorkerError):
+        shmtree.run(kill_worker, 3, args=(1, 1000))
+    assert fd_targets() == fds, "run() left file descriptors open"
+    assert shm_like_mappings() == maps, "run() left shared mappings"
+
+
+JOB_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import shmtree
+
+    def work(comm, n, ready_path, nap):
+        x = np.full(n, comm.rank + 1.0)
+        out = np.empty_like(x)
+        for i in range(10 ** 9):
+            comm.allreduce(x, out=out)
+            if i == 3 and comm.rank == 0:
+                with open(ready_path, "w") as f:
+                    f.write(str(os.getpid()))
+            if nap:
+                time.sleep(nap)
+
+    if __name__ == "__main__":
+        P, n, ready, nap, method = sys.argv[1:6]
+        shmtree.run(work, int(P), args=(int(n), ready, float(nap)),
+                    start_method=None if method == "default" else method)
+""")
+
+
+def session_processes(sid):
+    procs = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                procs.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return procs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P,n,nap,method", [(4, 1000, 0.01, "default"),
+                                            (4, BIG_N, 0.0, "default"),
+                                            (3, 5000, 0.005, "forkserver"),
+                                            (2, BIG_N, 0.0, "spawn")])
+def test_killing_whole_job_leaves_no_shm(tmp_path, repo_root, P, n, nap, method):
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    ready = tmp_path / "ready"
+    before = shm_listing()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    job = subprocess.Popen([sys.executable, str(script), str(P), str(n), str(ready), str(nap),
+                            method], cwd=repo_root, env=env, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert job.poll() is None, f"job exited early: {job.communicate()[0].decode()}"
+            assert time.monotonic() < deadline, "job never got going"
+            time.sleep(0.02)
+        time.sleep(0.2)                             # well inside the loop of allreduce
+        members = session_processes(job.pid)
+        assert len(members) >= P + 1, f"expected the job and {P} workers, saw {members}"
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+        deadline = time.monotonic() + 10
+        while not all(is_gone(p) for p in members) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [p for p in members if not is_gone(p)]
+        assert not alive, f"processes of the job survived SIGKILL: {alive}"
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        job.wait(30)
+        for p in session_processes(job.pid):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        job.stdout.close()
+    leaked = new_shm_entries(before, settle_s=2.0)
+    assert not leaked, f"killing the whole job left {leaked} in /dev/shm"
