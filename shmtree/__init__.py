@@ -1,0 +1,26 @@
+"""shmtree: bandwidth-efficient allreduce between the processes of a worker pool on one machine.
+
+The reduction runs on a tree laid over the machine (sockets, NUMA nodes, shared caches, cores),
+pipelined chunk by chunk through lock-free rings in shared memory (Patarasuk & Yuan, IPDPS 2007).
+
+    import numpy as np, shmtree
+
+    def step(comm):
+        return comm.allreduce(np.ones(4) * comm.rank)
+
+    shmtree.run(step, 4)        # -> four arrays of [6., 6., 6., 6.]
+"""
+from ._version import __version__
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
+                     WorkerError)
+from .topology import Topology
+from .api import (Communicator, Group, Pool, allreduce, barrier, current, rank, run, size)
+
+__all__ = [
+    "__version__",
+    "Group", "Communicator", "Pool", "run",
+    "allreduce", "barrier", "rank", "size", "current",
+    "Topology",
+    "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
+    "WorkerError",
+]

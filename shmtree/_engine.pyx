@@ -1,0 +1,651 @@
+# cython: language_level=3
+"""One rank's pipelined tree allreduce over lock-free rings in shared memory.
+
+Layers, bottom up:
+  * ring access (inline, nogil): a ring is a page-aligned region of the group's segment holding a
+    head counter (written only by the producer), one tail counter per consumer (each written only by
+    its consumer), every counter on its own 128-byte line, then S slots of a 64-byte slot header
+    followed by the chunk payload.  Counters only grow; step k lives in slot k mod S.  Heads and
+    tails are published with release stores and observed with acquire loads (shm_sync.h).
+  * waking (inline, nogil): each rank owns a bell (a futex word) and a sleepers flag.  A waiter
+    raises its flag, reads the bell, re-checks its conditions, then sleeps on the bell; whoever
+    publishes something checks (after a full fence) the flag of the rank that may wait for it and
+    rings its bell.  The fence pair makes a lost wake-up impossible.
+  * the chunk steps: up (children's chunk j + own input -> one fused reduction -> parent's ring, or
+    at the root the result ring and the output) and down (parent's result chunk j -> own result ring
+    for the children and the output).
+  * Engine (a cdef class): one rank's view of the group, one resumable call at a time; progress()
+    runs the interleaved up/down loop with the GIL released until the call is done, the group is
+    aborted, or nothing moved for a time budget (the Python layer then checks its peers and signals
+    and calls again).
+  * Segment (a cdef class): the mapping of the group's memfd, and the header fields the Python
+    layer reads and writes (abort word, rank claims, join records, call descriptors).
+
+Vocabulary: chunk (a piece of the message of at most `payload` bytes), slot (a place in a ring),
+step (a counter value: the k-th chunk a ring has carried since the group began), edge (child ->
+parent), up (towards the root, being reduced), down (from the root, the result).
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t, int32_t
+from libc.string cimport memcpy, memcmp, memset
+from libc.stdlib cimport malloc, free, calloc
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+
+from shmtree._kernels cimport reduce_fn, get_kernel
+
+cdef extern from "sched.h" nogil:
+    int sched_yield()
+
+cdef extern from "_csrc/shm_sync.h" nogil:
+    uint64_t shm_load_acquire64(const uint64_t *p)
+    uint64_t shm_load_relaxed64(const uint64_t *p)
+    void shm_store_release64(uint64_t *p, uint64_t v)
+    uint32_t shm_load_acquire32(const uint32_t *p)
+    void shm_store_seqcst32(uint32_t *p, uint32_t v)
+    uint32_t shm_load_seqcst32(const uint32_t *p)
+    uint32_t shm_fetch_add32(uint32_t *p, uint32_t v)
+    int shm_cas32(uint32_t *p, uint32_t expected, uint32_t desired)
+    void shm_fence()
+    void shm_cpu_relax()
+    int64_t shm_now_ns()
+    void shm_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+    void shm_futex_wake_all(uint32_t *addr)
+
+# ---- layout constants (mirrored in transport.py, which computes the offsets) ----
+DEF LINE = 128
+DEF PAGE = 4096
+DEF SLOT_HDR = 64
+DEF HDR_BYTES = 4096
+DEF RANK_BLOCK = 512
+DEF MAX_DIMS = 12
+
+# header fields (offsets in the segment)
+DEF H_MAGIC = 0        # u64
+DEF H_VERSION = 8      # u32
+DEF H_NRANKS = 12      # u32
+DEF H_TOTAL = 16       # u64
+DEF H_NONCE = 24       # 16 bytes
+DEF H_ABORT = 128      # u32 reason (0: healthy), own line
+DEF H_ABORT_RANK = 132 # i32
+DEF H_CLAIM = 256      # u32 next rank to hand out (Pool workers), own line
+
+# rank block fields (offsets from the block)
+DEF R_BELL = 0         # u32 futex word
+DEF R_SLEEPERS = 4     # u32
+DEF R_JOINED = 128     # u32
+DEF R_PID = 132        # u32
+DEF R_CTIME = 136      # f64 process create time (psutil)
+DEF R_DESC = 256       # two call descriptors of 128 bytes, by call seq parity
+
+# call descriptor (in the rank block, and its first 32 bytes echoed in slot headers)
+DEF D_SEQ = 0          # u64
+DEF D_NBYTES = 8       # u64
+DEF D_SHAPE = 16       # u64 shape hash
+DEF D_KIND = 24        # u16
+DEF D_OP = 26          # u8
+DEF D_DTYPE = 27       # u8
+DEF D_NDIM = 28        # u32
+DEF D_DIMS = 32        # i64[MAX_DIMS]
+DEF D_CMP = 32         # bytes compared between ranks
+# slot header: the descriptor's first D_CMP bytes, then the chunk index and flags
+DEF S_CHUNK = 32       # u64
+DEF S_FLAGS = 40       # u32
+
+DEF FLAG_MISMATCH = 1
+
+MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
+VERSION = 1
+
+# progress() results
+cdef enum:
+    RC_DONE = 0
+    RC_STALLED = 1
+    RC_ABORTED = 2
+    RC_MISMATCH = 3
+    RC_CORRUPT = 4
+
+DONE = RC_DONE
+STALLED = RC_STALLED
+ABORTED = RC_ABORTED
+MISMATCH = RC_MISMATCH
+CORRUPT = RC_CORRUPT
+
+# ---------------------------------------------------------------------------------------------
+# ring access
+
+
+cdef inline uint64_t ring_hdr_bytes(int ntails) noexcept nogil:
+    cdef uint64_t b = <uint64_t>LINE * (1 + ntails)
+    return (b + PAGE - 1) // PAGE * PAGE
+
+
+cdef inline uint64_t *ring_head(char *ring) noexcept nogil:
+    return <uint64_t *>ring
+
+
+cdef inline uint64_t *ring_tail(char *ring, int i) noexcept nogil:
+    return <uint64_t *>(ring + LINE * (1 + i))
+
+
+cdef struct Chan:
+    int parent            # -1 at the root
+    int index             # this rank's index among the parent's children (its tail there)
+    int nchild
+    int *children
+    char *up              # ring this rank produces towards its parent (NULL at the root)
+    char *down            # ring of this rank's results, read by its children (NULL at a leaf)
+    char **child_up       # the children's up rings, consumed here
+    char *parent_down     # the parent's result ring, read here
+    uint64_t up_hdr, down_hdr, pdown_hdr
+    uint64_t nslots, stride, payload
+
+
+cdef inline char *slot_at(char *ring, uint64_t hdr, Chan *c, uint64_t step) noexcept nogil:
+    return ring + hdr + (step % c.nslots) * c.stride
+
+
+# ---------------------------------------------------------------------------------------------
+# the call in progress
+
+
+cdef struct Call:
+    int ch
+    const char *src
+    char *dst
+    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunk count
+    int itemsize
+    reduce_fn fn
+    uint64_t j_up, j_down
+    uint64_t up_base, down_base, pdown_base
+    uint64_t *child_base
+    char desc[D_CMP]
+    int check_desc                # compare descriptors in chunk 0 (the channel-0 round)
+    int mismatch
+
+
+cdef class Segment:
+    """The group's shared mapping (one memfd) and its header fields."""
+    cdef char *base
+    cdef readonly uint64_t size
+    cdef readonly int nranks
+
+    def __cinit__(self, int fd, uint64_t size, int nranks):
+        cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError("shmtree: mmap of the group segment failed")
+        self.base = <char *>p
+        self.size = size
+        self.nranks = nranks
+
+    def __dealloc__(self):
+        self.unmap()
+
+    def unmap(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+    cdef inline char *rank_block(self, int r) noexcept nogil:
+        return self.base + HDR_BYTES + <uint64_t>r * RANK_BLOCK
+
+    cdef inline void _live(self) except *:
+        if self.base == NULL:
+            raise ValueError("shmtree: the group's segment is closed")
+
+    def init_header(self, bytes nonce):
+        self._live()
+        (<uint64_t *>(self.base + H_MAGIC))[0] = MAGIC
+        (<uint32_t *>(self.base + H_VERSION))[0] = VERSION
+        (<uint32_t *>(self.base + H_NRANKS))[0] = self.nranks
+        (<uint64_t *>(self.base + H_TOTAL))[0] = self.size
+        memcpy(self.base + H_NONCE, <char *>nonce, 16)
+
+    def header(self):
+        """(magic, version, nranks, total size, nonce) as stored: the attach check reads these."""
+        self._live()
+        return ((<uint64_t *>(self.base + H_MAGIC))[0], (<uint32_t *>(self.base + H_VERSION))[0],
+                (<uint32_t *>(self.base + H_NRANKS))[0], (<uint64_t *>(self.base + H_TOTAL))[0],
+                (self.base + H_NONCE)[:16])
+
+    def set_abort(self, uint32_t reason, int rank):
+        """Mark the group aborted (the first reason wins) and wake every sleeping rank."""
+        self._live()
+        if shm_cas32(<uint32_t *>(self.base + H_ABORT), 0, reason):
+            (<int32_t *>(self.base + H_ABORT_RANK))[0] = rank
+            shm_fence()
+        cdef int r
+        cdef char *b
+        for r in range(self.nranks):
+            b = self.rank_block(r)
+            shm_fetch_add32(<uint32_t *>(b + R_BELL), 1)
+            shm_futex_wake_all(<uint32_t *>(b + R_BELL))
+
+    def abort_state(self):
+        """(reason, rank): reason 0 while the group is healthy."""
+        self._live()
+        cdef uint32_t reason = shm_load_seqcst32(<uint32_t *>(self.base + H_ABORT))
+        return reason, (<int32_t *>(self.base + H_ABORT_RANK))[0] if reason else -1
+
+    def claim_rank(self):
+        """Hand out ranks 0, 1, 2... in order of asking (Pool workers); may exceed nranks."""
+        self._live()
+        return shm_fetch_add32(<uint32_t *>(self.base + H_CLAIM), 1)
+
+    def mark_joined(self, int rank, uint32_t pid, double ctime):
+        """Record that `rank` joined as process pid; False if the rank had joined already."""
+        self._live()
+        cdef char *b = self.rank_block(rank)
+        if not shm_cas32(<uint32_t *>(b + R_JOINED), 0, 1):
+            return False
+        (<uint32_t *>(b + R_PID))[0] = pid
+        (<double *>(b + R_CTIME))[0] = ctime
+        shm_fence()
+        return True
+
+    def member(self, int rank):
+        """(joined, pid, create time) of a rank."""
+        self._live()
+        cdef char *b = self.rank_block(rank)
+        if not shm_load_seqcst32(<uint32_t *>(b + R_JOINED)):
+            return False, 0, 0.0
+        return True, (<uint32_t *>(b + R_PID))[0], (<double *>(b + R_CTIME))[0]
+
+    def descriptor(self, int rank, uint64_t seq):
+        """The call descriptor rank wrote for call `seq`: (seq, nbytes, kind, op, dtype, shape)."""
+        self._live()
+        cdef char *d = self.rank_block(rank) + R_DESC + (seq & 1) * 128
+        cdef uint32_t ndim = (<uint32_t *>(d + D_NDIM))[0]
+        cdef int64_t *dims = <int64_t *>(d + D_DIMS)
+        shape = tuple(dims[i] for i in range(min(ndim, MAX_DIMS)))
+        if ndim > MAX_DIMS:
+            shape = shape + (Ellipsis,)
+        return ((<uint64_t *>(d + D_SEQ))[0], (<uint64_t *>(d + D_NBYTES))[0],
+                (<uint16_t *>(d + D_KIND))[0], (<uint8_t *>(d + D_OP))[0],
+                (<uint8_t *>(d + D_DTYPE))[0], shape)
+
+    def touch(self, uint64_t offset, uint64_t nbytes):
+        """Write zeros over a range so its pages are placed by the calling (pinned) process."""
+        self._live()
+        if offset + nbytes > self.size:
+            raise ValueError("shmtree: touch range outside the segment")
+        with nogil:
+            memset(self.base + offset, 0, nbytes)
+
+
+cdef class Engine:
+    """One rank's state: its channels (the rings of its tree edges) and the call in progress."""
+    cdef Segment seg
+    cdef int rank, nranks, nchan
+    cdef Chan chans[2]
+    cdef Call call
+    cdef int busy
+    cdef uint32_t *abort_word
+    cdef public int64_t spin_ns, yield_ns, sleep_ns
+
+    def __cinit__(self):
+        memset(&self.chans[0], 0, sizeof(Chan) * 2)
+        memset(&self.call, 0, sizeof(Call))
+
+    def __init__(self, Segment seg, int rank, list channels, int64_t spin_ns=20000,
+                 int64_t yield_ns=200000, int64_t sleep_ns=5000000):
+        """channels: per channel a dict with parent, index, children, up, down, child_up,
+        parent_down (segment offsets, -1 for none), nslots, stride, payload."""
+        self.seg = seg
+        self.rank = rank
+        self.nranks = seg.nranks
+        self.nchan = len(channels)
+        if self.nchan < 1 or self.nchan > 2:
+            raise ValueError("shmtree: an engine has one or two channels")
+        self.abort_word = <uint32_t *>(seg.base + H_ABORT)
+        self.spin_ns = spin_ns
+        self.yield_ns = yield_ns
+        self.sleep_ns = sleep_ns
+        maxchild = 0
+        for i, spec in enumerate(channels):
+            self._setup(&self.chans[i], spec)
+            maxchild = max(maxchild, len(spec["children"]))
+        self.call.child_base = <uint64_t *>calloc(maxchild + 1, sizeof(uint64_t))
+        if self.call.child_base == NULL:
+            raise MemoryError()
+
+    cdef char *_ptr(self, int64_t off, uint64_t need) except? NULL:
+        if off < 0:
+            return NULL
+        if <uint64_t>off + need > self.seg.size:
+            raise ValueError("shmtree: ring offset outside the segment")
+        return self.seg.base + off
+
+    cdef _setup(self, Chan *c, dict spec):
+        cdef int i
+        cdef list children = list(spec["children"])
+        c.parent = spec["parent"]
+        c.index = spec["index"]
+        c.nchild = len(children)
+        c.nslots = spec["nslots"]
+        c.stride = spec["stride"]
+        c.payload = spec["payload"]
+        if c.nslots < 1 or c.stride < c.payload + SLOT_HDR:
+            raise ValueError("shmtree: bad ring geometry")
+        c.up_hdr = ring_hdr_bytes(1)
+        c.down_hdr = ring_hdr_bytes(c.nchild)
+        c.pdown_hdr = ring_hdr_bytes(spec["parent_nchild"])
+        span_up = c.up_hdr + c.nslots * c.stride
+        c.up = self._ptr(spec["up"], span_up)
+        c.down = self._ptr(spec["down"], c.down_hdr + c.nslots * c.stride)
+        c.parent_down = self._ptr(spec["parent_down"], c.pdown_hdr + c.nslots * c.stride)
+        c.children = <int *>calloc(c.nchild + 1, sizeof(int))
+        c.child_up = <char **>calloc(c.nchild + 1, sizeof(char *))
+        if c.children == NULL or c.child_up == NULL:
+            raise MemoryError()
+        for i in range(c.nchild):
+            c.children[i] = children[i]
+            c.child_up[i] = self._ptr(spec["child_up"][i], span_up)
+        if (c.parent >= 0) != (c.up != NULL) or (c.parent >= 0) != (c.parent_down != NULL):
+            raise ValueError("shmtree: inconsistent parent rings")
+        if (c.nchild > 0) != (c.down != NULL):
+            raise ValueError("shmtree: inconsistent child rings")
+
+    def __dealloc__(self):
+        cdef int i
+        for i in range(2):
+            free(self.chans[i].children)
+            free(self.chans[i].child_up)
+        free(self.call.child_base)
+
+    # ---- the call ----
+
+    def start(self, int ch, const unsigned char[::1] src, unsigned char[::1] dst, uint64_t nbytes,
+              uint64_t m, int itemsize, int op, int dtype, uint64_t seq, int kind,
+              uint64_t desc_nbytes, uint64_t shape_hash, tuple shape):
+        """Begin a call on channel ch: m chunks over nbytes of src (reduced) into dst.
+
+        On channel 0 the call is one round that also carries this rank's call descriptor, which
+        every parent compares with its children's (RC_MISMATCH on any difference)."""
+        if self.busy:
+            raise RuntimeError("shmtree: a call is already in progress on this engine")
+        if ch < 0 or ch >= self.nchan:
+            raise ValueError("shmtree: no such channel")
+        cdef Chan *c = &self.chans[ch]
+        cdef Call *k = &self.call
+        if nbytes > 0 and (src.shape[0] < nbytes or dst.shape[0] < nbytes):
+            raise ValueError("shmtree: buffers shorter than the message")
+        k.fn = get_kernel(op, dtype)
+        if k.fn == NULL:
+            raise TypeError("shmtree: no kernel for this op and dtype")
+        k.ch = ch
+        k.src = <const char *>&src[0] if src.shape[0] else NULL
+        k.dst = <char *>&dst[0] if dst.shape[0] else NULL
+        k.nbytes = nbytes
+        k.itemsize = itemsize
+        k.m = m
+        k.chunk = (c.payload // itemsize) * itemsize
+        if m and (k.chunk == 0 or (nbytes + k.chunk - 1) // k.chunk > m):
+            raise ValueError("shmtree: message does not fit the chunk plan")
+        k.j_up = 0
+        k.j_down = 0
+        k.mismatch = 0
+        k.check_desc = ch == 0
+        # bases: each counter is written only by this rank, so its own last value is current
+        k.up_base = shm_load_relaxed64(ring_head(c.up)) if c.up != NULL else 0
+        k.down_base = shm_load_relaxed64(ring_head(c.down)) if c.down != NULL else 0
+        k.pdown_base = shm_load_relaxed64(ring_tail(c.parent_down, c.index)) if c.parent_down != NULL else 0
+        cdef int i
+        for i in range(c.nchild):
+            k.child_base[i] = shm_load_relaxed64(ring_tail(c.child_up[i], 0))
+        self._write_desc(seq, desc_nbytes, kind, op, dtype, shape_hash, shape)
+        self.busy = 1
+
+    cdef _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
+                     uint64_t shape_hash, tuple shape):
+        cdef char *d = self.seg.rank_block(self.rank) + R_DESC + (seq & 1) * 128
+        cdef int i
+        memset(d, 0, 128)
+        (<uint64_t *>(d + D_SEQ))[0] = seq
+        (<uint64_t *>(d + D_NBYTES))[0] = nbytes
+        (<uint64_t *>(d + D_SHAPE))[0] = shape_hash
+        (<uint16_t *>(d + D_KIND))[0] = kind
+        (<uint8_t *>(d + D_OP))[0] = op
+        (<uint8_t *>(d + D_DTYPE))[0] = dtype
+        (<uint32_t *>(d + D_NDIM))[0] = len(shape)
+        for i in range(min(len(shape), MAX_DIMS)):
+            (<int64_t *>(d + D_DIMS))[i] = shape[i]
+        memcpy(self.call.desc, d, D_CMP)
+
+    def progress(self, int64_t budget_ns):
+        """Run the call until RC_DONE, RC_ABORTED, RC_MISMATCH or RC_CORRUPT, or RC_STALLED after budget_ns with
+        no step taken.  Releases the GIL."""
+        if not self.busy:
+            raise RuntimeError("shmtree: no call in progress")
+        cdef int rc
+        with nogil:
+            rc = self._run(budget_ns)
+        if rc != RC_STALLED:
+            self.busy = 0
+        return rc
+
+    def cancel(self):
+        """Forget the call in progress (after an abort: the rings are not reused)."""
+        self.busy = 0
+
+    @property
+    def in_call(self):
+        return bool(self.busy)
+
+    # ---- waking ----
+
+    cdef inline void _wake(self, int r) noexcept nogil:
+        """Ring rank r's bell if it is (about to be) asleep; callers have fenced."""
+        cdef char *b = self.seg.rank_block(r)
+        if shm_load_seqcst32(<uint32_t *>(b + R_SLEEPERS)):
+            shm_fetch_add32(<uint32_t *>(b + R_BELL), 1)
+            shm_futex_wake_all(<uint32_t *>(b + R_BELL))
+
+    # ---- readiness ----
+
+    cdef inline bint _up_ready(self, Chan *c, Call *k) noexcept nogil:
+        cdef uint64_t j = k.j_up
+        cdef int i
+        cdef uint64_t t, low
+        for i in range(c.nchild):
+            if shm_load_acquire64(ring_head(c.child_up[i])) <= k.child_base[i] + j:
+                return False
+        if c.up != NULL:
+            if k.up_base + j - shm_load_acquire64(ring_tail(c.up, 0)) >= c.nslots:
+                return False
+        elif c.down != NULL:
+            return self._down_room(c, k.down_base + j)
+        return True
+
+    cdef inline bint _down_room(self, Chan *c, uint64_t step) noexcept nogil:
+        """Is there a free slot for `step` in this rank's result ring (all children past it)?"""
+        cdef int i
+        for i in range(c.nchild):
+            if step - shm_load_acquire64(ring_tail(c.down, i)) >= c.nslots:
+                return False
+        return True
+
+    cdef inline bint _down_ready(self, Chan *c, Call *k) noexcept nogil:
+        if shm_load_acquire64(ring_head(c.parent_down)) <= k.pdown_base + k.j_down:
+            return False
+        if c.down != NULL:
+            return self._down_room(c, k.down_base + k.j_down)
+        return True
+
+    # ---- chunk steps ----
+
+    cdef inline void _stamp(self, char *slot, Call *k, uint64_t j) noexcept nogil:
+        memcpy(slot, k.desc, D_CMP)
+        (<uint64_t *>(slot + S_CHUNK))[0] = j
+        (<uint32_t *>(slot + S_FLAGS))[0] = FLAG_MISMATCH if k.mismatch else 0
+
+    cdef inline bint _slot_ok(self, const char *slot, Call *k, uint64_t j) noexcept nogil:
+        """Does a received slot belong to this call and chunk?  (Only the seq when the
+        descriptors are being compared: a different descriptor is a mismatch, not corruption.)"""
+        if (<uint64_t *>(slot + S_CHUNK))[0] != j:
+            return False
+        return (<uint64_t *>(slot + D_SEQ))[0] == (<uint64_t *>(k.desc + D_SEQ))[0]
+
+    cdef int _up_step(self, Chan *c, Call *k) noexcept nogil:
+        cdef uint64_t j = k.j_up
+        cdef uint64_t lo = j * k.chunk
+        cdef uint64_t n = 0
+        cdef int i, nsrc = 1
+        cdef char *slot
+        cdef char *target
+        cdef const void *srcs[257]
+        cdef const void **sv = srcs
+        cdef const void **heap = NULL
+        if lo < k.nbytes:
+            n = k.nbytes - lo
+            if n > k.chunk:
+                n = k.chunk
+        if c.nchild + 1 > 257:
+            heap = <const void **>malloc((c.nchild + 1) * sizeof(void *))
+            if heap == NULL:
+                return RC_CORRUPT
+            sv = heap
+        sv[0] = k.src + lo if k.src != NULL else NULL
+        for i in range(c.nchild):
+            slot = slot_at(c.child_up[i], c.up_hdr, c, k.child_base[i] + j)
+            if not self._slot_ok(slot, k, j):
+                free(heap)
+                return RC_CORRUPT
+            if k.check_desc and ((<uint32_t *>(slot + S_FLAGS))[0] & FLAG_MISMATCH
+                                 or memcmp(slot, k.desc, D_CMP) != 0):
+                k.mismatch = 1
+            sv[nsrc] = slot + SLOT_HDR
+            nsrc += 1
+        if c.up != NULL:
+            slot = slot_at(c.up, c.up_hdr, c, k.up_base + j)
+        elif c.down != NULL:
+            slot = slot_at(c.down, c.down_hdr, c, k.down_base + j)
+        else:
+            slot = NULL
+        target = slot + SLOT_HDR if slot != NULL else k.dst + lo
+        if n and not k.mismatch:
+            if nsrc == 1 and target == <char *>sv[0]:
+                pass
+            elif nsrc == 1:
+                memcpy(target, sv[0], n)
+            else:
+                k.fn(target, sv, nsrc, n // k.itemsize)
+            if slot != NULL and c.up == NULL:        # the root keeps its own copy of the result
+                memcpy(k.dst + lo, target, n)
+        free(heap)
+        if slot != NULL:
+            self._stamp(slot, k, j)
+        for i in range(c.nchild):                     # children's slots are consumed
+            shm_store_release64(ring_tail(c.child_up[i], 0), k.child_base[i] + j + 1)
+        if c.up != NULL:
+            shm_store_release64(ring_head(c.up), k.up_base + j + 1)
+        elif c.down != NULL:
+            shm_store_release64(ring_head(c.down), k.down_base + j + 1)
+        shm_fence()
+        for i in range(c.nchild):
+            self._wake(c.children[i])
+        if c.parent >= 0:
+            self._wake(c.parent)
+        k.j_up = j + 1
+        if c.parent < 0:
+            k.j_down = j + 1                          # the root's result is final at once
+        return RC_DONE
+
+    cdef int _down_step(self, Chan *c, Call *k) noexcept nogil:
+        cdef uint64_t j = k.j_down
+        cdef uint64_t lo = j * k.chunk
+        cdef uint64_t n = 0
+        cdef int i
+        cdef char *mine
+        cdef char *slot = slot_at(c.parent_down, c.pdown_hdr, c, k.pdown_base + j)
+        if not self._slot_ok(slot, k, j):
+            return RC_CORRUPT
+        if (<uint32_t *>(slot + S_FLAGS))[0] & FLAG_MISMATCH:
+            k.mismatch = 1
+        if lo < k.nbytes:
+            n = k.nbytes - lo
+            if n > k.chunk:
+                n = k.chunk
+        if k.mismatch:
+            n = 0
+        if c.down != NULL:                            # pass the result on to the children
+            mine = slot_at(c.down, c.down_hdr, c, k.down_base + j)
+            if n:
+                memcpy(mine + SLOT_HDR, slot + SLOT_HDR, n)
+            self._stamp(mine, k, j)
+            if n:
+                memcpy(k.dst + lo, mine + SLOT_HDR, n)
+        elif n:
+            memcpy(k.dst + lo, slot + SLOT_HDR, n)
+        shm_store_release64(ring_tail(c.parent_down, c.index), k.pdown_base + j + 1)
+        if c.down != NULL:
+            shm_store_release64(ring_head(c.down), k.down_base + j + 1)
+        shm_fence()
+        self._wake(c.parent)
+        for i in range(c.nchild):
+            self._wake(c.children[i])
+        k.j_down = j + 1
+        return RC_DONE
+
+    # ---- the loop ----
+
+    cdef inline bint _done(self, Chan *c, Call *k) noexcept nogil:
+        return k.j_down >= k.m and k.j_up >= k.m
+
+    cdef inline bint _can_up(self, Chan *c, Call *k) noexcept nogil:
+        return k.j_up < k.m and self._up_ready(c, k)
+
+    cdef inline bint _can_down(self, Chan *c, Call *k) noexcept nogil:
+        return c.parent >= 0 and k.j_down < k.j_up and self._down_ready(c, k)
+
+    cdef int _run(self, int64_t budget_ns) noexcept nogil:
+        cdef Chan *c = &self.chans[self.call.ch]
+        cdef Call *k = &self.call
+        cdef char *me = self.seg.rank_block(self.rank)
+        cdef uint32_t *bell = <uint32_t *>(me + R_BELL)
+        cdef uint32_t *sleepers = <uint32_t *>(me + R_SLEEPERS)
+        cdef int64_t idle_since = 0, now, idle
+        cdef uint32_t seen
+        cdef int rc, spins = 0
+        cdef bint spinning = False
+        while True:
+            if self._done(c, k):
+                return RC_MISMATCH if k.mismatch else RC_DONE
+            if self._can_down(c, k):
+                rc = self._down_step(c, k)
+                if rc != RC_DONE:
+                    return rc
+                idle_since = 0
+                continue
+            if self._can_up(c, k):
+                rc = self._up_step(c, k)
+                if rc != RC_DONE:
+                    return rc
+                idle_since = 0
+                continue
+            # nothing to do: spin (pause), then yield, then sleep on the bell
+            if shm_load_acquire32(self.abort_word):
+                return RC_ABORTED
+            if idle_since == 0:
+                idle_since = shm_now_ns()
+                spinning = self.spin_ns > 0
+                spins = 0
+            spins += 1
+            if spinning and (spins & 31):
+                shm_cpu_relax()
+                continue
+            now = shm_now_ns()
+            idle = now - idle_since
+            if idle >= budget_ns:
+                return RC_STALLED
+            if idle < self.spin_ns:
+                shm_cpu_relax()
+            elif idle < self.spin_ns + self.yield_ns:
+                spinning = False
+                sched_yield()
+            else:
+                spinning = False
+                shm_store_seqcst32(sleepers, 1)
+                seen = shm_load_seqcst32(bell)
+                if not (self._can_down(c, k) or self._can_up(c, k)
+                        or shm_load_acquire32(self.abort_word)):
+                    shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
+                shm_store_seqcst32(sleepers, 0)

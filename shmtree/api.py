@@ -1,0 +1,763 @@
+"""The public API: Group, Communicator, run, Pool and the module-level calls (DESIGN.md section 5).
+
+Python validates and allocates; the engine (Cython, GIL released) only moves chunks.  Every
+collective has the same three steps:
+  1. turn the arguments into a message: dtype and op codes, a contiguous source, a contiguous
+     destination, a call descriptor (seq, kind, op, dtype, shape);  local errors are raised here,
+     before any communication, so they leave the group usable;
+  2. one round on channel 0 (the latency channel) that carries the descriptor, checked against the
+     children's at every parent, and the whole message when it fits a small slot; larger messages
+     then flow through channel 1 (the bandwidth channel), pipelined chunk by chunk;
+  3. drive the engine: between its time slices, check the peers' liveness, the timeout and
+     signals; turn a failure into an exception (and abort the group: a half-done collective
+     cannot be resumed).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.pool
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing import reduction
+
+import numpy as np
+
+from . import _engine, _kernels
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError,
+                     ShmtreeError, WorkerError)
+from .schedule import build_tree, parse_tree_kind, SMALL_MESSAGE_BYTES
+from .topology import Topology
+from .transport import ChannelPlan, Layout, create_memfd, new_nonce
+
+__all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "barrier", "rank", "size",
+           "current"]
+
+# call kinds in the descriptor
+KIND_ALLREDUCE = 1
+KIND_BARRIER = 2
+_KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier"}
+
+# abort reasons (the header's abort word)
+ABORT_DIED = 1         # rank = the member found dead
+ABORT_TIMEOUT = 2      # rank = the member whose timeout ran out
+ABORT_FAILED = 3       # rank = the member that raised or was interrupted
+ABORT_CLOSED = 4       # the group was closed by its creator
+ABORT_CORRUPT = 5      # rank = the member that found a corrupted ring
+ABORT_MEMBERSHIP = 6   # a process tried to join a full group (e.g. a replaced Pool worker)
+
+DEFAULT_CHUNK_BYTES = 128 * 1024
+DEFAULT_SLOTS = 4
+DEFAULT_SMALL_BYTES = 32 * 1024
+SMALL_SLOTS = 2
+STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
+FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
+
+_OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
+_DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def _usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+class Group:
+    """A group of `size` ranks: its shared memory, its trees, its ring layout.
+
+    Create it in the parent; hand it to the workers (inherited by fork, pickled for spawn and
+    forkserver); each worker calls `group.join(rank)` once.  `close()` (or leaving the `with`
+    block) frees the parent's mapping and marks the group closed.
+
+    Options: topology (Topology, spec string like "2x4", JSON path, or None to detect), tree
+    ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes (bytes per
+    pipelined chunk), pin (pin each rank to its core; None: when ranks fit the usable cores of a
+    detected topology), slots (ring slots per edge), placement ("compact" or "spread"),
+    small_bytes (largest message carried inline in the latency round), spin_us (busy-wait before
+    yielding; None: 20 us, or 0 when ranks outnumber the usable cores).
+    """
+
+    def __init__(self, size, *, topology=None, tree=None, chunk_bytes=None, pin=None, slots=None,
+                 placement="compact", small_bytes=None, spin_us=None):
+        self._plan(size, topology=Topology.resolve(topology), tree=tree, chunk_bytes=chunk_bytes,
+                   pin=pin, slots=slots, placement=placement, small_bytes=small_bytes,
+                   spin_us=spin_us)
+        self._nonce = new_nonce()
+        self._creator = os.getpid()
+        self._fd = create_memfd(self.layout.total)
+        self._seg = _engine.Segment(self._fd, self.layout.total, size)
+        self._seg.init_header(self._nonce)
+        self._closed = False
+
+    def _plan(self, size, *, topology, tree, chunk_bytes, pin, slots, placement, small_bytes,
+              spin_us):
+        """Validate the options and compute trees, placement and layout (pure arithmetic: a
+        spawned process recomputes exactly the same plan from the same options)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"shmtree: group size must be an int >= 1, got {size!r}")
+        if size > 4096:
+            raise ValueError("shmtree: group size is limited to 4096 ranks")
+        if placement not in ("compact", "spread"):
+            raise ValueError(f"shmtree: placement must be 'compact' or 'spread', got {placement!r}")
+        self.size = size
+        self.topology = topology
+        self.tree_kind = parse_tree_kind("auto" if tree is None else tree)
+        self.placement = placement
+        self.chunk_bytes = _positive("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES, 64)
+        self.slots = _positive("slots", slots, DEFAULT_SLOTS, 1)
+        self.small_bytes = _positive("small_bytes", small_bytes, DEFAULT_SMALL_BYTES, 0)
+        self._options = dict(topology=topology, tree=tree, chunk_bytes=chunk_bytes, pin=pin,
+                             slots=slots, placement=placement, small_bytes=small_bytes,
+                             spin_us=spin_us)
+        cpus = _usable_cpus()
+        real = not topology.synthetic
+        self.cpu_of = [s.cpu if (real and s.cpu in cpus) else None
+                       for s in topology.placement(size, placement)]
+        if pin is None:
+            pin = size <= len(cpus) and real
+        self.pin = bool(pin)
+        if spin_us is None:
+            spin_us = 20.0 if size <= len(cpus) else 0.0
+        if not isinstance(spin_us, (int, float)) or spin_us < 0:
+            raise ValueError(f"shmtree: spin_us must be a number >= 0, got {spin_us!r}")
+        self.spin_ns = int(spin_us * 1000)
+        self.trees = self._plan_trees()
+        self.layout = Layout(size, [ChannelPlan(self.trees[0], SMALL_SLOTS, max(self.small_bytes, 64)),
+                                    ChannelPlan(self.trees[1], self.slots, self.chunk_bytes)])
+
+    def _plan_trees(self):
+        """Channel 0 (latency) and channel 1 (bandwidth) trees."""
+        small_kind = "auto" if self.tree_kind == "ring" else self.tree_kind
+        small = build_tree(small_kind, self.size, self.topology, placement=self.placement,
+                           message_bytes=min(self.small_bytes, SMALL_MESSAGE_BYTES - 1))
+        large = build_tree(self.tree_kind, self.size, self.topology, placement=self.placement,
+                           message_bytes=max(self.chunk_bytes, SMALL_MESSAGE_BYTES))
+        return small, large
+
+    # ---- pickling for spawn / forkserver: the memfd travels as a descriptor ----
+
+    def __reduce__(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: a closed group cannot be sent to another process")
+        return _rebuild_group, (self.size, self._options, reduction.DupFd(self._fd),
+                                self._nonce, self.layout.total)
+
+    def _attach(self, fd, nonce, total):
+        """Map the segment in a spawned process, after checking that it is this group's."""
+        self._fd = fd
+        self._nonce = nonce
+        self._creator = None
+        self._closed = False
+        st = os.fstat(fd)
+        if st.st_size != total or total != self.layout.total:
+            os.close(fd)
+            raise ShmtreeError("shmtree: the group segment has the wrong size")
+        self._seg = _engine.Segment(fd, total, self.size)
+        magic, version, nranks, stored_total, stored_nonce = self._seg.header()
+        if (magic != _engine.MAGIC or version != _engine.VERSION or nranks != self.size
+                or stored_total != total or stored_nonce != nonce):
+            self._seg.unmap()
+            os.close(fd)
+            raise ShmtreeError("shmtree: the shared segment is not this group's (bad magic, "
+                               "version, size or nonce)")
+
+    # ---- membership ----
+
+    def join(self, rank) -> "Communicator":
+        """Join as `rank` (once per rank, in the worker process); returns its Communicator."""
+        self._check_open()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"shmtree: rank must be an int in [0, {self.size}), got {rank!r}")
+        reason, _ = self._seg.abort_state()
+        if reason:
+            raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
+        import psutil
+
+        me = psutil.Process()
+        if not self._seg.mark_joined(rank, os.getpid(), me.create_time()):
+            raise ShmtreeError(f"shmtree: rank {rank} has already joined this group")
+        cpu = self.cpu_of[rank]
+        if self.pin and cpu is not None:
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError:
+                pass
+        for off, length in self.layout.produced_ranges(rank):   # first touch, after pinning
+            self._seg.touch(off, length)
+        comm = Communicator(self, rank)
+        _set_current(comm)
+        return comm
+
+    def claim_rank(self) -> int:
+        """The next unclaimed rank (Pool workers); >= size once every rank has been handed out."""
+        self._check_open()
+        return self._seg.claim_rank()
+
+    def abort(self, reason=ABORT_FAILED, rank=-1):
+        """Abort the group: every rank waiting in (or later entering) a collective raises."""
+        if not self._closed:
+            self._seg.set_abort(reason, rank)
+
+    def aborted(self) -> bool:
+        return (not self._closed) and self._seg.abort_state()[0] != 0
+
+    def describe_abort(self) -> str:
+        reason, who = self._seg.abort_state()
+        return {
+            0: "the group is healthy",
+            ABORT_DIED: f"rank {who} died",
+            ABORT_TIMEOUT: f"rank {who} timed out in a collective",
+            ABORT_FAILED: f"rank {who} failed (raised or was interrupted)",
+            ABORT_CLOSED: "the group was closed",
+            ABORT_CORRUPT: f"rank {who} found corrupted shared memory",
+            ABORT_MEMBERSHIP: "a process tried to join a full group (a worker was replaced?)",
+        }.get(reason, f"aborted (reason {reason})") + "; the group is aborted"
+
+    def member(self, rank):
+        return self._seg.member(rank)
+
+    # ---- lifetime ----
+
+    def _check_open(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: the group is closed")
+
+    def close(self):
+        """Free this process's mapping.  In the process that created the group this also marks
+        the group closed, so members still inside a collective raise PeerLostError."""
+        if self._closed:
+            return
+        if self._creator == os.getpid():
+            self._seg.set_abort(ABORT_CLOSED, -1)
+        self._closed = True
+        self._seg = _ClosedSegment()
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self._creator == os.getpid():
+                os.close(self._fd)
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return (f"<shmtree.Group size={self.size} tree={self.tree_kind!r} "
+                f"chunk_bytes={self.chunk_bytes} {state}>")
+
+
+class _ClosedSegment:
+    """Stands in for the unmapped segment of a closed group (Engine objects keep the real one
+    alive until they go)."""
+
+    def abort_state(self):
+        return ABORT_CLOSED, -1
+
+    def __getattr__(self, name):
+        raise ShmtreeError("shmtree: the group is closed")
+
+
+def _rebuild_group(size, options, dupfd, nonce, total):
+    group = Group.__new__(Group)
+    group._closed = True            # until attached
+    group._plan(size, **options)
+    group._attach(dupfd.detach(), nonce, total)
+    return group
+
+
+def _positive(name, value, default, minimum):
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"shmtree: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# the communicator
+
+
+class Communicator:
+    """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
+
+    def __init__(self, group: Group, rank: int):
+        self.group = group
+        self.rank = int(rank)
+        self.size = int(group.size)
+        self._pid = os.getpid()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        specs = [group.layout.engine_spec(ch, rank) for ch in range(2)]
+        self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.spin_ns)
+        self._neighbours = sorted({r for ch in range(2) for r in _neighbours(group.trees[ch], rank)})
+        self._procs: dict[int, object] = {}
+        self._next_full_scan = 0.0
+
+    # ---- public calls ----
+
+    def allreduce(self, array, op="sum", *, out=None, timeout=None):
+        """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
+        opc = _kernels.op_code(op)
+        a = array if isinstance(array, np.ndarray) else np.asarray(array)
+        dtc = _kernels.dtype_code(a.dtype)
+        if not _kernels.supported(opc, dtc):
+            raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
+        result, dst, copy_back = _destination(a, out)
+        src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        if dst is not None and src is not dst and _overlaps(src, dst):
+            src = src.copy()                  # out overlaps the input without being it
+        target = dst if dst is not None else result
+        self._collective(KIND_ALLREDUCE, opc, dtc, src, target, a.shape, timeout)
+        if copy_back is not None:
+            copy_back[...] = target.reshape(copy_back.shape)
+        return result
+
+    def barrier(self, timeout=None):
+        """Return once every rank has entered the barrier."""
+        self._collective(KIND_BARRIER, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"],
+                         _EMPTY, _EMPTY, (), timeout)
+
+    def close(self):
+        """Release this rank's engine (local, not a collective).  Later calls raise."""
+        self._closed = True
+        self._engine = None
+        global _current
+        if _current is self:
+            _current = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<shmtree.Communicator rank={self.rank} size={self.size}>"
+
+    # ---- one collective ----
+
+    def _collective(self, kind, opc, dtc, src, dst, shape, timeout):
+        self._check_usable()
+        if not self._lock.acquire(blocking=False):
+            raise ShmtreeError("shmtree: another thread of this rank is inside a collective on "
+                               "the same communicator; collectives of one rank must not overlap")
+        try:
+            deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
+            seq = self._seq
+            self._seq += 1
+            nbytes = src.nbytes
+            itemsize = src.itemsize if nbytes else 1
+            sb = src.reshape(-1).view(np.uint8) if nbytes else _EMPTY
+            db = dst.reshape(-1).view(np.uint8) if nbytes else _EMPTY
+            small = nbytes <= self.group.small_bytes
+            eng = self._engine
+            shape_hash = hash(shape) & 0xFFFFFFFFFFFFFFFF
+            # round on channel 0: the descriptor, and the data when it fits inline
+            eng.start(0, sb if small else _EMPTY, db if small else _EMPTY,
+                      nbytes if small else 0, 1, itemsize, opc, dtc, seq, kind, nbytes,
+                      shape_hash, tuple(shape))
+            self._drive(seq, deadline)
+            if not small:
+                chunk = (self.group.chunk_bytes // itemsize) * itemsize
+                eng.start(1, sb, db, nbytes, -(-nbytes // chunk), itemsize, opc, dtc, seq, kind,
+                          nbytes, shape_hash, tuple(shape))
+                self._drive(seq, deadline)
+        finally:
+            self._lock.release()
+
+    def _drive(self, seq, deadline):
+        """Run the engine to the end of the call, checking peers, timeout and signals between
+        time slices.  Any exception leaves the group aborted (a half-done call can't resume)."""
+        eng = self._engine
+        try:
+            while True:
+                budget = STALL_SLICE_S
+                if deadline is not None:
+                    budget = max(0.0005, min(budget, deadline - time.monotonic()))
+                rc = eng.progress(int(budget * 1e9))
+                if rc == _engine.DONE:
+                    return
+                if rc == _engine.STALLED:
+                    self._check_peers()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self.group.abort(ABORT_TIMEOUT, self.rank)
+                        raise CollectiveTimeoutError(
+                            f"shmtree: rank {self.rank}: collective timed out; the group is "
+                            "aborted")
+                    continue
+                if rc == _engine.ABORTED:
+                    raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+                if rc == _engine.MISMATCH:
+                    raise CollectiveMismatchError(self._mismatch_message(seq))
+                self.group.abort(ABORT_CORRUPT, self.rank)
+                raise ShmtreeError(f"shmtree: rank {self.rank}: a ring holds data of another call "
+                                   "(corrupted shared memory); the group is aborted")
+        except CollectiveMismatchError:
+            raise                              # every rank raises it; the rings stay consistent
+        except BaseException:
+            if eng.in_call:
+                eng.cancel()
+                self.group.abort(ABORT_FAILED, self.rank)
+            raise
+
+    # ---- checks ----
+
+    def _check_usable(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: this communicator is closed")
+        if os.getpid() != self._pid:
+            raise ShmtreeError(f"shmtree: this communicator belongs to process {self._pid} (rank "
+                               f"{self.rank}); a forked child cannot use it")
+        if self.group.closed:
+            raise ShmtreeError("shmtree: the group is closed")
+        if self.group.aborted():
+            raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+
+    def _check_peers(self):
+        """Abort the group and raise PeerLostError if a member this rank depends on is dead
+        (gone, a zombie, or its pid reused).  Tree neighbours every slice, everyone each second."""
+        ranks = self._neighbours
+        now = time.monotonic()
+        if now >= self._next_full_scan:
+            ranks = range(self.size)
+            self._next_full_scan = now + FULL_SCAN_S
+        for r in ranks:
+            if r != self.rank and not self._alive(r):
+                self.group.abort(ABORT_DIED, r)
+                raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died; the group is "
+                                    "aborted")
+
+    def _alive(self, r) -> bool:
+        import psutil
+
+        joined, pid, ctime = self.group.member(r)
+        if not joined:
+            return True                  # not started yet: nothing to say
+        proc = self._procs.get(r)
+        try:
+            if proc is None:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - ctime) > 0.01:
+                    return False         # the pid now belongs to another process
+                self._procs[r] = proc
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return True
+
+    def _mismatch_message(self, seq) -> str:
+        seen = {}
+        for r in range(self.size):
+            dseq, nbytes, kind, opc, dtc, shape = self.group._seg.descriptor(r, seq)
+            if dseq != seq:
+                what = "a different call"
+            elif kind == KIND_BARRIER:
+                what = "barrier"
+            else:
+                what = (f"allreduce(shape={shape}, dtype={_dtype_name(dtc)}, "
+                        f"op={_OP_NAMES.get(opc, opc)!r})")
+            seen.setdefault(what, []).append(r)
+        parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {what}"
+                          for what, rs in seen.items())
+        return f"shmtree: ranks disagree on the collective call: {parts}"
+
+
+def _neighbours(tree, rank):
+    if tree.parent[rank] >= 0:
+        yield tree.parent[rank]
+    yield from tree.children[rank]
+
+
+def _dtype_name(code):
+    return str(np.dtype(_DT_NAMES.get(code, "u1").replace("b1", "?")))
+
+
+def _ranges(ranks):
+    return ",".join(str(r) for r in ranks)
+
+
+def _timeout_s(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _destination(a, out):
+    """(result to return, contiguous array the engine writes or None, array to copy back into)."""
+    if out is None:
+        result = np.empty(a.shape, dtype=a.dtype)
+        return result, result, None
+    o = out if isinstance(out, np.ndarray) else _as_flat_buffer(out)
+    if o.dtype != a.dtype:
+        raise ValueError(f"shmtree: out has dtype {o.dtype}, the input has {a.dtype}")
+    if isinstance(out, np.ndarray):
+        if o.shape != a.shape:
+            raise ValueError(f"shmtree: out has shape {o.shape}, the input has {a.shape}")
+    elif o.size != a.size:
+        raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
+    if not o.flags.writeable:
+        raise ValueError("shmtree: out is read-only")
+    if o.flags.c_contiguous:
+        return out, o, None
+    tmp = np.empty(a.shape, dtype=a.dtype)
+    return out, tmp, o
+
+
+def _as_flat_buffer(out):
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise ValueError(f"shmtree: out must be a numpy array or a writable buffer, got "
+                         f"{type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("shmtree: out is read-only")
+    return np.asarray(view).reshape(-1)
+
+
+def _overlaps(a, b) -> bool:
+    if not np.may_share_memory(a, b):
+        return False
+    same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.nbytes == b.nbytes)
+    return not same
+
+
+# ---------------------------------------------------------------------------------------------
+# module-level calls, in a process that joined a group
+
+_current: Communicator | None = None
+
+
+def _set_current(comm):
+    global _current
+    _current = comm
+
+
+def current() -> Communicator:
+    """This process's communicator (set by Group.join, Pool and run)."""
+    if _current is None or _current._closed or _current._pid != os.getpid():
+        raise ShmtreeError("shmtree: this process has not joined a group (use shmtree.run, "
+                           "shmtree.Pool or Group.join)")
+    return _current
+
+
+def allreduce(array, op="sum", *, out=None, timeout=None):
+    return current().allreduce(array, op, out=out, timeout=timeout)
+
+
+def barrier(timeout=None):
+    return current().barrier(timeout=timeout)
+
+
+def rank() -> int:
+    return current().rank
+
+
+def size() -> int:
+    return current().size
+
+
+# ---------------------------------------------------------------------------------------------
+# run: SPMD in new processes
+
+
+def _default_context(start_method=None):
+    if start_method is None:
+        methods = multiprocessing.get_all_start_methods()
+        start_method = "fork" if "fork" in methods else methods[0]
+    return multiprocessing.get_context(start_method)
+
+
+def _die_with_parent():
+    """Linux: the worker gets SIGKILL if the process that started it dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:
+            os._exit(1)
+    except Exception:
+        pass
+
+
+def _run_worker(group, rank, fn, args, kwargs, conn):
+    _die_with_parent()
+    comm = None
+    try:
+        comm = group.join(rank)
+        result = fn(comm, *args, **kwargs)
+        conn.send((True, result))
+    except BaseException as exc:
+        report = (type(exc).__name__, str(exc), traceback.format_exc(),
+                  isinstance(exc, PeerLostError))
+        try:
+            conn.send((False, report))
+        except Exception:
+            pass
+        if not group.closed and not group.aborted():
+            group.abort(ABORT_FAILED, rank)
+    finally:
+        if comm is not None:
+            comm.close()
+        conn.close()
+
+
+def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options):
+    """Call fn(comm, *args, **kwargs) in `nprocs` new processes; their return values by rank.
+
+    If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
+    (rank, remote_traceback) is raised for the rank that failed first."""
+    ctx = _default_context(start_method)
+    kwargs = dict(kwargs or {})
+    with Group(nprocs, **group_options) as group:
+        procs, conns = [], []
+        try:
+            for r in range(nprocs):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_run_worker, args=(group, r, fn, args, kwargs, send),
+                                name=f"shmtree-rank-{r}")
+                p.start()
+                send.close()
+                procs.append(p)
+                conns.append(recv)
+            return _collect(group, procs, conns)
+        finally:
+            _stop(procs)
+            for c in conns:
+                c.close()
+
+
+def _collect(group, procs, conns):
+    """Wait for every worker's report; raise WorkerError for the first root-cause failure."""
+    from multiprocessing.connection import wait
+
+    n = len(procs)
+    results, failures, pending = [None] * n, [], set(range(n))
+    reported = [False] * n
+    failed_at = None
+    while pending:
+        waitables = [conns[r] for r in pending if not reported[r]] + \
+                    [procs[r].sentinel for r in pending]
+        timeout = 0.2 if failed_at is None else max(0.0, failed_at + 5.0 - time.monotonic())
+        ready = wait(waitables, timeout=timeout)
+        if failed_at is not None and not ready and time.monotonic() >= failed_at + 5.0:
+            break                                # the others are stopped in finally
+        for r in list(pending):
+            if not reported[r] and conns[r] in ready:
+                try:
+                    ok, payload = conns[r].recv()
+                except (EOFError, OSError):
+                    ok, payload = None, None
+                reported[r] = True
+                if ok:
+                    results[r] = payload
+                elif ok is False:
+                    name, text, tb, lost = payload
+                    failures.append((lost, r, f"{name}: {text}", tb))
+            if procs[r].sentinel in ready or (reported[r] and not procs[r].is_alive()):
+                procs[r].join()
+                if not reported[r]:
+                    failures.append((False, r, _death(procs[r].exitcode), ""))
+                    reported[r] = True
+                if reported[r]:
+                    pending.discard(r)
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+            group.abort(ABORT_FAILED, failures[0][1])
+    if failures:
+        lost, r, text, tb = sorted(failures, key=lambda f: f[0])[0]   # root causes first
+        raise WorkerError(r, text, tb or text)
+    return results
+
+
+def _death(exitcode):
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"died from {name} (exit code {exitcode})"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def _stop(procs):
+    """Terminate workers that are still alive, then kill the ones that ignore it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pool: a multiprocessing pool whose workers form one group
+
+
+def _pool_worker_init(group, initializer, initargs):
+    rank = group.claim_rank()
+    if rank >= group.size:
+        # a replacement for a worker that died: the group lost a member for good
+        group.abort(ABORT_MEMBERSHIP, -1)
+    else:
+        group.join(rank)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+class Pool(multiprocessing.pool.Pool):
+    """A multiprocessing Pool whose `processes` workers form one shmtree group; each joins once,
+    with its own rank, at start.  Tasks use the module-level calls (shmtree.allreduce, rank...).
+    `pool.map(task, range(processes))` runs one task per worker (each blocks in its collectives
+    until all members arrive)."""
+
+    def __init__(self, processes=None, *, initializer=None, initargs=(), context=None,
+                 **group_options):
+        if processes is None:
+            processes = len(_usable_cpus())
+        ctx = context if context is not None else _default_context()
+        self._shm_group = Group(processes, **group_options)
+        try:
+            super().__init__(processes, _pool_worker_init,
+                             (self._shm_group, initializer, tuple(initargs)), context=ctx)
+        except BaseException:
+            self._shm_group.close()
+            raise
+        weakref.finalize(self, Group.close, self._shm_group)
+
+    @property
+    def group(self) -> Group:
+        return self._shm_group
+
+    def terminate(self):
+        try:
+            super().terminate()
+        finally:
+            self._shm_group.close()
+
+    def join(self):
+        super().join()
+        self._shm_group.close()

@@ -1,0 +1,161 @@
+"""Transport: the group's shared memory, laid out per tree edge.
+
+One anonymous memory file (memfd) per group holds everything.  It has no name in /dev/shm, so
+nothing can outlive the group: the kernel frees it when the last process that maps it or holds its
+descriptor is gone, whatever way that process ends (SIGKILL of the whole job included).  Forked
+workers inherit the mapping; spawn and forkserver workers receive the descriptor through
+multiprocessing's descriptor passing and map it again (after checking the header: magic, version,
+size, per-group random nonce).
+
+Layout (offsets in bytes; every ring starts on a page of its own so that it can be placed on the
+NUMA node of the process that uses it most):
+
+    0                       header: magic, version, nranks, size, nonce | abort word | rank claims
+    4096                    rank blocks, 512 bytes each: bell + sleepers | join record | call
+                            descriptors (two, by call parity)
+    then, per channel and per rank r:
+        up ring of edge r -> parent(r)      (absent at the root)   head | tail | S slots
+        down ring of r's results            (absent at a leaf)     head | tail per child | S slots
+
+A slot is a 64-byte slot header (call seq, descriptor digest, chunk index, flags) followed by the
+chunk payload.  Channel 0 is the latency channel (small slots, a flat tree): every call starts with
+one round on it that carries the call descriptor, and messages that fit its payload travel inline
+in that same round.  Channel 1 is the bandwidth channel (large chunks, a chain or the topology
+tree) for the rest.  The memory used is O(P x slots x chunk), independent of the message size.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from dataclasses import dataclass
+
+from .errors import ShmtreeError
+
+LINE = 128
+PAGE = 4096
+SLOT_HDR = 64
+HDR_BYTES = 4096
+RANK_BLOCK = 512
+
+
+def round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def ring_header_bytes(ntails: int) -> int:
+    """Head line + one tail line per consumer, rounded to a page (slots start page-aligned)."""
+    return round_up(LINE * (1 + ntails), PAGE)
+
+
+@dataclass(frozen=True)
+class ChannelPlan:
+    """One channel: a tree and the geometry of its rings."""
+
+    tree: object          # shmtree.schedule.Tree
+    nslots: int
+    payload: int          # chunk payload bytes per slot
+
+    @property
+    def stride(self) -> int:
+        return round_up(SLOT_HDR + self.payload, LINE)
+
+    def ring_bytes(self, ntails: int) -> int:
+        return ring_header_bytes(ntails) + round_up(self.nslots * self.stride, PAGE)
+
+
+class Layout:
+    """Offsets of every ring in the group's segment (pure arithmetic, the same in every process)."""
+
+    def __init__(self, nranks: int, channels: list[ChannelPlan]):
+        self.nranks = nranks
+        self.channels = channels
+        off = HDR_BYTES + round_up(nranks * RANK_BLOCK, PAGE)
+        self.up: list[list[int]] = []
+        self.down: list[list[int]] = []
+        for plan in channels:
+            up, down = [-1] * nranks, [-1] * nranks
+            for r in range(nranks):
+                if plan.tree.parent[r] >= 0:
+                    up[r] = off
+                    off += plan.ring_bytes(1)
+                nchild = len(plan.tree.children[r])
+                if nchild:
+                    down[r] = off
+                    off += plan.ring_bytes(nchild)
+            self.up.append(up)
+            self.down.append(down)
+        self.total = off
+
+    def engine_spec(self, ch: int, rank: int) -> dict:
+        """What rank needs to run channel ch: its neighbours and the offsets of their rings."""
+        plan = self.channels[ch]
+        tree = plan.tree
+        parent = tree.parent[rank]
+        children = list(tree.children[rank])
+        return {
+            "parent": parent,
+            "index": tree.children[parent].index(rank) if parent >= 0 else 0,
+            "parent_nchild": len(tree.children[parent]) if parent >= 0 else 0,
+            "children": children,
+            "up": self.up[ch][rank],
+            "down": self.down[ch][rank],
+            "child_up": [self.up[ch][c] for c in children],
+            "parent_down": self.down[ch][parent] if parent >= 0 else -1,
+            "nslots": plan.nslots,
+            "stride": plan.stride,
+            "payload": plan.payload,
+        }
+
+    def produced_ranges(self, rank: int):
+        """(offset, length) of the rings rank produces: first-touched by it after pinning."""
+        for ch, plan in enumerate(self.channels):
+            if self.up[ch][rank] >= 0:
+                yield self.up[ch][rank], plan.ring_bytes(1)
+            if self.down[ch][rank] >= 0:
+                yield self.down[ch][rank], plan.ring_bytes(len(plan.tree.children[rank]))
+
+
+def available_memory() -> int:
+    """Bytes a new anonymous shared mapping can still get: the smaller of MemAvailable and what the
+    memory cgroup still allows."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+            usage_path = path.replace("memory.max", "memory.current").replace(
+                "memory.limit_in_bytes", "memory.usage_in_bytes")
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            free = min(free, max(0, int(limit) - usage))
+        break
+    return free
+
+
+def create_memfd(total: int) -> int:
+    """A sealed-size anonymous memory file of `total` bytes, after checking that memory is there:
+    a shortfall is an exception now, not a SIGBUS or an OOM kill later."""
+    free = available_memory()
+    if total > free:
+        raise ShmtreeError(
+            f"shmtree: the group needs {total / 2**20:.1f} MiB of shared memory but only "
+            f"{free / 2**20:.1f} MiB is free; use fewer ranks, fewer slots or a smaller chunk_bytes")
+    fd = os.memfd_create(f"shmtree-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, total)
+        # nobody may resize it afterwards (a shrink would turn accesses into SIGBUS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(16)
