@@ -7,6 +7,7 @@ when shmtree's compiled extension cannot be imported at all).  MPI and gloo colu
 when mpi4py / torch are installed.  Every multi-process test checks that nothing is left in
 /dev/shm and no child process is left running.
 """
+import importlib
 import importlib.util
 import json
 import multiprocessing
@@ -81,6 +82,15 @@ def test_default_command_is_the_allreduce_sweep():
 
 
 @timeout
+def test_console_script_entry_point():
+    import tomllib
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["shmtree-bench"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is main
+
+
+@timeout
 def test_measure_helpers():
     assert iteration_counts(1e-3, target_s=0.2) == (20, 200)
     assert iteration_counts(10.0)[1] == 3 and iteration_counts(1e-3, iters=7)[1] == 7
@@ -100,7 +110,7 @@ def test_table_json_csv(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["time_us"] == 1.5
     report.write_csv(tmp_path / "r.csv", ["size", "time_us"], rows)
     assert (tmp_path / "r.csv").read_text().splitlines() == ["size,time_us", "8,1.5", "16,"]
-    assert os.listdir(tmp_path) == sorted(os.listdir(tmp_path), key=str) or True
+    assert sorted(os.listdir(tmp_path)) == ["r.csv", "r.json"]  # no temporary files left
 
 
 def _boom(peer):
@@ -244,3 +254,27 @@ def test_topology(tmp_path, capsys):
     assert out.count("# tree for 8 ranks") == 2
     doc = json.loads(path.read_text())
     assert set(doc["trees"]) == {"small", "large"} and doc["trees"]["large"]["depth"] >= 1
+
+
+@needs_shmtree
+@timeout
+def test_reproduce_quick(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "reproduce.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode in (0, 1), proc.stderr
+    [path] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    doc = json.loads(path.read_text())
+    assert set(doc["sections"]) == {"allreduce", "compare", "numa"} and doc["quick"] is True
+    assert doc["exit_codes"]["allreduce"] == 0 and doc["sections"]["allreduce"]["rows"]
+
+
+@timeout
+def test_numa_matrix_with_two_nodes(monkeypatch):
+    """A two-node matrix (here: each CPU as its own "node"), so multi-node code paths run."""
+    cpus = sorted(os.sched_getaffinity(0))
+    fake = {0: cpus[:1], 1: cpus[1:] or cpus[:1]}
+    monkeypatch.setattr(numa, "numa_nodes", lambda: fake)
+    mat = numa.matrix(1 << 20, Plan(iters=2))
+    assert mat["nodes"] == [0, 1] and all(len(r) == 2 for r in mat["read_gbs"])
+    assert numa.one_node_note(mat) is None

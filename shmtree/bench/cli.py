@@ -272,9 +272,9 @@ def cmd_numa(args):
         rows, matrix=mat, note=note)
     _write(args, doc, ["group", "variant", "size", "count", "time_us", "busbw_gbs", "error"], rows)
     if args.plot:
-        series = {f"{r['group']}={r['variant']}": [] for r in rows}
+        series = {}
         for r in rows:
-            series[f"{r['group']}={r['variant']}"].append(r.get("time_us"))
+            series.setdefault(_variant_label(r["group"], r["variant"]), []).append(r.get("time_us"))
         plot.plot_numa(args.plot, mat, args.sizes, series, f"NUMA report, P={nprocs}")
     return 1 if all("error" in r for r in rows) else 0
 
