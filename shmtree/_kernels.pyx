@@ -1,0 +1,500 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Reduction kernels: dst = srcs[0] op srcs[1] op ... op srcs[nsrc-1], elementwise, in one pass.
+
+The engine reduces each chunk of an allreduce with these kernels (through `get_kernel`, declared
+in _kernels.pxd); the API layer and the tests use the Python helpers at the bottom.  The file has
+four layers, each built only on the one above it:
+
+1. Point functions (inline, nogil): one op on two elements, e.g. `_add`, `_max`, and `_combine`,
+   which picks the op from a tag type at compile time.  They define the semantics, which are
+   numpy's (`ufunc.reduce(np.stack(srcs), axis=0, dtype=dtype)`):
+   - integers wrap modulo 2**bits, computed in uint64 so that no C signed overflow (undefined
+     behaviour) or int promotion (uint16 * uint16 is an int multiply in C) is involved;
+   - floats: min/max propagate NaN, and on ties return the operand numpy returns;
+   - complex: add and numpy's multiply, (a*c - b*d) + (a*d + b*c)i; no min/max;
+   - bool (0/1 bytes): sum and max are logical or, prod and min logical and, which on 0/1 are
+     exactly uint8 max and min, so bool uses the uint8 min/max kernels;
+   - float16: every input widened to float32, reduced in float32, rounded to half once (round to
+     nearest even); the conversions are in _csrc/half.h.
+2. Fused loops: `_reduce[Elem, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
+   arrays into blocks of BLOCK_BYTES and, per block, computes dst = s0 op s1, then
+   dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
+   `_accumulate`) that the compiler vectorizes, and the block of dst stays in L1 cache between
+   them.  `_reduce_half` does the same for float16 through a float32 block.  Written once;
+   Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
+   and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
+   compile time and costs nothing at run time).
+3. The table: `_k_sum`, `_k_prod`, `_k_min`, `_k_max` have the shape of `reduce_fn`; their
+   instantiations fill `_TABLE[op][dtype]` once at import, NULL where unsupported; `get_kernel`
+   is a bounds-checked lookup.
+4. Python helpers: DTYPE_CODES / dtype_code, OP_CODES / op_code, supported, and reduce_into, which
+   validates numpy arrays, takes their buffers and runs a kernel with the GIL released.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
+                          uint64_t)
+from libc.string cimport memcpy
+
+import numpy as np
+
+cdef extern from "_csrc/half.h" nogil:
+    float shmt_half_to_float(uint16_t h)
+    uint16_t shmt_float_to_half(float f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Element types and op tags
+# ---------------------------------------------------------------------------------------------
+
+# Complex numbers as numpy stores them: real then imaginary part.  Plain structs rather than C99
+# complex, so that multiplication is exactly numpy's formula (C's `*` on _Complex adds inf/NaN
+# recovery through a libgcc call, which is slower and not what numpy computes).
+ctypedef struct c8_t:
+    float re
+    float im
+
+ctypedef struct c16_t:
+    double re
+    double im
+
+# float16 as its bit pattern; a struct so that it is a type of its own (not uint16_t).
+ctypedef struct half_t:
+    uint16_t bits
+
+ctypedef fused Integer:
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+
+ctypedef fused Real:
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    float
+    double
+
+ctypedef fused Cplx:
+    c8_t
+    c16_t
+
+# Types reduced directly by the generic loops.
+ctypedef fused Num:
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    float
+    double
+    c8_t
+    c16_t
+
+# Every element type a kernel exists for: Num plus float16.
+ctypedef fused Elem:
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    float
+    double
+    c8_t
+    c16_t
+    half_t
+
+# Op tags: never instantiated, only their types matter.
+ctypedef struct OpSum:
+    char unused
+
+ctypedef struct OpProd:
+    char unused
+
+ctypedef struct OpMin:
+    char unused
+
+ctypedef struct OpMax:
+    char unused
+
+ctypedef fused Op:
+    OpSum
+    OpProd
+    OpMin
+    OpMax
+
+cdef enum:
+    # Bytes of dst per block: dst's block is re-read once per source, so it must stay in L1.
+    BLOCK_BYTES = 2048
+    # float32 accumulators per block in the float16 path.
+    HALF_BLOCK = BLOCK_BYTES // 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 1: point functions
+# ---------------------------------------------------------------------------------------------
+
+cdef inline Cplx _cadd(Cplx a, Cplx b) noexcept nogil:
+    cdef Cplx r
+    r.re = a.re + b.re
+    r.im = a.im + b.im
+    return r
+
+
+cdef inline Cplx _cmul(Cplx a, Cplx b) noexcept nogil:
+    # numpy's complex multiply, same terms in the same order.
+    cdef Cplx r
+    r.re = a.re * b.re - a.im * b.im
+    r.im = a.re * b.im + a.im * b.re
+    return r
+
+
+cdef inline Num _add(Num a, Num b) noexcept nogil:
+    if Num in Cplx:
+        return _cadd(a, b)
+    elif Num in Integer:
+        # Wraps modulo 2**64; the cast back keeps the low bits (GCC defines conversion to a
+        # signed type as modulo), which is two's complement wrap-around at the type's width.
+        return <Num>(<uint64_t>a + <uint64_t>b)
+    else:
+        return a + b
+
+
+cdef inline Num _mul(Num a, Num b) noexcept nogil:
+    if Num in Cplx:
+        return _cmul(a, b)
+    elif Num in Integer:
+        return <Num>(<uint64_t>a * <uint64_t>b)    # same reasoning as in _add
+    else:
+        return a * b
+
+
+cdef inline Real _min(Real a, Real b) noexcept nogil:
+    # np.minimum: a NaN in either operand wins (a != a only for NaN); on ties (-0.0 vs 0.0)
+    # numpy returns the second operand for float32/float64, and so do we.
+    if Real in Integer:
+        return a if a < b else b
+    else:
+        return a if (a < b) | (a != a) else b
+
+
+cdef inline Real _max(Real a, Real b) noexcept nogil:
+    if Real in Integer:
+        return a if a > b else b
+    else:
+        return a if (a > b) | (a != a) else b
+
+
+cdef inline Num _combine(Num a, Num b, Op *op) noexcept nogil:
+    """a op b, the op chosen at compile time by the tag's type."""
+    if Op is OpSum:
+        return _add(a, b)
+    elif Op is OpProd:
+        return _mul(a, b)
+    elif Num in Cplx:
+        # Cython instantiates every (type, op) pair, so complex min/max needs a body; no kernel
+        # uses it: the table holds NULL there, and the API layer raises TypeError.
+        return a
+    elif Op is OpMin:
+        return _min(a, b)
+    else:
+        return _max(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 2: fused loops
+# ---------------------------------------------------------------------------------------------
+
+cdef inline void _pair(Num *d, const Num *a, const Num *b, Py_ssize_t m, Op *op) noexcept nogil:
+    """d[i] = a[i] op b[i] for i < m; d overlaps neither a nor b."""
+    cdef Py_ssize_t i
+    for i in range(m):
+        d[i] = _combine(a[i], b[i], op)
+
+
+cdef inline void _accumulate(Num *d, const Num *b, Py_ssize_t m, Op *op) noexcept nogil:
+    """d[i] = d[i] op b[i] for i < m; d does not overlap b."""
+    cdef Py_ssize_t i
+    for i in range(m):
+        d[i] = _combine(d[i], b[i], op)
+
+
+cdef inline void _widen_half(float *acc, const half_t *s, Py_ssize_t m) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(m):
+        acc[i] = shmt_half_to_float(s[i].bits)
+
+
+cdef inline void _accumulate_half(float *acc, const half_t *s, Py_ssize_t m,
+                                  Op *op) noexcept nogil:
+    # Operands swapped on purpose: numpy's float16 minimum/maximum keep the earlier operand on
+    # ties, float32's keep the later one; + and * are commutative, bit for bit.
+    cdef Py_ssize_t i
+    for i in range(m):
+        acc[i] = _combine(shmt_half_to_float(s[i].bits), acc[i], op)
+
+
+cdef inline void _narrow_half(half_t *d, const float *acc, Py_ssize_t m) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(m):
+        d[i].bits = shmt_float_to_half(acc[i])
+
+
+cdef void _reduce_half(half_t *dst, const half_t **srcs, int nsrc, Py_ssize_t n,
+                       Op *op) noexcept nogil:
+    """float16, nsrc >= 2: per block, widen srcs[0] to float32, fold in the other sources in
+    float32, round to half once."""
+    cdef float acc[HALF_BLOCK]
+    cdef Py_ssize_t start = 0, m
+    cdef int j
+    while start < n:
+        m = min(<Py_ssize_t>HALF_BLOCK, n - start)
+        _widen_half(acc, srcs[0] + start, m)
+        for j in range(1, nsrc):
+            _accumulate_half(acc, srcs[j] + start, m, op)
+        _narrow_half(dst + start, acc, m)
+        start += m
+
+
+cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op) noexcept nogil:
+    """nsrc >= 2: per block, dst = s0 op s1, then dst = dst op sj; in place when dst is s0."""
+    cdef Py_ssize_t blk = BLOCK_BYTES // sizeof(Num)
+    cdef Py_ssize_t start = 0, m
+    cdef int j
+    while start < n:
+        m = min(blk, n - start)
+        if dst == srcs[0]:
+            _accumulate(dst + start, srcs[1] + start, m, op)
+        else:
+            _pair(dst + start, srcs[0] + start, srcs[1] + start, m, op)
+        for j in range(2, nsrc):
+            _accumulate(dst + start, srcs[j] + start, m, op)
+        start += m
+
+
+cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
+                         Op *op) noexcept nogil:
+    """dst[i] = srcs[0][i] op ... op srcs[nsrc-1][i], left to right; the one generic driver."""
+    if nsrc == 1:
+        if dst != srcs[0]:
+            memcpy(dst, srcs[0], <size_t>n * sizeof(Elem))
+    elif Elem is half_t:
+        _reduce_half(dst, srcs, nsrc, n, op)
+    else:
+        _reduce_num(dst, srcs, nsrc, n, op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 3: the kernel table
+# ---------------------------------------------------------------------------------------------
+
+# One entry point per op, in the shape of reduce_fn but with typed pointers.  The table stores
+# them cast to reduce_fn: they differ from it only in pointer parameter types, which every C ABI
+# passes identically (GCC's -Wcast-function-type treats such casts as compatible).
+
+cdef void _k_sum(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpSum *>NULL)
+
+
+cdef void _k_prod(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpProd *>NULL)
+
+
+cdef void _k_min(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpMin *>NULL)
+
+
+cdef void _k_max(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpMax *>NULL)
+
+
+cdef reduce_fn _TABLE[N_OPS][N_DTYPES]
+
+
+cdef void _set_row(int dtype, Elem *type_tag) noexcept:
+    """Fill the table's column for one dtype with the kernels of element type Elem."""
+    _TABLE[OP_SUM][dtype] = <reduce_fn>_k_sum[Elem]
+    _TABLE[OP_PROD][dtype] = <reduce_fn>_k_prod[Elem]
+    if Elem in Cplx:
+        _TABLE[OP_MIN][dtype] = NULL
+        _TABLE[OP_MAX][dtype] = NULL
+    else:
+        _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Elem]
+        _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Elem]
+
+
+cdef void _build_table() noexcept:
+    _set_row(DT_I1, <int8_t *>NULL)
+    _set_row(DT_I2, <int16_t *>NULL)
+    _set_row(DT_I4, <int32_t *>NULL)
+    _set_row(DT_I8, <int64_t *>NULL)
+    _set_row(DT_U1, <uint8_t *>NULL)
+    _set_row(DT_U2, <uint16_t *>NULL)
+    _set_row(DT_U4, <uint32_t *>NULL)
+    _set_row(DT_U8, <uint64_t *>NULL)
+    _set_row(DT_F2, <half_t *>NULL)
+    _set_row(DT_F4, <float *>NULL)
+    _set_row(DT_F8, <double *>NULL)
+    _set_row(DT_C8, <c8_t *>NULL)
+    _set_row(DT_C16, <c16_t *>NULL)
+    # bool holds 0/1 bytes: or (sum, max) is uint8 max, and (prod, min) is uint8 min.
+    _TABLE[OP_SUM][DT_BOOL] = <reduce_fn>_k_max[uint8_t]
+    _TABLE[OP_PROD][DT_BOOL] = <reduce_fn>_k_min[uint8_t]
+    _TABLE[OP_MIN][DT_BOOL] = <reduce_fn>_k_min[uint8_t]
+    _TABLE[OP_MAX][DT_BOOL] = <reduce_fn>_k_max[uint8_t]
+
+
+_build_table()
+
+
+cdef reduce_fn get_kernel(int op, int dtype) noexcept nogil:
+    if op < 0 or op >= N_OPS or dtype < 0 or dtype >= N_DTYPES:
+        return NULL
+    return _TABLE[op][dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 4: Python helpers
+# ---------------------------------------------------------------------------------------------
+
+# numpy dtype.str without its byte-order character -> DT_* code.
+DTYPE_CODES = {
+    'b1': DT_BOOL,
+    'i1': DT_I1, 'i2': DT_I2, 'i4': DT_I4, 'i8': DT_I8,
+    'u1': DT_U1, 'u2': DT_U2, 'u4': DT_U4, 'u8': DT_U8,
+    'f2': DT_F2, 'f4': DT_F4, 'f8': DT_F8,
+    'c8': DT_C8, 'c16': DT_C16,
+}
+
+OP_CODES = {'sum': OP_SUM, 'prod': OP_PROD, 'min': OP_MIN, 'max': OP_MAX}
+
+_OP_NAMES = {code: name for name, code in OP_CODES.items()}
+_UFUNC_OPS = ((np.add, OP_SUM), (np.multiply, OP_PROD), (np.minimum, OP_MIN),
+              (np.maximum, OP_MAX))
+_SUPPORTED_DTYPES = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, "
+                     "float16, float32, float64, complex64, complex128 (native byte order)")
+
+
+def dtype_code(dtype):
+    """The DT_* code of `dtype` (anything np.dtype accepts); TypeError if it is not supported."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"shmtree cannot reduce dtype {dtype!r} ({exc}); "
+                        f"supported: {_SUPPORTED_DTYPES}") from None
+    if not dt.isnative:
+        raise TypeError(f"shmtree cannot reduce dtype {dt.str!r}: non-native byte order; "
+                        f"convert with .astype({dt.newbyteorder('=').str!r}) first; "
+                        f"supported: {_SUPPORTED_DTYPES}")
+    code = None
+    if dt.fields is None and dt.subdtype is None:
+        code = DTYPE_CODES.get(dt.str[1:])
+    if code is None:
+        raise TypeError(f"shmtree cannot reduce dtype {dt!r}; supported: {_SUPPORTED_DTYPES}")
+    return code
+
+
+def op_code(op):
+    """The OP_* code of `op`: 'sum', 'prod', 'min', 'max' or np.add, np.multiply, np.minimum,
+    np.maximum; ValueError for anything else."""
+    if isinstance(op, str):
+        if op in OP_CODES:
+            return OP_CODES[op]
+    else:
+        for ufunc, code in _UFUNC_OPS:
+            if op is ufunc:
+                return code
+    raise ValueError(f"unknown reduction op {op!r}: expected 'sum', 'prod', 'min', 'max' "
+                     f"or np.add, np.multiply, np.minimum, np.maximum")
+
+
+def supported(int op_code, int dtype_code):
+    """Whether a kernel exists for (op_code, dtype_code)."""
+    return get_kernel(op_code, dtype_code) != NULL
+
+
+def _check_operands(dst, srcs):
+    """Raise unless dst is a writable array and srcs are arrays of dst's dtype and size, all
+    C-contiguous and aligned (the kernels dereference typed pointers)."""
+    if not isinstance(dst, np.ndarray):
+        raise TypeError(f"dst must be a numpy array, not {type(dst).__name__}")
+    if not dst.flags.c_contiguous or not dst.flags.writeable or not dst.flags.aligned:
+        raise ValueError("dst must be a writable, aligned, C-contiguous array")
+    if len(srcs) == 0:
+        raise ValueError("srcs must hold at least one array")
+    for j, src in enumerate(srcs):
+        if not isinstance(src, np.ndarray):
+            raise TypeError(f"srcs[{j}] must be a numpy array, not {type(src).__name__}")
+        if src.dtype != dst.dtype:
+            raise TypeError(f"srcs[{j}] has dtype {src.dtype}, dst has {dst.dtype}")
+        if src.size != dst.size:
+            raise ValueError(f"srcs[{j}] has {src.size} items, dst has {dst.size}")
+        if not src.flags.c_contiguous or not src.flags.aligned:
+            raise ValueError(f"srcs[{j}] must be an aligned, C-contiguous array")
+
+
+cdef bint _overlaps(const Py_buffer *a, const Py_buffer *b) noexcept:
+    cdef const char *pa = <const char *>a.buf
+    cdef const char *pb = <const char *>b.buf
+    return a.len > 0 and b.len > 0 and pa < pb + b.len and pb < pa + a.len
+
+
+def reduce_into(dst, srcs, op):
+    """dst[...] = srcs[0] op srcs[1] op ... (left to right), elementwise, with the GIL released.
+
+    dst: writable, aligned, C-contiguous numpy array; srcs: non-empty sequence of aligned,
+    C-contiguous arrays of dst's dtype and size (shapes may differ).  dst may be srcs[0] (in
+    place) but may not otherwise overlap a source.
+    op: as for op_code.  TypeError for an unsupported dtype or (op, dtype) pair.
+    """
+    cdef int opc = op_code(op)
+    srcs = tuple(srcs)
+    _check_operands(dst, srcs)
+    cdef int dtc = dtype_code(dst.dtype)
+    cdef reduce_fn fn = get_kernel(opc, dtc)
+    if fn == NULL:
+        raise TypeError(f"op {_OP_NAMES[opc]!r} is not supported for dtype {dst.dtype} "
+                        f"(complex numbers have no order)")
+    cdef int nsrc = len(srcs)
+    cdef Py_ssize_t n = dst.size
+    # views[0] is dst, views[1 + j] is srcs[j]
+    cdef Py_buffer *views = <Py_buffer *>PyMem_Calloc(nsrc + 1, sizeof(Py_buffer))
+    cdef const void **ptrs = <const void **>PyMem_Calloc(nsrc, sizeof(void *))
+    cdef int held = 0, j
+    try:
+        if views == NULL or ptrs == NULL:
+            raise MemoryError()
+        PyObject_GetBuffer(dst, &views[0], PyBUF_WRITABLE)
+        held = 1
+        for j in range(nsrc):
+            PyObject_GetBuffer(srcs[j], &views[1 + j], PyBUF_SIMPLE)
+            held += 1
+            ptrs[j] = views[1 + j].buf
+            if (views[1 + j].buf != views[0].buf or j > 0) and _overlaps(&views[0],
+                                                                     &views[1 + j]):
+                raise ValueError(f"dst overlaps srcs[{j}]; only dst is srcs[0] is allowed")
+        with nogil:
+            fn(views[0].buf, ptrs, nsrc, n)
+    finally:
+        for j in range(held):
+            PyBuffer_Release(&views[j])
+        PyMem_Free(views)
+        PyMem_Free(ptrs)
+    return dst

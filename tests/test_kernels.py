@@ -1,0 +1,334 @@
+"""Reduction kernels (shmtree/_kernels.pyx) against numpy.
+
+The contract: reduce_into(dst, srcs, op) leaves in dst what
+`ufunc.reduce(np.stack(srcs), axis=0, dtype=dtype)` computes, for every supported dtype and op,
+in place (dst is srcs[0]) and out of place.  Integers, bool and min/max must match exactly;
+float sums and products up to rounding (float16 is accumulated in float32 and rounded once,
+which the float16 tests below pin down bit for bit).
+"""
+import numpy as np
+import pytest
+
+from shmtree import _kernels as K
+
+DTYPES = ['b1', 'i1', 'i2', 'i4', 'i8', 'u1', 'u2', 'u4', 'u8', 'f2', 'f4', 'f8', 'c8', 'c16']
+UFUNCS = {'sum': np.add, 'prod': np.multiply, 'min': np.minimum, 'max': np.maximum}
+SIZES = [0, 1, 7, 4099, 65537]
+NSRCS = [1, 2, 3, 8]
+RTOL = {'f': {2: 1e-2, 4: 1e-5, 8: 1e-12}, 'c': {8: 1e-5, 16: 1e-12}}
+
+
+def numpy_reduce(op, srcs):
+    dtype = srcs[0].dtype
+    return UFUNCS[op].reduce(np.stack(srcs), axis=0, dtype=dtype)
+
+
+def random_inputs(rng, dtype, op, size, nsrc):
+    """nsrc arrays: full-range integers (so sums and products wrap), 0/1 bools, small integers
+    as floats, or values k/64 near 1 for float products (no overflow to inf)."""
+    dt = np.dtype(dtype)
+    shape = (nsrc, size)
+    if dt.kind == 'b':
+        vals = rng.integers(0, 2, shape).astype(bool)
+    elif dt.kind in 'iu':
+        info = np.iinfo(dt)
+        vals = rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
+    else:
+        part = dt.type(0).real.dtype
+
+        def draw():
+            if op == 'prod':
+                return (1 + rng.integers(-8, 9, shape) / 64).astype(part)
+            return rng.integers(-50, 51, shape).astype(part)
+
+        vals = draw() if dt.kind == 'f' else draw() + 1j * draw()
+    return [np.ascontiguousarray(v, dtype=dt) for v in vals]
+
+
+def assert_matches(got, expected, op):
+    dt = got.dtype
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if dt.kind in 'fc' and op in ('sum', 'prod'):
+        np.testing.assert_allclose(got, expected, rtol=RTOL[dt.kind][dt.itemsize], atol=0)
+    else:
+        np.testing.assert_array_equal(got, expected)   # NaN equals NaN here
+
+
+def grid():
+    for dtype in DTYPES:
+        for op in UFUNCS:
+            if dtype[0] == 'c' and op in ('min', 'max'):
+                continue
+            yield dtype, op
+
+
+@pytest.mark.parametrize('inplace', [False, True], ids=['out', 'inplace'])
+@pytest.mark.parametrize('nsrc', NSRCS)
+@pytest.mark.parametrize('size', SIZES)
+@pytest.mark.parametrize('dtype,op', list(grid()))
+def test_matches_numpy(dtype, op, size, nsrc, inplace):
+    rng = np.random.default_rng([DTYPES.index(dtype), size, nsrc])
+    srcs = random_inputs(rng, dtype, op, size, nsrc)
+    expected = numpy_reduce(op, srcs)
+    dst = srcs[0] if inplace else np.empty_like(srcs[0])
+    assert K.reduce_into(dst, srcs, op) is dst
+    assert_matches(dst, expected, op)
+
+
+@pytest.mark.parametrize('dtype', ['f2', 'f4', 'f8'])
+@pytest.mark.parametrize('op', ['min', 'max'])
+@pytest.mark.parametrize('nsrc', [2, 3, 8])
+def test_nan_propagates_in_min_max(dtype, op, nsrc):
+    rng = np.random.default_rng(nsrc)
+    size = 1000
+    srcs = random_inputs(rng, dtype, op, size, nsrc)
+    # NaN in a random source at every 3rd position; at every 7th, NaN in all sources.
+    for i in range(0, size, 3):
+        srcs[rng.integers(nsrc)][i] = np.nan
+    for s in srcs:
+        s[::7] = np.nan
+    expected = numpy_reduce(op, srcs)
+    dst = np.empty_like(srcs[0])
+    K.reduce_into(dst, srcs, UFUNCS[op])
+    assert np.isnan(dst[::3]).all()
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize('dtype', ['f2', 'f4', 'f8'])
+@pytest.mark.parametrize('op', ['min', 'max'])
+def test_signed_zero_ties_like_numpy(dtype, op):
+    # On ties numpy's minimum/maximum return a particular operand; -0.0 vs 0.0 shows which.
+    a = np.array([-0.0, 0.0, -0.0, 0.0] * 5, dtype)
+    b = np.array([0.0, -0.0, -0.0, 0.0] * 5, dtype)
+    for srcs in ([a, b], [b, a], [a, b, a], [b, a, b]):
+        expected = numpy_reduce(op, srcs)
+        dst = np.empty_like(a)
+        K.reduce_into(dst, srcs, op)
+        np.testing.assert_array_equal(np.signbit(dst), np.signbit(expected))
+
+
+WRAP_CASES = [
+    ('i1', 'sum', [127, 1], -128),
+    ('i1', 'sum', [-128, -1], 127),
+    ('u1', 'sum', [255, 1], 0),
+    ('i1', 'prod', [-128, -1], -128),
+    ('i2', 'prod', [256, 256], 0),
+    ('i2', 'prod', [182, 182], 33124 - 65536),
+    ('u2', 'prod', [65535, 65535], 1),                    # an int multiply in C would overflow
+    ('i4', 'sum', [2**31 - 1, 1], -2**31),
+    ('i4', 'prod', [65536, 65536], 0),
+    ('u4', 'prod', [2**32 - 1, 2**32 - 1], 1),
+    ('i8', 'sum', [2**63 - 1, 1], -2**63),
+    ('i8', 'prod', [-2**63, -1], -2**63),
+    ('u8', 'sum', [2**64 - 1, 2], 1),
+    ('u8', 'prod', [2**64 - 1, 2**64 - 1], 1),
+    ('i1', 'sum', [100, 100, 100], 44),
+]
+
+
+@pytest.mark.parametrize('dtype,op,values,result', WRAP_CASES)
+def test_integer_wraparound(dtype, op, values, result):
+    n = 37   # both the vector loop and its scalar tail
+    srcs = [np.full(n, v, dtype=dtype) for v in values]
+    expected = numpy_reduce(op, srcs)
+    assert (expected == result).all()
+    dst = np.empty_like(srcs[0])
+    K.reduce_into(dst, srcs, op)
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize('op,truth', [
+    ('sum', [0, 1, 1, 1]), ('max', [0, 1, 1, 1]),    # logical or
+    ('prod', [0, 0, 0, 1]), ('min', [0, 0, 0, 1]),   # logical and
+])
+def test_bool_ops(op, truth):
+    a = np.array([0, 0, 1, 1] * 9, bool)
+    b = np.array([0, 1, 0, 1] * 9, bool)
+    dst = np.empty_like(a)
+    K.reduce_into(dst, [a, b], op)
+    np.testing.assert_array_equal(dst, np.array(truth * 9, bool))
+    np.testing.assert_array_equal(dst, numpy_reduce(op, [a, b]))
+    # three inputs, and the stored bytes stay 0/1
+    K.reduce_into(dst, [a, b, b], op)
+    np.testing.assert_array_equal(dst, numpy_reduce(op, [a, b, b]))
+    assert set(np.unique(dst.view(np.uint8))) <= {0, 1}
+
+
+@pytest.mark.parametrize('dtype', ['c8', 'c16'])
+def test_complex_prod_exact(dtype):
+    vals = [1 + 2j, 3 + 4j, 0.5 - 1j, -2 + 0.25j]   # every product is exact in binary
+    srcs = [np.full(21, v, dtype) for v in vals]
+    dst = np.empty_like(srcs[0])
+    K.reduce_into(dst, srcs, 'prod')
+    expected = (1 + 2j) * (3 + 4j) * (0.5 - 1j) * (-2 + 0.25j)
+    np.testing.assert_array_equal(dst, np.full(21, expected, dtype))
+    np.testing.assert_array_equal(dst, numpy_reduce('prod', srcs))
+
+
+def half_reference(op, srcs):
+    """The float16 contract: widen to float32, reduce left to right in float32, round once."""
+    acc = srcs[0].astype(np.float32)
+    for s in srcs[1:]:
+        acc = UFUNCS[op](acc, s.astype(np.float32))
+    return acc.astype(np.float16)
+
+
+def assert_same_half_bits(got, expected):
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+
+
+@pytest.mark.parametrize('op', ['sum', 'prod'])
+@pytest.mark.parametrize('nsrc', [2, 3, 8])
+def test_float16_every_bit_pattern(op, nsrc):
+    # Every half value (zeros, subnormals, normals, infinities, NaNs) in every source, in random
+    # pairings: exercises both conversions and round-to-nearest-even, subnormal results included.
+    rng = np.random.default_rng(nsrc)
+    everything = np.arange(2**16, dtype=np.uint16)
+    srcs = [rng.permutation(everything).view(np.float16) for _ in range(nsrc)]
+    dst = np.empty_like(srcs[0])
+    with np.errstate(all='ignore'):
+        expected = half_reference(op, srcs)
+    K.reduce_into(dst, srcs, op)
+    assert_same_half_bits(dst, expected)
+
+
+def test_float16_rounds_once():
+    # 2048 + 1 + 1: rounding after each add (numpy's float16 loop) gives 2048; we give 2050.
+    srcs = [np.full(9, v, np.float16) for v in (2048, 1, 1)]
+    dst = np.empty_like(srcs[0])
+    K.reduce_into(dst, srcs, 'sum')
+    np.testing.assert_array_equal(dst, np.full(9, 2050, np.float16))
+    # overflow to inf, and subnormal results rounded to nearest even
+    big = [np.full(3, v, np.float16) for v in (60000, 10000)]
+    K.reduce_into(dst[:3], big, 'sum')
+    assert np.isposinf(dst[:3]).all()
+    tiny = np.array([2**-24, 3 * 2**-24, 2**-14], np.float16)
+    half = np.full(3, 0.5, np.float16)
+    K.reduce_into(dst[:3], [tiny, half], 'prod')
+    np.testing.assert_array_equal(dst[:3], np.array([0, 2 * 2**-24, 2**-15], np.float16))
+
+
+@pytest.mark.parametrize('dtype', ['c8', 'c16'])
+@pytest.mark.parametrize('op', ['min', 'max', np.minimum, np.maximum])
+def test_complex_min_max_unsupported(dtype, op):
+    a = np.ones(4, dtype)
+    with pytest.raises(TypeError, match='not supported'):
+        K.reduce_into(np.empty_like(a), [a, a], op)
+    assert not K.supported(K.op_code(op), K.dtype_code(dtype))
+
+
+def test_supported_table():
+    for dtype, code in K.DTYPE_CODES.items():
+        for op, opc in K.OP_CODES.items():
+            assert K.supported(opc, code) == (dtype[0] != 'c' or op in ('sum', 'prod'))
+    assert not K.supported(-1, 0)
+    assert not K.supported(4, 0)
+    assert not K.supported(0, -1)
+    assert not K.supported(0, len(K.DTYPE_CODES))
+
+
+def test_dtype_code_accepts_numpy_spellings():
+    assert sorted(K.DTYPE_CODES.values()) == list(range(14))
+    for key, code in K.DTYPE_CODES.items():
+        assert K.dtype_code(key) == code
+        assert K.dtype_code(np.dtype(key)) == code
+    assert K.dtype_code(np.float32) == K.DTYPE_CODES['f4']
+    assert K.dtype_code('float16') == K.DTYPE_CODES['f2']
+    assert K.dtype_code(bool) == K.DTYPE_CODES['b1']
+    assert K.dtype_code(np.intc) == K.DTYPE_CODES['i4']
+    assert K.dtype_code(np.dtype('i8').newbyteorder('=')) == K.DTYPE_CODES['i8']
+
+
+NON_NATIVE = '>i4' if np.little_endian else '<i4'
+
+
+@pytest.mark.parametrize('dtype', [
+    object, 'U5', 'S3', 'V8', [('a', 'i4'), ('b', 'f8')], ('i4', (2,)), 'M8[ns]', 'm8[s]',
+    np.longdouble, np.clongdouble, NON_NATIVE, 'no such dtype',
+])
+def test_dtype_code_rejects(dtype):
+    if np.dtype(np.longdouble).itemsize == 8 and dtype in (np.longdouble, np.clongdouble):
+        pytest.skip('long double is double on this platform')
+    with pytest.raises(TypeError, match='supported: bool, int8'):
+        K.dtype_code(dtype)
+
+
+def test_op_code():
+    assert K.OP_CODES == {'sum': 0, 'prod': 1, 'min': 2, 'max': 3}
+    for name, ufunc in UFUNCS.items():
+        assert K.op_code(name) == K.OP_CODES[name]
+        assert K.op_code(ufunc) == K.OP_CODES[name]
+
+
+@pytest.mark.parametrize('op', ['mean', 'SUM', '', np.subtract, np.logical_or, None, 0, [], sum])
+def test_op_code_rejects(op):
+    with pytest.raises(ValueError, match='unknown reduction op'):
+        K.op_code(op)
+    with pytest.raises(ValueError, match='unknown reduction op'):
+        K.reduce_into(np.zeros(2), [np.zeros(2)], op)
+
+
+def test_shapes_are_flattened():
+    # Only the item count has to agree; 0-d arrays are one item.
+    a = np.arange(12.0).reshape(3, 4)
+    b = np.arange(12.0)
+    dst = np.empty((2, 6))
+    K.reduce_into(dst, [a, b], 'sum')
+    np.testing.assert_array_equal(dst.ravel(), 2 * b)
+    s = np.array(3, np.int16)
+    K.reduce_into(s, [s, np.array(4, np.int16)], 'prod')
+    assert s == 12
+
+
+def test_read_only_sources_and_tuple():
+    a = np.arange(10, dtype=np.uint32)
+    a.flags.writeable = False
+    dst = np.empty_like(a)
+    K.reduce_into(dst, (a, a), np.add)
+    np.testing.assert_array_equal(dst, 2 * a)
+
+
+def test_reduce_into_rejects_bad_operands():
+    a = np.arange(10.0)
+    with pytest.raises(TypeError, match='numpy array'):
+        K.reduce_into([0.0] * 10, [a], 'sum')
+    with pytest.raises(TypeError, match='numpy array'):
+        K.reduce_into(np.empty(10), [a, list(a)], 'sum')
+    with pytest.raises(TypeError, match='dtype'):
+        K.reduce_into(np.empty(10), [a, a.astype(np.float32)], 'sum')
+    with pytest.raises(TypeError, match='supported'):
+        K.reduce_into(np.empty(10, object), [a.astype(object)], 'sum')
+    with pytest.raises(ValueError, match='items'):
+        K.reduce_into(np.empty(10), [a, a[:9].copy()], 'sum')
+    with pytest.raises(ValueError, match='C-contiguous'):
+        K.reduce_into(np.empty(5), [a[::2], a[::2]], 'sum')
+    with pytest.raises(ValueError, match='C-contiguous'):
+        K.reduce_into(np.empty((4, 4)).T, [np.ones((4, 4))], 'sum')
+    with pytest.raises(ValueError, match='at least one'):
+        K.reduce_into(np.empty(10), [], 'sum')
+    ro = np.empty(10)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match='writable'):
+        K.reduce_into(ro, [a], 'sum')
+
+
+def test_reduce_into_rejects_overlap():
+    buf = np.arange(20.0)
+    other = np.ones(10)
+    with pytest.raises(ValueError, match='overlaps srcs\\[1\\]'):
+        K.reduce_into(buf[:10], [other, buf[5:15]], 'sum')
+    with pytest.raises(ValueError, match='overlaps srcs\\[1\\]'):
+        K.reduce_into(buf[:10], [buf[:10], buf[:10]], 'sum')   # only srcs[0] may be dst
+    with pytest.raises(ValueError, match='overlaps srcs\\[0\\]'):
+        K.reduce_into(buf[:10], [buf[1:11], other], 'sum')
+    np.testing.assert_array_equal(buf, np.arange(20.0))      # nothing written
+
+
+def test_reduce_into_rejects_misaligned():
+    raw = np.zeros(8 * 11, np.uint8)
+    mis = raw[1:81].view(np.float64)
+    assert not mis.flags.aligned
+    with pytest.raises(ValueError, match='aligned'):
+        K.reduce_into(np.empty(10), [mis, mis], 'sum')
