@@ -18,6 +18,10 @@ Layout (one job per module):
 Nothing here imports shmtree's compiled parts at import time: the parts that do not need the
 library (baselines, copy limit, NUMA matrix, parsing, output) work without it.
 """
-from .cli import main
-
 __all__ = ["main"]
+
+
+def main(argv=None):
+    """Run shmtree-bench with argv (default: sys.argv[1:]); returns the exit status."""
+    from .cli import main as cli_main  # imported on use: ``-m shmtree.bench.mpi_worker`` stays lean
+    return cli_main(argv)

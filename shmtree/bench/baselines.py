@@ -33,27 +33,27 @@ def _slot_items(sizes, dtype):
     return -(-largest // PAGE) * PAGE // itemsize
 
 
-def _numpy_shm_worker(peer, segment, sizes, plan):
+def _numpy_shm_size(peer, arena, size, plan):
     ufunc, dtype = UFUNCS[plan.op], np.dtype(plan.dtype)
-    per_slot = _slot_items(sizes, dtype)
-    arena = np.ndarray((peer.size, per_slot), dtype=dtype, buffer=segment.buf)
-    results = []
-    for size in sizes:
-        bufs = Buffers(count_for(size, dtype), dtype, peer.rank, plan.fresh, plan.rotation_bytes)
-        slots, mine = arena[:, :bufs.count], arena[peer.rank, :bufs.count]
+    bufs = Buffers(count_for(size, dtype), dtype, peer.rank, plan.fresh, plan.rotation_bytes)
+    slots, mine = arena[:, :bufs.count], arena[peer.rank, :bufs.count]
 
-        def call(i):
-            x, out = bufs.pair(i)
-            np.copyto(mine, x)
-            peer.barrier()
-            ufunc.reduce(slots, axis=0, dtype=dtype, out=out)
-            peer.barrier()
+    def call(i):
+        x, out = bufs.pair(i)
+        np.copyto(mine, x)
+        peer.barrier()
+        ufunc.reduce(slots, axis=0, dtype=dtype, out=out)
+        peer.barrier()
 
-        call(0)
-        verify(bufs.pair(0)[1], plan.op, peer.size, "numpy-shm")
-        results.append(measure(call, peer, plan.iters, plan.target_s))
-    del arena, slots, mine  # release the exported buffer before the segment closes
-    return results
+    call(0)
+    verify(bufs.pair(0)[1], plan.op, peer.size, "numpy-shm")
+    return measure(call, peer, plan.iters, plan.target_s)
+
+
+def _numpy_shm_worker(peer, segment, sizes, plan):
+    dtype = np.dtype(plan.dtype)
+    arena = np.ndarray((peer.size, _slot_items(sizes, dtype)), dtype=dtype, buffer=segment.buf)
+    return [_numpy_shm_size(peer, arena, size, plan) for size in sizes]
 
 
 def run_numpy_shm(sizes, nprocs, plan, pin=None):

@@ -253,7 +253,8 @@ def _column_order(key):
 def cmd_numa(args):
     nprocs = args.nprocs or _usable()
     plan, options = _plan(args, nprocs), _options(args)
-    bar = report.Progress(0, "numa", _progress(args))
+    cells = len([n for n, cpus in machine.numa_nodes().items() if cpus]) ** 2
+    bar = report.Progress(cells + len(numa.VARIANTS), "numa", _progress(args))
     mat = numa.matrix(args.matrix_size, plan, bar)
     print(numa_matrix_text(mat))
     note = numa.one_node_note(mat)

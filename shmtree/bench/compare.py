@@ -8,10 +8,16 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
 - ``gloo``: torch.distributed (``gloo.py``).
 
+Every column's processes are pinned one per core when there are enough usable cores (shmtree's
+default; ``pin=None`` in the harness, for numpy-shm, pipe, gloo and a standalone copy;
+``--bind-to core`` for MPI), and left unpinned otherwise.
+
 A method that cannot run says why in its cells: "n/a (not installed)" when its package is
 missing, "error: ..." when it failed (the other columns still run).  Ratios: every baseline's
 time over shmtree's (how many times slower than shmtree it is) and shmtree's over the copy's.
 """
+import sys
+
 import numpy as np
 
 from . import baselines, copylimit, gloo, mpi, report, sweep
@@ -61,17 +67,21 @@ def run_mpi_columns(sizes, nprocs, plan, pythons):
     for k, python in enumerate(pythons):
         reason = mpi.missing(python)
         if reason:
-            columns.append(Column(f"mpi{k}", f"MPI ({python})", status=reason))
+            columns.append(Column(f"mpi{k}", _mpi_label(python), status=reason))
             continue
         try:
             library, times = mpi.run_mpi(python, sizes, nprocs, plan)
         except Exception as exc:
-            columns.append(Column(f"mpi{k}", f"MPI ({python})",
+            columns.append(Column(f"mpi{k}", _mpi_label(python),
                                   status=f"error: {type(exc).__name__}: {exc}"))
             continue
         label = mpi.short_name(library)
         columns.append(Column(f"mpi{k}", label, times, detail=f"{library}; python {python}"))
     return _unique_labels(columns)
+
+
+def _mpi_label(python):
+    return "MPI" if python == sys.executable else f"MPI ({python})"
 
 
 def _unique_labels(columns):

@@ -6,7 +6,9 @@ used, and the ``mpiexec`` beside that interpreter (in the same ``bin/``, as the 
 from PATH.  The worker is started by path, not with ``-m``, so the other interpreter needs
 numpy and mpi4py but not shmtree.
 
-Open MPI refuses to run as root or on more ranks than cores unless told; the environment variables
+Ranks are bound to one core each (``--bind-to core``, which MPICH's hydra and Open MPI both
+accept) when there are enough usable cores, as the bench's other processes are pinned, and not
+bound otherwise.  Open MPI refuses to run as root or on more ranks than cores unless told; the environment variables
 that allow both are set (MPICH ignores them).  mpiexec runs in its own session: on a timeout or
 an error the whole process group is killed, so no rank outlives the bench.
 """
@@ -39,7 +41,7 @@ def find_mpiexec(python):
 def missing(python):
     """Why this interpreter cannot run the MPI column (a short reason), or None if it can."""
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        return f"n/a ({python}: no such interpreter)"
+        return "n/a (no such interpreter)"
     probe = subprocess.run([python, "-c", "import numpy, mpi4py"], capture_output=True, timeout=60)
     if probe.returncode != 0:
         return "n/a (not installed)"
@@ -49,7 +51,8 @@ def missing(python):
 
 
 def worker_command(python, nprocs, sizes, plan):
-    cmd = [find_mpiexec(python), "-n", str(nprocs), python, WORKER,
+    bind = "core" if nprocs <= len(os.sched_getaffinity(0)) else "none"
+    cmd = [find_mpiexec(python), "--bind-to", bind, "-n", str(nprocs), python, WORKER,
            "--sizes", ",".join(str(s) for s in sizes), "--dtype", plan.dtype, "--op", plan.op,
            "--target-s", str(plan.target_s), "--rotation-bytes", str(plan.rotation_bytes)]
     if plan.iters is not None:
