@@ -71,7 +71,7 @@ DEF H_CLAIM = 256      # u32 next rank to hand out (Pool workers), own line
 # rank block fields (offsets from the block)
 DEF R_BELL = 0         # u32 futex word
 DEF R_SLEEPERS = 4     # u32
-DEF R_JOINED = 128     # u32
+DEF R_JOINED = 128     # u32: 0 free, 1 being claimed, 2 joined (pid and ctime valid)
 DEF R_PID = 132        # u32
 DEF R_CTIME = 136      # f64 process create time (psutil)
 DEF R_DESC = 256       # two call descriptors of 128 bytes, by call seq parity
@@ -127,6 +127,8 @@ cdef inline uint64_t *ring_tail(char *ring, int i) noexcept nogil:
 
 
 cdef struct Chan:
+    int ring              # 1: the ring schedule (parent = successor, the one child = predecessor)
+    int ring_pos          # this rank's position on the ring
     int parent            # -1 at the root
     int index             # this rank's index among the parent's children (its tail there)
     int nchild
@@ -151,7 +153,8 @@ cdef struct Call:
     int ch
     const char *src
     char *dst
-    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunk count
+    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunk (tree) or item (ring) count
+    uint64_t block, nc            # ring: bytes per block, chunks per block
     int itemsize
     reduce_fn fn
     uint64_t j_up, j_down
@@ -238,14 +241,14 @@ cdef class Segment:
             return False
         (<uint32_t *>(b + R_PID))[0] = pid
         (<double *>(b + R_CTIME))[0] = ctime
-        shm_fence()
+        shm_store_seqcst32(<uint32_t *>(b + R_JOINED), 2)     # published: pid and ctime are set
         return True
 
     def member(self, int rank):
         """(joined, pid, create time) of a rank."""
         self._live()
         cdef char *b = self.rank_block(rank)
-        if not shm_load_seqcst32(<uint32_t *>(b + R_JOINED)):
+        if shm_load_seqcst32(<uint32_t *>(b + R_JOINED)) != 2:
             return False, 0, 0.0
         return True, (<uint32_t *>(b + R_PID))[0], (<double *>(b + R_CTIME))[0]
 
@@ -317,6 +320,8 @@ cdef class Engine:
     cdef _setup(self, Chan *c, dict spec):
         cdef int i
         cdef list children = list(spec["children"])
+        c.ring = 1 if spec.get("ring") else 0
+        c.ring_pos = spec.get("ring_pos", 0)
         c.parent = spec["parent"]
         c.index = spec["index"]
         c.nchild = len(children)
@@ -339,6 +344,10 @@ cdef class Engine:
         for i in range(c.nchild):
             c.children[i] = children[i]
             c.child_up[i] = self._ptr(spec["child_up"][i], span_up)
+        if c.ring:
+            if (c.parent >= 0) != (c.up != NULL) or c.nchild > 1 or c.down != NULL:
+                raise ValueError("shmtree: inconsistent ring schedule")
+            return
         if (c.parent >= 0) != (c.up != NULL) or (c.parent >= 0) != (c.parent_down != NULL):
             raise ValueError("shmtree: inconsistent parent rings")
         if (c.nchild > 0) != (c.down != NULL):
@@ -380,6 +389,12 @@ cdef class Engine:
         k.chunk = (c.payload // itemsize) * itemsize
         if m and (k.chunk == 0 or (nbytes + k.chunk - 1) // k.chunk > m):
             raise ValueError("shmtree: message does not fit the chunk plan")
+        if c.ring and c.parent >= 0:
+            # P blocks of whole items; every block travels as nc chunks; 2(P-1) blocks per rank
+            nitems = nbytes // itemsize
+            k.block = (nitems + self.nranks - 1) // self.nranks * itemsize
+            k.nc = (k.block + k.chunk - 1) // k.chunk if k.block else 1
+            k.m = 2 * (self.nranks - 1) * k.nc     # sends; as many items are received
         k.j_up = 0
         k.j_down = 0
         k.mismatch = 0
@@ -599,13 +614,11 @@ cdef class Engine:
     cdef int _run(self, int64_t budget_ns) noexcept nogil:
         cdef Chan *c = &self.chans[self.call.ch]
         cdef Call *k = &self.call
-        cdef char *me = self.seg.rank_block(self.rank)
-        cdef uint32_t *bell = <uint32_t *>(me + R_BELL)
-        cdef uint32_t *sleepers = <uint32_t *>(me + R_SLEEPERS)
-        cdef int64_t idle_since = 0, now, idle
-        cdef uint32_t seen
+        cdef int64_t idle_since = 0
         cdef int rc, spins = 0
         cdef bint spinning = False
+        if c.ring and c.parent >= 0:
+            return self._run_ring(c, k, budget_ns)
         while True:
             if self._done(c, k):
                 return RC_MISMATCH if k.mismatch else RC_DONE
@@ -621,31 +634,197 @@ cdef class Engine:
                     return rc
                 idle_since = 0
                 continue
-            # nothing to do: spin (pause), then yield, then sleep on the bell
-            if shm_load_acquire32(self.abort_word):
-                return RC_ABORTED
-            if idle_since == 0:
-                idle_since = shm_now_ns()
-                spinning = self.spin_ns > 0
-                spins = 0
-            spins += 1
-            if spinning and (spins & 31):
-                shm_cpu_relax()
-                continue
-            now = shm_now_ns()
-            idle = now - idle_since
-            if idle >= budget_ns:
-                return RC_STALLED
-            if idle < self.spin_ns:
-                shm_cpu_relax()
-            elif idle < self.spin_ns + self.yield_ns:
-                spinning = False
-                sched_yield()
+            rc = self._idle(&idle_since, &spins, &spinning, budget_ns, c, k)
+            if rc != RC_DONE:
+                return rc
+
+    cdef inline bint _ready(self, Chan *c, Call *k) noexcept nogil:
+        if c.ring:
+            return self._ring_send_ready(c, k) or self._ring_last_ready(c, k)
+        return self._can_down(c, k) or self._can_up(c, k)
+
+    cdef int _idle(self, int64_t *idle_since, int *spins, bint *spinning, int64_t budget_ns,
+                   Chan *c, Call *k) noexcept nogil:
+        """Nothing was ready: spin (pause), then yield, then sleep on the bell.  RC_DONE means
+        'look again'; RC_STALLED or RC_ABORTED end the slice."""
+        cdef char *me = self.seg.rank_block(self.rank)
+        cdef uint32_t *bell = <uint32_t *>(me + R_BELL)
+        cdef uint32_t *sleepers = <uint32_t *>(me + R_SLEEPERS)
+        cdef int64_t idle
+        cdef uint32_t seen
+        if shm_load_acquire32(self.abort_word):
+            return RC_ABORTED
+        if idle_since[0] == 0:
+            idle_since[0] = shm_now_ns()
+            spinning[0] = self.spin_ns > 0
+            spins[0] = 0
+        spins[0] += 1
+        if spinning[0] and (spins[0] & 31):
+            shm_cpu_relax()
+            return RC_DONE
+        idle = shm_now_ns() - idle_since[0]
+        if idle >= budget_ns:
+            return RC_STALLED
+        if idle < self.spin_ns:
+            shm_cpu_relax()
+        elif idle < self.spin_ns + self.yield_ns:
+            spinning[0] = False
+            sched_yield()
+        else:
+            spinning[0] = False
+            shm_store_seqcst32(sleepers, 1)
+            seen = shm_load_seqcst32(bell)
+            if not (self._ready(c, k) or shm_load_acquire32(self.abort_word)):
+                shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
+            shm_store_seqcst32(sleepers, 0)
+        return RC_DONE
+
+    # ---- the ring schedule (reduce-scatter, then allgather, around tree.ring) ----
+    #
+    # The message is cut into P blocks of nc chunks.  Chunk column c of every block goes round the
+    # ring on its own: position p sends 2(P-1) items for it, step s = 0 .. 2P-3, to its successor:
+    #   s = 0            block p, own input;
+    #   1 <= s < P-1     block p-s: predecessor's item (c, s-1) (op) own input   (reduce-scatter);
+    #   s = P-1          block p+1: the same, now complete: also written to the output;
+    #   s >= P           block p+1-(s-P+1): predecessor's item (c, s-1), copied to the output too;
+    # then receives the predecessor's item (c, 2P-3) into the output only.  Item t = c*(2P-2) + s
+    # depends on the predecessor's item t-1 alone, so the ring never needs more than two slots
+    # however large the blocks (ordering items block by block would need a whole block of slots).
+    # Each block is completed at exactly one rank, so every rank gets the same bits.
+
+    cdef inline void _ring_range(self, Chan *c, Call *k, uint64_t t, uint64_t *lo,
+                                 uint64_t *n) noexcept nogil:
+        """Byte range of item t of position c.ring_pos (t may be one step past the last send:
+        that is the range of the final receive)."""
+        cdef int64_t P = self.nranks
+        cdef int64_t steps = 2 * (P - 1)
+        cdef int64_t s = t % steps
+        cdef uint64_t col = t // steps
+        cdef int64_t b
+        cdef uint64_t blo, bhi, clo
+        if s < P - 1:
+            b = c.ring_pos - s
+        else:
+            b = c.ring_pos + 1 - (s - (P - 1))
+        b = ((b % P) + P) % P
+        blo = <uint64_t>b * k.block
+        bhi = blo + k.block
+        if bhi > k.nbytes:
+            bhi = k.nbytes
+        clo = blo + col * k.chunk
+        lo[0] = clo
+        n[0] = 0
+        if clo < bhi:
+            n[0] = bhi - clo
+            if n[0] > k.chunk:
+                n[0] = k.chunk
+
+    cdef inline bint _ring_recv_next(self, Call *k) noexcept nogil:
+        """Is the next action the final receive of a column (not a send)?"""
+        cdef uint64_t steps = 2 * (self.nranks - 1)
+        return k.j_up > 0 and k.j_up % steps == 0 and k.j_down < k.j_up
+
+    cdef inline bint _ring_send_ready(self, Chan *c, Call *k) noexcept nogil:
+        cdef uint64_t t = k.j_up
+        cdef uint64_t steps = 2 * (self.nranks - 1)
+        if t >= k.m or self._ring_recv_next(k):
+            return False
+        if k.up_base + t - shm_load_acquire64(ring_tail(c.up, 0)) >= c.nslots:
+            return False
+        if t % steps and shm_load_acquire64(ring_head(c.child_up[0])) < k.child_base[0] + t:
+            return False
+        return True
+
+    cdef inline bint _ring_last_ready(self, Chan *c, Call *k) noexcept nogil:
+        return (self._ring_recv_next(k)
+                and shm_load_acquire64(ring_head(c.child_up[0])) > k.child_base[0] + k.j_down)
+
+    cdef int _ring_send(self, Chan *c, Call *k) noexcept nogil:
+        cdef uint64_t t = k.j_up
+        cdef uint64_t P = self.nranks
+        cdef uint64_t s = t % (2 * (P - 1))
+        cdef uint64_t lo, n
+        cdef char *mine = slot_at(c.up, c.up_hdr, c, k.up_base + t)
+        cdef char *got = NULL
+        cdef const void *srcs[2]
+        self._ring_range(c, k, t, &lo, &n)
+        if s >= 1:
+            got = slot_at(c.child_up[0], c.up_hdr, c, k.child_base[0] + t - 1)
+            if not self._slot_ok(got, k, t - 1):
+                return RC_CORRUPT
+        if n:
+            if s == 0:
+                memcpy(mine + SLOT_HDR, k.src + lo, n)
+            elif s <= P - 1:
+                srcs[0] = got + SLOT_HDR
+                srcs[1] = k.src + lo
+                k.fn(mine + SLOT_HDR, srcs, 2, n // k.itemsize)
             else:
-                spinning = False
-                shm_store_seqcst32(sleepers, 1)
-                seen = shm_load_seqcst32(bell)
-                if not (self._can_down(c, k) or self._can_up(c, k)
-                        or shm_load_acquire32(self.abort_word)):
-                    shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
-                shm_store_seqcst32(sleepers, 0)
+                memcpy(mine + SLOT_HDR, got + SLOT_HDR, n)
+            if s >= P - 1:
+                memcpy(k.dst + lo, mine + SLOT_HDR, n)
+        self._stamp(mine, k, t)
+        if s >= 1:
+            shm_store_release64(ring_tail(c.child_up[0], 0), k.child_base[0] + t)
+            k.j_down = t
+        shm_store_release64(ring_head(c.up), k.up_base + t + 1)
+        shm_fence()
+        self._wake(c.parent)
+        self._wake(c.children[0])
+        k.j_up = t + 1
+        return RC_DONE
+
+    cdef int _ring_last(self, Chan *c, Call *k) noexcept nogil:
+        """The predecessor's last item of a column (its final allgather step): output only."""
+        cdef uint64_t u = k.j_down
+        cdef uint64_t lo, n
+        cdef char *got = slot_at(c.child_up[0], c.up_hdr, c, k.child_base[0] + u)
+        if not self._slot_ok(got, k, u):
+            return RC_CORRUPT
+        self._ring_final_range(c, k, u, &lo, &n)
+        if n:
+            memcpy(k.dst + lo, got + SLOT_HDR, n)
+        shm_store_release64(ring_tail(c.child_up[0], 0), k.child_base[0] + u + 1)
+        shm_fence()
+        self._wake(c.children[0])
+        k.j_down = u + 1
+        return RC_DONE
+
+    cdef inline void _ring_final_range(self, Chan *c, Call *k, uint64_t u, uint64_t *lo,
+                                       uint64_t *n) noexcept nogil:
+        """Range of block p+2 (what the predecessor's step 2P-3 carries), column of item u."""
+        cdef int64_t P = self.nranks
+        cdef uint64_t col = u // (2 * (P - 1))
+        cdef int64_t b = (c.ring_pos + 2) % P
+        cdef uint64_t blo = <uint64_t>b * k.block
+        cdef uint64_t bhi = blo + k.block
+        cdef uint64_t clo
+        if bhi > k.nbytes:
+            bhi = k.nbytes
+        clo = blo + col * k.chunk
+        lo[0] = clo
+        n[0] = 0
+        if clo < bhi:
+            n[0] = bhi - clo
+            if n[0] > k.chunk:
+                n[0] = k.chunk
+
+    cdef int _run_ring(self, Chan *c, Call *k, int64_t budget_ns) noexcept nogil:
+        cdef int64_t idle_since = 0
+        cdef int rc, spins = 0
+        cdef bint spinning = False
+        while True:
+            if k.j_up >= k.m and k.j_down >= k.m:
+                return RC_DONE
+            if self._ring_send_ready(c, k):
+                rc = self._ring_send(c, k)
+            elif self._ring_last_ready(c, k):
+                rc = self._ring_last(c, k)
+            else:
+                rc = self._idle(&idle_since, &spins, &spinning, budget_ns, c, k)
+                if rc != RC_DONE:
+                    return rc
+                continue
+            if rc != RC_DONE:
+                return rc
+            idle_since = 0

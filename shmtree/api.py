@@ -125,15 +125,19 @@ class Group:
             raise ValueError(f"shmtree: spin_us must be a number >= 0, got {spin_us!r}")
         self.spin_ns = int(spin_us * 1000)
         self.trees = self._plan_trees()
-        self.layout = Layout(size, [ChannelPlan(self.trees[0], SMALL_SLOTS, max(self.small_bytes, 64)),
-                                    ChannelPlan(self.trees[1], self.slots, self.chunk_bytes)])
+        self.layout = Layout(size, [
+            ChannelPlan(self.trees[0], SMALL_SLOTS, max(self.small_bytes, 64)),
+            ChannelPlan(self.trees[1], self.slots, self.chunk_bytes, ring=self.tree_kind == "ring")])
 
     def _plan_trees(self):
-        """Channel 0 (latency) and channel 1 (bandwidth) trees."""
-        small_kind = "auto" if self.tree_kind == "ring" else self.tree_kind
-        small = build_tree(small_kind, self.size, self.topology, placement=self.placement,
+        """Channel 0 (latency) and channel 1 (bandwidth) trees.  For tree="ring" channel 1 runs
+        the ring schedule around the depth-first order of the bandwidth tree "auto" would pick
+        (the machine's hierarchy, so each socket link is crossed once per direction)."""
+        ring = self.tree_kind == "ring"
+        kind = "auto" if ring else self.tree_kind
+        small = build_tree(kind, self.size, self.topology, placement=self.placement,
                            message_bytes=min(self.small_bytes, SMALL_MESSAGE_BYTES - 1))
-        large = build_tree(self.tree_kind, self.size, self.topology, placement=self.placement,
+        large = build_tree(kind, self.size, self.topology, placement=self.placement,
                            message_bytes=max(self.chunk_bytes, SMALL_MESSAGE_BYTES))
         return small, large
 

@@ -55,6 +55,8 @@ class ChannelPlan:
     tree: object          # shmtree.schedule.Tree
     nslots: int
     payload: int          # chunk payload bytes per slot
+    ring: bool = False    # True: the ring schedule around tree.ring (one ring per rank, to its
+                          # successor) instead of the tree's up and down rings
 
     @property
     def stride(self) -> int:
@@ -76,6 +78,11 @@ class Layout:
         for plan in channels:
             up, down = [-1] * nranks, [-1] * nranks
             for r in range(nranks):
+                if plan.ring:
+                    if nranks > 1:
+                        up[r] = off
+                        off += plan.ring_bytes(1)
+                    continue
                 if plan.tree.parent[r] >= 0:
                     up[r] = off
                     off += plan.ring_bytes(1)
@@ -90,6 +97,8 @@ class Layout:
     def engine_spec(self, ch: int, rank: int) -> dict:
         """What rank needs to run channel ch: its neighbours and the offsets of their rings."""
         plan = self.channels[ch]
+        if plan.ring:
+            return self._ring_spec(plan, ch, rank)
         tree = plan.tree
         parent = tree.parent[rank]
         children = list(tree.children[rank])
@@ -102,6 +111,31 @@ class Layout:
             "down": self.down[ch][rank],
             "child_up": [self.up[ch][c] for c in children],
             "parent_down": self.down[ch][parent] if parent >= 0 else -1,
+            "nslots": plan.nslots,
+            "stride": plan.stride,
+            "payload": plan.payload,
+        }
+
+    def _ring_spec(self, plan: ChannelPlan, ch: int, rank: int) -> dict:
+        """The ring schedule: rank sends to its successor in tree.ring and receives from its
+        predecessor.  In the engine's terms the successor is the 'parent' that consumes this
+        rank's up ring, and the predecessor the single 'child' whose up ring it consumes."""
+        order = list(plan.tree.ring)
+        pos = order.index(rank)
+        n = len(order)
+        succ, pred = order[(pos + 1) % n], order[(pos - 1) % n]
+        alone = n == 1
+        return {
+            "ring": True,
+            "ring_pos": pos,
+            "parent": -1 if alone else succ,
+            "index": 0,
+            "parent_nchild": 0 if alone else 1,
+            "children": [] if alone else [pred],
+            "up": self.up[ch][rank],
+            "down": -1,
+            "child_up": [] if alone else [self.up[ch][pred]],
+            "parent_down": -1,
             "nslots": plan.nslots,
             "stride": plan.stride,
             "payload": plan.payload,
