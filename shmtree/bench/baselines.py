@@ -11,8 +11,9 @@ one into a scratch array and accumulates into its output, then sends the result 
 rank, which receives it straight into its output (``recv_bytes_into``).  This is the careful
 version of "pickle arrays through pipes"; pickling would only be slower.
 
-Both run in the fork harness (``harness.py``).  The segment is created by the parent, inherited by
-fork, and unlinked in the parent's ``finally``, so nothing is left in /dev/shm even on error.
+Both run in the fork harness (``harness.py``).  The segment is created by the parent and its name
+unlinked at once, before any fork: the ranks inherit the mapping, and nothing can be left in
+/dev/shm, even if the bench is killed outright.
 """
 import multiprocessing as mp
 from multiprocessing import shared_memory
@@ -60,11 +61,11 @@ def run_numpy_shm(sizes, nprocs, plan, pin=None):
     """{size: summary} of the numpy + shared_memory loop."""
     nbytes = nprocs * _slot_items(sizes, plan.dtype) * np.dtype(plan.dtype).itemsize
     segment = shared_memory.SharedMemory(create=True, size=nbytes)
+    segment.unlink()  # the name goes now; the mapping lives on in this process and its forks
     try:
         per_rank = harness.launch(_numpy_shm_worker, nprocs, (segment, sizes, plan), pin=pin)
     finally:
         segment.close()
-        segment.unlink()
     return {size: slowest([r[k] for r in per_rank]) for k, size in enumerate(sizes)}
 
 

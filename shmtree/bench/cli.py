@@ -13,7 +13,9 @@ by ``sweep``, ``compare``, ``numa``; output by ``report`` and ``plot``.  Exit st
 """
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from . import compare, machine, numa, plot, report, sweep
 from .harness import BenchError
@@ -61,7 +63,8 @@ def _group_arguments(p):
 
 def _measure_arguments(p, command, nprocs_help):
     p.add_argument("--sizes", type=_arg(parse_sizes), default=DEFAULT_SIZES[command],
-                   help=f'bytes: "8,1K,64M" or a range "8:64M:x8" (default {DEFAULT_SIZES[command]})')
+                   help='bytes: "8,1K,64M" or a range "8:64M:x8" '
+                        f"(default {DEFAULT_SIZES[command]})")
     p.add_argument("-n", "--nprocs", type=_arg(_positive), help=nprocs_help)
     p.add_argument("--dtype", type=_arg(parse_dtype), default="float32")
     p.add_argument("--op", type=_arg(parse_op), default="sum")
@@ -127,6 +130,7 @@ def parse(argv):
 
 def main(argv=None):
     """Entry point of ``shmtree-bench`` and ``python -m shmtree.bench``; returns the exit code."""
+    _terminate_like_interrupt()
     try:
         args = parse(argv)
         return {"allreduce": cmd_allreduce, "compare": cmd_compare, "numa": cmd_numa,
@@ -137,6 +141,12 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("shmtree-bench: interrupted", file=sys.stderr)
         return 130
+
+
+def _terminate_like_interrupt():
+    """SIGTERM raises KeyboardInterrupt, so every finally (processes, /dev/shm) still runs."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _plan(args, nprocs):
@@ -235,11 +245,12 @@ def cmd_compare(args):
         "compare", machine.describe(args.topology),
         _settings(args, nprocs, plan, methods=methods, mpi_pythons=pythons),
         {"size": "message bytes", "count": "elements", "<method>_us": "time per call",
-         "<method>_vs_shmtree": "that time / shmtree_us", "shmtree_vs_copy": "shmtree_us / copy_us"},
-        rows, methods={c.key: c.meta() for c in columns + ([copy] if copy else [])})
+         "<method>_vs_shmtree": "that time / shmtree_us",
+         "shmtree_vs_copy": "shmtree_us / copy_us"},
+        rows, methods={c.key: c.meta() for c in compare.everything(columns, copy)})
     _write(args, doc, sorted({k for r in rows for k in r}, key=_column_order), rows)
     if args.plot:
-        series = {c.label: [c.us(s) for s in args.sizes] for c in columns + ([copy] if copy else [])}
+        series = {c.label: [c.us(s) for s in args.sizes] for c in compare.everything(columns, copy)}
         plot.plot_compare(args.plot, [r["size"] for r in rows], series,
                           f"allreduce, P={nprocs}, {plan.dtype} {plan.op}")
     shm = next((c for c in columns if c.key == "shmtree"), None)

@@ -109,7 +109,8 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress):
             columns.append(_guarded("numpy_shm", "numpy-shm",
                                     lambda: baselines.run_numpy_shm(sizes, nprocs, plan)))
         elif method == "pipe":
-            columns.append(_guarded("pipe", "pipe", lambda: baselines.run_pipe(sizes, nprocs, plan)))
+            columns.append(_guarded("pipe", "pipe",
+                                    lambda: baselines.run_pipe(sizes, nprocs, plan)))
         elif method == "mpi":
             columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons))
         elif method == "gloo":
@@ -129,7 +130,7 @@ def rows(sizes, dtype, columns, copy):
     for size in sizes:
         count = count_for(size, dtype)
         r = {"size": count * np.dtype(dtype).itemsize, "count": count}
-        for col in columns + ([copy] if copy else []):
+        for col in everything(columns, copy):
             r[f"{col.key}_us"] = col.us(size)
             if shm and col is not shm and col is not copy and col.us(size) is not None:
                 r[f"{col.key}_vs_shmtree"] = col.us(size) / shm.us(size)
@@ -164,4 +165,9 @@ def _cell(col, r):
 
 def problems(columns, copy):
     """Full status lines for the methods that did not run (cells may be shortened)."""
-    return [f"{c.label}: {c.status}" for c in columns + ([copy] if copy else []) if c.status != "ok"]
+    return [f"{c.label}: {c.status}" for c in everything(columns, copy) if c.status != "ok"]
+
+
+def everything(columns, copy):
+    """The method columns followed by the copy column, if there is one."""
+    return columns + ([copy] if copy else [])

@@ -9,16 +9,20 @@ returns the list of return values, indexed by rank.
 Cleanup is the point of this module: if any rank raises, dies or outlives ``timeout``, the others
 are terminated (then killed), every process is joined, and ``BenchError`` carries the failing
 rank's traceback.  Shared memory that a caller creates is the caller's to unlink in its own
-``finally``; the barrier and the slots here are anonymous and vanish with the processes.
+``finally``; the barrier and the slots here are anonymous and vanish with the processes.  Should
+the parent itself be killed outright, each child is killed by the kernel too (PR_SET_PDEATHSIG).
 """
+import ctypes
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import wait
 
 DEFAULT_TIMEOUT = 600.0
 BARRIER_TIMEOUT = 120.0
+PR_SET_PDEATHSIG = 1
 
 
 class BenchError(RuntimeError):
@@ -80,7 +84,17 @@ def launch(fn, nprocs, args=(), pin=None, timeout=DEFAULT_TIMEOUT):
         _stop(procs, readers)
 
 
+def die_with_parent(sig=signal.SIGKILL):
+    """Ask Linux to send `sig` to this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's finally still stops the children
+
+
 def _child(fn, peer, args, cpu, writer):
+    die_with_parent()
     try:
         if cpu is not None:
             pin_to(cpu)

@@ -103,7 +103,7 @@ def describe(topology=None):
     nodes = numa_nodes()
     return {
         "host": socket.gethostname(),
-        "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_model": cpu_model(),
         "ncpus": os.cpu_count(),
         "usable_cpus": sorted(os.sched_getaffinity(0)),

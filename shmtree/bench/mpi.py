@@ -8,20 +8,29 @@ numpy and mpi4py but not shmtree.
 
 Ranks are bound to one core each (``--bind-to core``, which MPICH's hydra and Open MPI both
 accept) when there are enough usable cores, as the bench's other processes are pinned, and not
-bound otherwise.  Open MPI refuses to run as root or on more ranks than cores unless told; the environment variables
-that allow both are set (MPICH ignores them).  mpiexec runs in its own session: on a timeout or
-an error the whole process group is killed, so no rank outlives the bench.
+bound otherwise.  Open MPI refuses to run as root or on more ranks than cores unless told; the
+environment variables that allow both are set (MPICH ignores them).
+
+mpiexec runs in its own session: on a timeout or an error the whole process group gets SIGTERM,
+then SIGKILL, and mpiexec gets SIGTERM from the kernel if the bench itself is killed
+(PR_SET_PDEATHSIG), so no rank outlives the bench.  A killed MPICH job leaves its own
+shared-memory file behind: after a kill, the MPI segments that appeared in /dev/shm during the
+run are removed (not after ``kill -9`` of the bench itself, which leaves nobody to do it).
 """
 import json
 import os
 import shutil
 import signal
 import subprocess
+import time
 
+from . import harness
 from .harness import BenchError
 from .mpi_worker import MARKER
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_worker.py")
+SHM = "/dev/shm"
+MPI_SHM_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.", "psm_shm.")
 OPEN_MPI_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -65,15 +74,45 @@ def worker_command(python, nprocs, sizes, plan):
 def run_mpi(python, sizes, nprocs, plan, timeout=600):
     """(library version string, {size: summary}) of mpi4py's Allreduce under `python`."""
     env = dict(os.environ, **OPEN_MPI_ENV, PYTHONUNBUFFERED="1")
+    before = _shm_names()
     proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan), env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_mpiexec_setup)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         raise BenchError(f"mpiexec ({python}) did not finish in {timeout} s") from None
     finally:
-        _kill_group(proc)
+        if _kill_group(proc):
+            _remove_mpi_leftovers(before)
     return _parse(out, err, proc.returncode, python)
+
+
+def _mpiexec_setup():
+    """In the forked mpiexec, before exec: SIGTERM (which it forwards to its ranks) if we die."""
+    harness.die_with_parent(signal.SIGTERM)
+
+
+def _shm_names():
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def _remove_mpi_leftovers(before):
+    """After killing an MPI job: unlink the /dev/shm files its library made since `before`.
+
+    MPICH leaves its ``mpich_shm_*`` segment behind when its ranks are killed; only files that
+    are new, ours, and named like an MPI library's own segments are removed.
+    """
+    for name in _shm_names() - before:
+        path = os.path.join(SHM, name)
+        try:
+            if name.startswith(MPI_SHM_PREFIXES) and os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _parse(out, err, returncode, python):
@@ -86,18 +125,36 @@ def _parse(out, err, returncode, python):
 
 
 def _kill_group(proc):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """Stop whatever is left of the job's process group; True if anything had to be stopped."""
+    if proc.poll() is not None and not _group_alive(proc.pid):
+        return False
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # a chance to clean up, then no chance
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
-        try:
-            proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            continue
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        if _wait_group(proc, 3.0):
+            break
+    proc.wait()
+    return True
+
+
+def _wait_group(proc, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or it stays in the group as a zombie
+        if not _group_alive(proc.pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def short_name(library):
