@@ -12,6 +12,7 @@ by ``sweep``, ``compare``, ``numa``; output by ``report`` and ``plot``.  Exit st
 1 the benchmark failed (message on stderr), 2 bad arguments.
 """
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -146,7 +147,14 @@ def main(argv=None):
 def _terminate_like_interrupt():
     """SIGTERM raises KeyboardInterrupt, so every finally (processes, /dev/shm) still runs."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid()))
+
+
+def _on_sigterm(main_pid, signum, frame):
+    if os.getpid() == main_pid:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker: die as if never handled
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _plan(args, nprocs):

@@ -79,9 +79,11 @@ def launch(fn, nprocs, args=(), pin=None, timeout=DEFAULT_TIMEOUT):
             writer.close()
             procs.append(proc)
             readers.append(reader)
-        return _collect(procs, readers, timeout)
+        results = _collect(procs, readers, timeout)
+        _stop(procs, readers, grace=5.0)  # all reported: let them exit on their own
+        return results
     finally:
-        _stop(procs, readers)
+        _stop(procs, readers, grace=0.0)
 
 
 def die_with_parent(sig=signal.SIGKILL):
@@ -95,6 +97,8 @@ def die_with_parent(sig=signal.SIGKILL):
 
 def _child(fn, peer, args, cpu, writer):
     die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent stops us with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
         if cpu is not None:
             pin_to(cpu)
@@ -135,7 +139,9 @@ def _receive(reader, proc, rank):
     return value
 
 
-def _stop(procs, readers):
+def _stop(procs, readers, grace):
+    for proc in procs:
+        proc.join(grace)
     for proc in procs:
         if proc.is_alive():
             proc.terminate()

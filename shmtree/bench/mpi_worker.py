@@ -75,7 +75,7 @@ def main(argv=None):
         if comm.rank == 0:
             rows.append(dict(measure.slowest(summaries), size=size))
     if comm.rank == 0:
-        library = MPI.Get_library_version().strip().splitlines()[0].strip()
+        library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         print(MARKER + json.dumps({"library": library, "mpi4py": mpi4py.__version__,
                                    "nprocs": comm.size, "rows": rows}), flush=True)
 
