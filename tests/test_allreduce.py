@@ -261,6 +261,28 @@ def test_synthetic_topologies_p8(topology, tree):
         assert cpus and cpus <= allowed, f"rank {rank} has affinity {cpus}, machine {allowed}"
 
 
+def topology_json_files():
+    d = os.path.join(os.path.dirname(shmtree.__file__), "fixtures")
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".json")) \
+        if os.path.isdir(d) else []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", topology_json_files() or [None], ids=os.path.basename)
+def test_topology_from_json_file_p8(path):
+    """topology= a JSON file's path (the machine models shipped with the package)."""
+    if path is None:
+        pytest.skip("no topology JSON files shipped in shmtree/fixtures")
+    cases = [(d, op, (n,)) for d in ("int32", "float64")
+             for op in valid_ops(d) for n in (7, 4099)]
+    cases += [("float32", "sum", (big_n(4),))]
+    results = run_ok(affinity_worker, 8, args=(cases,), topology=path, chunk_bytes=8192)
+    check_cases(results, cases, 8)
+    allowed = os.sched_getaffinity(0)
+    for rank, res in enumerate(results):
+        assert set(res[3]) and set(res[3]) <= allowed, f"rank {rank}: affinity {res[3]}"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tree,chunk_bytes", [("binary", 4096), ("chain", 4096), ("ring", 4096),
                                               ("auto", None)])

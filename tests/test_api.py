@@ -174,7 +174,7 @@ def check_pool_results(results, P, init=None):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("P", [1, 3, 4])
+@pytest.mark.parametrize("P", [1, 3, 4, 8])
 def test_pool_map(P):
     global _PARENT_MARK
     _PARENT_MARK = "set-by-parent"
@@ -266,7 +266,7 @@ def run_group(P, method, **group_kw):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method,P", [("fork", 1), ("fork", 3), ("fork", 6), ("spawn", 2),
+@pytest.mark.parametrize("method,P", [("fork", 1), ("fork", 3), ("fork", 8), ("spawn", 2),
                                       ("forkserver", 3)])
 def test_group_handmade_processes(method, P):
     reports = run_group(P, method)
