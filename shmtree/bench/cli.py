@@ -67,14 +67,17 @@ def _measure_arguments(p, command, nprocs_help):
                    help='bytes: "8,1K,64M" or a range "8:64M:x8" '
                         f"(default {DEFAULT_SIZES[command]})")
     p.add_argument("-n", "--nprocs", type=_arg(_positive), help=nprocs_help)
-    p.add_argument("--dtype", type=_arg(parse_dtype), default="float32")
-    p.add_argument("--op", type=_arg(parse_op), default="sum")
+    p.add_argument("--dtype", type=_arg(parse_dtype), default="float32",
+                   help="numpy dtype of the arrays (default float32)")
+    p.add_argument("--op", type=_arg(parse_op), default="sum", help="sum, prod, min or max")
     p.add_argument("--iters", type=_arg(_positive),
                    help=f"timed calls per size (default: adaptive, about {TARGET_S} s)")
-    p.add_argument("--time", type=float, default=TARGET_S, help="adaptive target seconds per size")
+    p.add_argument("--time", type=float, default=TARGET_S,
+                   help=f"adaptive: seconds of timed calls per size (default {TARGET_S})")
     p.add_argument("--fresh", action="store_true",
                    help="cache-cold buffers: rotate through more memory than the LLC")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per call")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds one shmtree allreduce may take before it is an error (60)")
     _output_arguments(p)
 
 
@@ -89,7 +92,9 @@ def _output_arguments(p):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="shmtree-bench",
-        description="Benchmarks for shmtree's allreduce. Without a command: the allreduce sweep.")
+        description="Benchmarks for shmtree's allreduce. Without a command, or with options "
+                    "only, runs the allreduce sweep (shmtree-bench --sizes 8,1M = "
+                    "shmtree-bench allreduce --sizes 8,1M).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("allreduce", help="allreduce sweep with the memory-copy limit")
     _measure_arguments(p, "allreduce", "processes (default: usable cores)")
@@ -357,10 +362,13 @@ def cmd_topology(args):
                               message_bytes=size)
         except Exception as exc:
             raise _shmtree_failure(exc) from exc
+        kind = getattr(tree, "kind", args.tree)
+        chosen = f"tree={args.tree}" + (f" -> {kind}" if str(kind) != str(args.tree) else "")
         print(f"\n# tree for {nprocs} ranks, {label} messages ({format_size(size)}), "
-              f"tree={args.tree}: depth {tree.depth}")
+              f"{chosen}: depth {tree.depth}")
         print(tree.draw())
-        trees[label] = {"message_bytes": size, "depth": tree.depth, "drawing": tree.draw(),
+        trees[label] = {"message_bytes": size, "kind": str(kind), "depth": tree.depth,
+                        "drawing": tree.draw(),
                         "parent": _plain_list(tree.parent), "children": _plain_list(tree.children)}
     if args.json:
         doc = report.document("topology", machine.describe(args.topology),
