@@ -177,6 +177,18 @@ def test_compare_without_shmtree(tmp_path):
 
 
 @timeout
+def test_compare_csv_progress_and_missing_interpreter(tmp_path, capsys):
+    csv_path = tmp_path / "c.csv"
+    argv = ["compare", "--methods", "copy,mpi", "--mpi-python", "/nonexistent/python",
+            "--progress", "--csv", str(csv_path)] + TINY
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "n/a (no such interpreter)" in out and "[2/2] compare" in err
+    header, *lines = csv_path.read_text().splitlines()
+    assert header.split(",")[:2] == ["size", "count"] and "copy_us" in header and len(lines) == 2
+
+
+@timeout
 def test_plot_without_matplotlib_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["compare", "--methods", "copy", "--plot", "x.png"] + TINY) == 1

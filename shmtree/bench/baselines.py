@@ -16,13 +16,14 @@ unlinked at once, before any fork: the ranks inherit the mapping, and nothing ca
 /dev/shm, even if the bench is killed outright.
 """
 import multiprocessing as mp
+import os
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from . import harness
 from .measure import UFUNCS, Buffers, measure, slowest, verify
-from .units import count_for
+from .units import count_for, format_size
 
 PAGE = 4096
 
@@ -32,6 +33,15 @@ def _slot_items(sizes, dtype):
     itemsize = np.dtype(dtype).itemsize
     largest = max(count_for(s, dtype) for s in sizes) * itemsize
     return -(-largest // PAGE) * PAGE // itemsize
+
+
+def _check_room(nbytes, where="/dev/shm"):
+    """BenchError unless `where` has room for nbytes (a full tmpfs is a SIGBUS, not an error)."""
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise harness.BenchError(f"needs {format_size(nbytes)} in {where}, "
+                                 f"{format_size(free)} free")
 
 
 def _numpy_shm_size(peer, arena, size, plan):
@@ -60,6 +70,7 @@ def _numpy_shm_worker(peer, segment, sizes, plan):
 def run_numpy_shm(sizes, nprocs, plan, pin=None):
     """{size: summary} of the numpy + shared_memory loop."""
     nbytes = nprocs * _slot_items(sizes, plan.dtype) * np.dtype(plan.dtype).itemsize
+    _check_room(nbytes)
     segment = shared_memory.SharedMemory(create=True, size=nbytes)
     segment.unlink()  # the name goes now; the mapping lives on in this process and its forks
     try:
