@@ -10,6 +10,7 @@ themselves, and the parent compares those with numpy.  Worker functions are modu
 they pickle for spawn and forkserver.
 """
 import array
+import functools
 import hashlib
 import os
 import zlib
@@ -246,8 +247,10 @@ def test_trees_small_chunks(tree, nprocs):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tree", ["topology", "auto", "chain", "ring"])
-@pytest.mark.parametrize("topology", ["2x4", "2x2x2"])
+@pytest.mark.parametrize("topology", ["2x4", "2x2x2", "Topology(2x4)"])
 def test_synthetic_topologies_p8(topology, tree):
+    if topology.startswith("Topology("):
+        topology = shmtree.Topology.from_spec(topology[9:-1])     # a Topology object
     cases = [(d, op, (n,)) for d in ("int16", "float64", "complex128")
              for op in valid_ops(d) for n in (1, 4099)]
     cases += [("float32", "sum", (big_n(4),)), ("int64", "min", (MID_SIZE,))]
@@ -515,3 +518,90 @@ def test_property_random_cases(cases):
                                                      dtype=np.dtype(case[0]))
         why = compare(results[0][i][1], expected, case[1], nprocs)
         assert why is None, f"{case}: {why}"
+
+
+# --- special float values: nan, +-inf (numpy's semantics: nan propagates through min/max) -----
+
+SPECIALS = [1.5, np.nan, np.inf, -np.inf, -2.0]
+
+
+def special_input(dtype, rank, nprocs):
+    """Position i holds SPECIALS[digit r of i in base 5] on rank r: every combination of
+    special values across the ranks appears somewhere (for nprocs <= 3 all of them)."""
+    n = len(SPECIALS) ** nprocs
+    idx = (np.arange(n) // len(SPECIALS) ** rank) % len(SPECIALS)
+    x = np.array(SPECIALS)[idx]
+    if np.dtype(dtype).kind == "c":
+        z = np.empty(n, dtype=dtype)                # (not x + 1j*y: 0*inf would make nans)
+        z.real, z.imag = x, np.array(SPECIALS)[(idx + 1) % len(SPECIALS)]
+        return z
+    return x.astype(dtype)
+
+
+def special_worker(comm, dtypes):
+    out = []
+    for dtype in dtypes:
+        for op in valid_ops(dtype):
+            x = special_input(dtype, comm.rank, comm.size)
+            with np.errstate(all="ignore"):
+                y = comm.allreduce(x, op=op)
+            out.append((dtype, op, digest(y), np.array(y) if comm.rank == 0 else None))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_nan_and_inf_follow_numpy(nprocs):
+    dtypes = ["float16", "float32", "float64", "complex64", "complex128"]
+    results = run_ok(special_worker, nprocs, args=(dtypes,))
+    failures = []
+    for i, (dtype, op, d0, got) in enumerate(results[0]):
+        if any(res[i][2] != d0 for res in results):
+            failures.append(f"{dtype} {op}: ranks got different bits")
+        inputs = [special_input(dtype, r, nprocs) for r in range(nprocs)]
+        with np.errstate(all="ignore"):
+            expected = UFUNCS[op].reduce(np.stack(inputs), axis=0, dtype=np.dtype(dtype))
+            # numpy itself is not consistent for complex products with infinities: the reduce
+            # loop gives nan+nanj where the elementwise ufunc gives inf+infj; accept either
+            expected2 = functools.reduce(UFUNCS[op], inputs)
+
+        def same(j):
+            return any(np.array_equal(got[j:j + 1], e[j:j + 1], equal_nan=True)
+                       for e in (expected, expected2))
+        # nan, inf and their combinations do not depend on the order of the reduction
+        if got.dtype != expected.dtype or not all(same(j) for j in range(expected.size)):
+            bad = [j for j in range(expected.size) if not same(j)]
+            failures.append(f"{dtype} {op}: {len(bad)} items differ, e.g. inputs "
+                            f"{[inp[bad[0]] for inp in inputs]}: got {got[bad[0]]!r}, "
+                            f"numpy {expected[bad[0]]!r}")
+    assert not failures, "\n".join(failures)
+
+
+# --- many calls in a row: sequence numbers, ring slots wrapping, small and chunked paths -------
+
+def sequence_worker(comm, calls):
+    rng = np.random.default_rng(1234)              # the same call sequence on every rank
+    bad = []
+    for i in range(calls):
+        kind = rng.integers(0, 6)
+        n = int(rng.choice([1, 3, 17, 200, 4099, 70001]))
+        if kind == 5:
+            comm.barrier()
+            continue
+        op = ["sum", "max", "min", "prod", "sum"][kind]
+        x = np.full(n, comm.rank + 1, dtype=np.int64) + i
+        want = {"sum": comm.size * (comm.size + 1) // 2 + comm.size * i,
+                "max": comm.size + i, "min": 1 + i,
+                "prod": int(np.prod(np.arange(1, comm.size + 1, dtype=np.int64) + i))}[op]
+        y = comm.allreduce(x, op=op, out=x if i % 3 == 0 else None)
+        if not (y == want).all():
+            bad.append((i, op, n))
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,tree", [(4, None), (3, "ring"), (6, "binary")])
+def test_many_calls_in_a_row(nprocs, tree):
+    kw = {} if tree is None else dict(tree=tree)
+    results = run_ok(sequence_worker, nprocs, args=(800,), chunk_bytes=8192, **kw)
+    assert results == [[]] * nprocs, results

@@ -57,6 +57,17 @@ def test_current_outside_group_raises():
         shmtree.current()
 
 
+@pytest.mark.timeout(60)
+def test_parent_is_not_a_member():
+    """run, Pool and Group make the workers members, never the parent."""
+    run_ok(describe_worker_noargs, 2)
+    with shmtree.Group(2):
+        with pytest.raises(shmtree.ShmtreeError):
+            shmtree.current()
+    with pytest.raises(shmtree.ShmtreeError):
+        shmtree.current()
+
+
 def test_public_names():
     for name in ("run", "Pool", "Group", "Communicator", "allreduce", "rank", "size", "barrier",
                  "current", "Topology"):
