@@ -55,6 +55,8 @@ DEFAULT_SMALL_BYTES = 32 * 1024
 SMALL_SLOTS = 2
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
+RUN_GRACE_S = 5.0           # run(): after a failure, how long the other workers get to report
+DEAD_GRACE_S = 0.005        # after finding a dead member: time to finish from what it published
 
 _OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
 _DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
@@ -396,16 +398,25 @@ class Communicator:
                 if deadline is not None:
                     budget = max(0.0005, min(budget, deadline - time.monotonic()))
                 rc = eng.progress(int(budget * 1e9))
+                if rc == _engine.STALLED:
+                    dead = self._find_dead()
+                    if dead is None:
+                        if deadline is not None and time.monotonic() >= deadline:
+                            self.group.abort(ABORT_TIMEOUT, self.rank)
+                            raise CollectiveTimeoutError(
+                                f"shmtree: rank {self.rank}: collective timed out; the group "
+                                "is aborted")
+                        continue
+                    # a member that exited after publishing its part is no loss: finish what
+                    # is already in the rings before declaring the group broken
+                    rc = eng.progress(int(DEAD_GRACE_S * 1e9))
+                    if rc == _engine.STALLED:
+                        r, how = dead
+                        self.group.abort(ABORT_DIED, r)
+                        raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); "
+                                            "the group is aborted")
                 if rc == _engine.DONE:
                     return
-                if rc == _engine.STALLED:
-                    self._check_peers()
-                    if deadline is not None and time.monotonic() >= deadline:
-                        self.group.abort(ABORT_TIMEOUT, self.rank)
-                        raise CollectiveTimeoutError(
-                            f"shmtree: rank {self.rank}: collective timed out; the group is "
-                            "aborted")
-                    continue
                 if rc == _engine.ABORTED:
                     raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
                 if rc == _engine.MISMATCH:
@@ -434,38 +445,44 @@ class Communicator:
         if self.group.aborted():
             raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
 
-    def _check_peers(self):
-        """Abort the group and raise PeerLostError if a member this rank depends on is dead
-        (gone, a zombie, or its pid reused).  Tree neighbours every slice, everyone each second."""
+    def _find_dead(self):
+        """(rank, how) of a dead member this rank may depend on (gone, a zombie, or its pid
+        reused), else None.  Tree neighbours every slice, every member once a second."""
         ranks = self._neighbours
         now = time.monotonic()
         if now >= self._next_full_scan:
             ranks = range(self.size)
             self._next_full_scan = now + FULL_SCAN_S
         for r in ranks:
-            if r != self.rank and not self._alive(r):
-                self.group.abort(ABORT_DIED, r)
-                raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died; the group is "
-                                    "aborted")
+            if r != self.rank:
+                how = self._death_of(r)
+                if how:
+                    return r, how
+        return None
 
-    def _alive(self, r) -> bool:
+    def _death_of(self, r) -> str:
+        """'' while rank r's process lives; else how it is gone."""
         import psutil
 
         joined, pid, ctime = self.group.member(r)
         if not joined:
-            return True                  # not started yet: nothing to say
+            return ""                    # not started yet: nothing to say
         proc = self._procs.get(r)
         try:
             if proc is None:
                 proc = psutil.Process(pid)
-                if abs(proc.create_time() - ctime) > 0.01:
-                    return False         # the pid now belongs to another process
+                if abs(proc.create_time() - ctime) > 0.05:
+                    return f"pid {pid} now belongs to another process"
                 self._procs[r] = proc
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+            if not proc.is_running():
+                return f"pid {pid} is gone"
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return f"pid {pid} is a zombie"
+            return ""
         except psutil.NoSuchProcess:
-            return False
+            return f"pid {pid} is gone"
         except psutil.Error:
-            return True
+            return ""
 
     def _mismatch_message(self, seq) -> str:
         seen = {}
@@ -652,42 +669,43 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
 
 
 def _collect(group, procs, conns):
-    """Wait for every worker's report; raise WorkerError for the first root-cause failure."""
+    """Wait for every worker's report; raise WorkerError for the first root-cause failure (an
+    exception other than PeerLostError, or a death), else for the first failure seen."""
     from multiprocessing.connection import wait
 
     n = len(procs)
-    results, failures, pending = [None] * n, [], set(range(n))
+    results, failures = [None] * n, []
+    listening = set(range(n))           # ranks whose pipe may still bring a report
     reported = [False] * n
+    running = set(range(n))
     failed_at = None
-    while pending:
-        waitables = [conns[r] for r in pending if not reported[r]] + \
-                    [procs[r].sentinel for r in pending]
-        timeout = 0.2 if failed_at is None else max(0.0, failed_at + 5.0 - time.monotonic())
-        ready = wait(waitables, timeout=timeout)
-        if failed_at is not None and not ready and time.monotonic() >= failed_at + 5.0:
-            break                                # the others are stopped in finally
-        for r in list(pending):
-            if not reported[r] and conns[r] in ready:
+    while running:
+        waitables = [conns[r] for r in listening] + [procs[r].sentinel for r in running]
+        ready = wait(waitables, timeout=0.2)
+        for r in list(listening):
+            if conns[r] in ready:
+                listening.discard(r)
                 try:
                     ok, payload = conns[r].recv()
                 except (EOFError, OSError):
-                    ok, payload = None, None
+                    continue                     # closed without a report: see its exit
                 reported[r] = True
                 if ok:
                     results[r] = payload
-                elif ok is False:
+                else:
                     name, text, tb, lost = payload
                     failures.append((lost, r, f"{name}: {text}", tb))
-            if procs[r].sentinel in ready or (reported[r] and not procs[r].is_alive()):
+        for r in list(running):
+            if procs[r].sentinel in ready and r not in listening:
                 procs[r].join()
+                running.discard(r)
                 if not reported[r]:
                     failures.append((False, r, _death(procs[r].exitcode), ""))
-                    reported[r] = True
-                if reported[r]:
-                    pending.discard(r)
         if failures and failed_at is None:
             failed_at = time.monotonic()
             group.abort(ABORT_FAILED, failures[0][1])
+        if failed_at is not None and time.monotonic() > failed_at + RUN_GRACE_S:
+            break                                # the rest are stopped by run's finally
     if failures:
         lost, r, text, tb = sorted(failures, key=lambda f: f[0])[0]   # root causes first
         raise WorkerError(r, text, tb or text)
