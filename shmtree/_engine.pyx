@@ -35,6 +35,16 @@ from shmtree._kernels cimport reduce_fn, get_kernel
 cdef extern from "sched.h" nogil:
     int sched_yield()
 
+cdef extern from "<errno.h>" nogil:
+    int errno
+
+cdef extern from "<unistd.h>" nogil:
+    long syscall(long number, ...)
+
+cdef extern from "<sys/syscall.h>" nogil:
+    long SYS_mbind
+    long SYS_move_pages
+
 cdef extern from "_csrc/shm_sync.h" nogil:
     uint64_t shm_load_acquire64(const uint64_t *p)
     uint64_t shm_load_relaxed64(const uint64_t *p)
@@ -264,6 +274,52 @@ cdef class Segment:
         return ((<uint64_t *>(d + D_SEQ))[0], (<uint64_t *>(d + D_NBYTES))[0],
                 (<uint16_t *>(d + D_KIND))[0], (<uint8_t *>(d + D_OP))[0],
                 (<uint8_t *>(d + D_DTYPE))[0], shape)
+
+    def bind(self, uint64_t offset, uint64_t nbytes, int mode, nodes):
+        """mbind(2) a page-aligned range to a set of NUMA nodes (mode: 1 preferred, 2 bind,
+        3 interleave) before its pages are touched.  Returns 0 or the errno (EPERM where a
+        sandbox forbids it, ENOSYS without NUMA support): the caller falls back to first touch."""
+        self._live()
+        if offset % PAGE or offset + nbytes > self.size:
+            raise ValueError("shmtree: bind range not page-aligned or outside the segment")
+        cdef unsigned long mask[16]
+        cdef int n
+        memset(mask, 0, sizeof(mask))
+        for n in nodes:
+            if not 0 <= n < 1024:
+                raise ValueError(f"shmtree: NUMA node {n} out of range")
+            mask[n // 64] |= 1UL << (n % 64)
+        cdef long rc = syscall(SYS_mbind, self.base + offset, nbytes, mode, mask, 1025, 0)
+        return errno if rc != 0 else 0
+
+    def page_nodes(self, uint64_t offset, uint64_t nbytes):
+        """The NUMA node of each page of a range (move_pages(2) query); -errno for a page that is
+        not present (-2: never touched).  None if the kernel refuses the query."""
+        self._live()
+        if offset + nbytes > self.size:
+            raise ValueError("shmtree: range outside the segment")
+        cdef uint64_t first = offset // PAGE * PAGE
+        cdef Py_ssize_t count = (offset + nbytes - first + PAGE - 1) // PAGE
+        cdef Py_ssize_t i
+        if count == 0:
+            return []
+        cdef void **pages = <void **>malloc(count * sizeof(void *))
+        cdef int *status = <int *>malloc(count * sizeof(int))
+        if pages == NULL or status == NULL:
+            free(pages)
+            free(status)
+            raise MemoryError()
+        for i in range(count):
+            pages[i] = self.base + first + i * PAGE
+            status[i] = -1
+        cdef long rc = syscall(SYS_move_pages, 0, count, pages, NULL, status, 0)
+        try:
+            if rc < 0:
+                return None
+            return [status[i] for i in range(count)]
+        finally:
+            free(pages)
+            free(status)
 
     def touch(self, uint64_t offset, uint64_t nbytes):
         """Write zeros over a range so its pages are placed by the calling (pinned) process."""

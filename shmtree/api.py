@@ -49,6 +49,14 @@ ABORT_CLOSED = 4       # the group was closed by its creator
 ABORT_CORRUPT = 5      # rank = the member that found a corrupted ring
 ABORT_MEMBERSHIP = 6   # a process tried to join a full group (e.g. a replaced Pool worker)
 
+# NUMA placement of ring pages.  "consumer" (the default on a machine with several nodes): each
+# ring lives on the node of the process that reads it, so the reader's loads are local and only
+# the producer's stores cross the socket link, once per chunk; "producer": on the writer's node;
+# "interleave": pages spread over the group's nodes; None: first touch by the producer.
+NUMA_POLICIES = ("auto", "consumer", "producer", "interleave", None)
+MPOL_PREFERRED = 1
+MPOL_INTERLEAVE = 3
+
 DEFAULT_CHUNK_BYTES = 128 * 1024
 DEFAULT_SLOTS = 4
 DEFAULT_SMALL_BYTES = 32 * 1024
@@ -77,15 +85,17 @@ class Group:
     Options: topology (Topology, spec string like "2x4", JSON path, or None to detect), tree
     ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes (bytes per
     pipelined chunk), pin (pin each rank to its core; None: when ranks fit the usable cores of a
-    detected topology), slots (ring slots per edge), placement ("compact" or "spread"),
+    detected topology), slots (ring slots per edge), placement ("compact" or "spread"), numa
+    ("auto", "consumer", "producer", "interleave" or None: where ring pages live; "auto" is
+    "consumer" on a machine with several NUMA nodes, else first touch),
     small_bytes (largest message carried inline in the latency round), spin_us (busy-wait before
     yielding; None: 20 us, or 0 when ranks outnumber the usable cores).
     """
 
     def __init__(self, size, *, topology=None, tree=None, chunk_bytes=None, pin=None, slots=None,
-                 placement="compact", small_bytes=None, spin_us=None):
+                 placement="compact", numa="auto", small_bytes=None, spin_us=None):
         self._plan(size, topology=Topology.resolve(topology), tree=tree, chunk_bytes=chunk_bytes,
-                   pin=pin, slots=slots, placement=placement, small_bytes=small_bytes,
+                   pin=pin, slots=slots, placement=placement, numa=numa, small_bytes=small_bytes,
                    spin_us=spin_us)
         self._nonce = new_nonce()
         self._creator = os.getpid()
@@ -94,7 +104,7 @@ class Group:
         self._seg.init_header(self._nonce)
         self._closed = False
 
-    def _plan(self, size, *, topology, tree, chunk_bytes, pin, slots, placement, small_bytes,
+    def _plan(self, size, *, topology, tree, chunk_bytes, pin, slots, placement, numa, small_bytes,
               spin_us):
         """Validate the options and compute trees, placement and layout (pure arithmetic: a
         spawned process recomputes exactly the same plan from the same options)."""
@@ -112,12 +122,21 @@ class Group:
         self.slots = _positive("slots", slots, DEFAULT_SLOTS, 1)
         self.small_bytes = _positive("small_bytes", small_bytes, DEFAULT_SMALL_BYTES, 0)
         self._options = dict(topology=topology, tree=tree, chunk_bytes=chunk_bytes, pin=pin,
-                             slots=slots, placement=placement, small_bytes=small_bytes,
+                             slots=slots, placement=placement, numa=numa, small_bytes=small_bytes,
                              spin_us=spin_us)
         cpus = _usable_cpus()
         real = not topology.synthetic
-        self.cpu_of = [s.cpu if (real and s.cpu in cpus) else None
-                       for s in topology.placement(size, placement)]
+        where = topology.placement(size, placement)
+        self.cpu_of = [s.cpu if (real and s.cpu in cpus) else None for s in where]
+        self.node_of = [s.numa for s in where]
+        if numa not in NUMA_POLICIES:
+            raise ValueError(f"shmtree: numa must be one of {NUMA_POLICIES}, got {numa!r}")
+        if numa == "auto":
+            numa = "consumer" if real and topology.nnodes > 1 else None
+        elif numa is not None and not real:
+            numa = None                   # a synthetic machine's nodes do not exist here
+        self.numa = numa
+        self.numa_errno = None
         if pin is None:
             pin = size <= len(cpus) and real
         self.pin = bool(pin)
@@ -191,11 +210,50 @@ class Group:
                 os.sched_setaffinity(0, {cpu})
             except OSError:
                 pass
-        for off, length in self.layout.produced_ranges(rank):   # first touch, after pinning
-            self._seg.touch(off, length)
+        self._place_rings(rank)
         comm = Communicator(self, rank)
         _set_current(comm)
         return comm
+
+    def _place_rings(self, rank):
+        """Bind the rings this rank produces to the NUMA node(s) the policy names, then touch
+        them (after pinning): their pages are allocated now, where they belong."""
+        for off, length, consumers in self.layout.produced_rings(rank):
+            nodes = self._ring_nodes(rank, consumers)
+            if nodes:
+                mode = MPOL_INTERLEAVE if len(nodes) > 1 else MPOL_PREFERRED
+                self.numa_errno = self._seg.bind(off, length, mode, sorted(nodes)) or None
+            self._seg.touch(off, length)
+
+    def _ring_nodes(self, producer, consumers):
+        """The NUMA nodes for a ring under the group's policy (empty: first touch decides)."""
+        if self.numa is None:
+            return set()
+        if self.numa == "interleave":
+            return set(self.node_of)
+        if self.numa == "producer" or not consumers:
+            return {self.node_of[producer]}
+        votes = [self.node_of[c] for c in consumers]           # consumer: where most readers are
+        best = max(set(votes), key=lambda n: (votes.count(n), n == self.node_of[producer]))
+        return {best}
+
+    def ring_placement(self):
+        """Where the pages of every ring are: a list of dicts (channel, producer, consumers,
+        offset, bytes, pages per NUMA node; node -2 counts pages never touched).  None where
+        the kernel refuses the query.  For the bench and tests: shows the policy at work."""
+        self._check_open()
+        out = []
+        for rank in range(self.size):
+            for off, length, consumers in self.layout.produced_rings(rank):
+                nodes = self._seg.page_nodes(off, length)
+                if nodes is None:
+                    return None
+                counts = {}
+                for n in nodes:
+                    counts[n] = counts.get(n, 0) + 1
+                out.append({"producer": rank, "consumers": consumers, "offset": off,
+                            "bytes": length, "pages": counts})
+        return out
 
     def claim_rank(self) -> int:
         """The next unclaimed rank (Pool workers); >= size once every rank has been handed out."""

@@ -141,13 +141,21 @@ class Layout:
             "payload": plan.payload,
         }
 
-    def produced_ranges(self, rank: int):
-        """(offset, length) of the rings rank produces: first-touched by it after pinning."""
+    def produced_rings(self, rank: int):
+        """(offset, length, consumers) of each ring rank produces: it first-touches them at join,
+        after pinning, so that their pages land where the NUMA policy says."""
         for ch, plan in enumerate(self.channels):
+            tree = plan.tree
             if self.up[ch][rank] >= 0:
-                yield self.up[ch][rank], plan.ring_bytes(1)
+                if plan.ring:
+                    order = list(tree.ring)
+                    consumer = order[(order.index(rank) + 1) % len(order)]
+                else:
+                    consumer = tree.parent[rank]
+                yield self.up[ch][rank], plan.ring_bytes(1), [consumer]
             if self.down[ch][rank] >= 0:
-                yield self.down[ch][rank], plan.ring_bytes(len(plan.tree.children[rank]))
+                children = list(tree.children[rank])
+                yield self.down[ch][rank], plan.ring_bytes(len(children)), children
 
 
 def available_memory() -> int:
