@@ -1,0 +1,11 @@
+"""Root conftest: `python -m pytest` in a source checkout tests the *installed* shmtree when the
+checkout's own extensions are not built in place (`pip install .` builds them elsewhere), and the
+in-place build when there is one (`python setup.py build_ext --inplace`, for development)."""
+import glob
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+if not glob.glob(os.path.join(_ROOT, "shmtree", "_engine*.so")):
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
