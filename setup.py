@@ -6,6 +6,7 @@ see which reduction loops the compiler vectorised.
 """
 import os
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -19,7 +20,8 @@ def ext(name):
     return Extension(
         f"shmtree.{name}",
         [f"shmtree/{name}.pyx"],
-        include_dirs=["shmtree/_csrc"],
+        include_dirs=["shmtree/_csrc", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
     )
 

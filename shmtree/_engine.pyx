@@ -31,6 +31,9 @@ from libc.stdlib cimport malloc, free, calloc
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 from shmtree._kernels cimport reduce_fn, get_kernel
+cimport numpy as cnp
+
+cnp.import_array()
 
 cdef extern from "sched.h" nogil:
     int sched_yield()
@@ -84,6 +87,7 @@ DEF R_SLEEPERS = 4     # u32
 DEF R_JOINED = 128     # u32: 0 free, 1 being claimed, 2 joined (pid and ctime valid)
 DEF R_PID = 132        # u32
 DEF R_CTIME = 136      # f64 process create time (psutil)
+DEF R_DONE = 144       # u64 calls this rank has completed (its part of them is all published)
 DEF R_DESC = 256       # two call descriptors of 128 bytes, by call seq parity
 
 # call descriptor (in the rank block, and its first 32 bytes echoed in slot headers)
@@ -254,6 +258,11 @@ cdef class Segment:
         shm_store_seqcst32(<uint32_t *>(b + R_JOINED), 2)     # published: pid and ctime are set
         return True
 
+    def completed(self, int rank):
+        """How many collectives rank has completed (all it had to publish for them is out)."""
+        self._live()
+        return shm_load_acquire64(<uint64_t *>(self.rank_block(rank) + R_DONE))
+
     def member(self, int rank):
         """(joined, pid, create time) of a rank."""
         self._live()
@@ -339,6 +348,13 @@ cdef class Engine:
     cdef int busy
     cdef uint32_t *abort_word
     cdef public int64_t spin_ns, yield_ns, sleep_ns
+    # the message of the call in progress (begin): both phases read it
+    cdef object src_ref, dst_ref
+    cdef const char *src_p
+    cdef char *dst_p
+    cdef uint64_t msg_nbytes, small_bytes
+    cdef int msg_itemsize, msg_op, msg_dtype, phase
+    cdef uint64_t ncalls
 
     def __cinit__(self):
         memset(&self.chans[0], 0, sizeof(Chan) * 2)
@@ -418,37 +434,66 @@ cdef class Engine:
 
     # ---- the call ----
 
-    def start(self, int ch, const unsigned char[::1] src, unsigned char[::1] dst, uint64_t nbytes,
-              uint64_t m, int itemsize, int op, int dtype, uint64_t seq, int kind,
-              uint64_t desc_nbytes, uint64_t shape_hash, tuple shape):
-        """Begin a call on channel ch: m chunks over nbytes of src (reduced) into dst.
+    def begin(self, src, dst, int itemsize, int op, int dtype, uint64_t seq, int kind,
+              tuple shape, uint64_t small_bytes):
+        """Begin a collective: src and dst are C-contiguous numpy arrays of the same size (dst
+        writable; they may be the same array), or None for a call that carries no data.
 
-        On channel 0 the call is one round that also carries this rank's call descriptor, which
-        every parent compares with its children's (RC_MISMATCH on any difference)."""
+        Phase 0 is one round on channel 0 that carries this rank's call descriptor, which every
+        parent compares with its children's (MISMATCH on any difference), and the data itself
+        when it is at most small_bytes; phase 1 pipelines larger messages through channel 1.
+        Returns DONE when started, ABORTED if the group is already aborted."""
         if self.busy:
             raise RuntimeError("shmtree: a call is already in progress on this engine")
-        if ch < 0 or ch >= self.nchan:
-            raise ValueError("shmtree: no such channel")
+        cdef uint64_t nbytes = 0
+        self.src_p = NULL
+        self.dst_p = NULL
+        if src is not None:
+            nbytes = cnp.PyArray_NBYTES(src)
+            if <uint64_t>cnp.PyArray_NBYTES(dst) != nbytes:
+                raise ValueError("shmtree: source and destination sizes differ")
+            if nbytes:
+                self.src_p = <const char *>cnp.PyArray_DATA(src)
+                self.dst_p = <char *>cnp.PyArray_DATA(dst)
+        if get_kernel(op, dtype) == NULL:
+            raise TypeError("shmtree: no kernel for this op and dtype")
+        if shm_load_acquire32(self.abort_word):
+            return RC_ABORTED
+        self.src_ref = src
+        self.dst_ref = dst
+        self.msg_nbytes = nbytes
+        self.msg_itemsize = itemsize if itemsize > 0 else 1
+        self.msg_op = op
+        self.msg_dtype = dtype
+        self.small_bytes = small_bytes
+        self._write_desc(seq, nbytes, kind, op, dtype, shape)
+        self.phase = 0
+        if nbytes <= small_bytes:
+            self._start_phase(0, self.src_p, self.dst_p, nbytes, 1)
+        else:
+            self._start_phase(0, NULL, NULL, 0, 1)
+        self.busy = 1
+        return RC_DONE
+
+    cdef void _start_phase(self, int ch, const char *src, char *dst, uint64_t nbytes,
+                           uint64_t m) noexcept nogil:
+        """Set up the call state for one channel: m chunks (tree) over nbytes of src into dst."""
         cdef Chan *c = &self.chans[ch]
         cdef Call *k = &self.call
-        if nbytes > 0 and (src.shape[0] < nbytes or dst.shape[0] < nbytes):
-            raise ValueError("shmtree: buffers shorter than the message")
-        k.fn = get_kernel(op, dtype)
-        if k.fn == NULL:
-            raise TypeError("shmtree: no kernel for this op and dtype")
+        cdef uint64_t nitems
+        cdef int i
+        k.fn = get_kernel(self.msg_op, self.msg_dtype)
         k.ch = ch
-        k.src = <const char *>&src[0] if src.shape[0] else NULL
-        k.dst = <char *>&dst[0] if dst.shape[0] else NULL
+        k.src = src
+        k.dst = dst
         k.nbytes = nbytes
-        k.itemsize = itemsize
+        k.itemsize = self.msg_itemsize
+        k.chunk = (c.payload // k.itemsize) * k.itemsize
         k.m = m
-        k.chunk = (c.payload // itemsize) * itemsize
-        if m and (k.chunk == 0 or (nbytes + k.chunk - 1) // k.chunk > m):
-            raise ValueError("shmtree: message does not fit the chunk plan")
         if c.ring and c.parent >= 0:
             # P blocks of whole items; every block travels as nc chunks; 2(P-1) blocks per rank
-            nitems = nbytes // itemsize
-            k.block = (nitems + self.nranks - 1) // self.nranks * itemsize
+            nitems = nbytes // k.itemsize
+            k.block = (nitems + self.nranks - 1) // self.nranks * k.itemsize
             k.nc = (k.block + k.chunk - 1) // k.chunk if k.block else 1
             k.m = 2 * (self.nranks - 1) * k.nc     # sends; as many items are received
         k.j_up = 0
@@ -458,21 +503,38 @@ cdef class Engine:
         # bases: each counter is written only by this rank, so its own last value is current
         k.up_base = shm_load_relaxed64(ring_head(c.up)) if c.up != NULL else 0
         k.down_base = shm_load_relaxed64(ring_head(c.down)) if c.down != NULL else 0
-        k.pdown_base = shm_load_relaxed64(ring_tail(c.parent_down, c.index)) if c.parent_down != NULL else 0
-        cdef int i
+        k.pdown_base = (shm_load_relaxed64(ring_tail(c.parent_down, c.index))
+                        if c.parent_down != NULL else 0)
         for i in range(c.nchild):
             k.child_base[i] = shm_load_relaxed64(ring_tail(c.child_up[i], 0))
-        self._write_desc(seq, desc_nbytes, kind, op, dtype, shape_hash, shape)
-        self.busy = 1
+
+    cdef int _run_call(self, int64_t budget_ns) noexcept nogil:
+        """Run the phases of the call in progress (see begin)."""
+        cdef int rc = self._run(budget_ns)
+        cdef Chan *c
+        cdef uint64_t chunk
+        if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
+            c = &self.chans[1]
+            chunk = (c.payload // self.msg_itemsize) * self.msg_itemsize
+            self.phase = 1
+            self._start_phase(1, self.src_p, self.dst_p, self.msg_nbytes,
+                              (self.msg_nbytes + chunk - 1) // chunk)
+            rc = self._run(budget_ns)
+        return rc
 
     cdef _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
-                     uint64_t shape_hash, tuple shape):
+                     tuple shape):
         cdef char *d = self.seg.rank_block(self.rank) + R_DESC + (seq & 1) * 128
         cdef int i
+        cdef uint64_t h = 1469598103934665603ULL        # FNV-1a over the dims
+        cdef int64_t dim
+        for i in range(len(shape)):
+            dim = shape[i]
+            h = (h ^ <uint64_t>dim) * 1099511628211ULL
         memset(d, 0, 128)
         (<uint64_t *>(d + D_SEQ))[0] = seq
         (<uint64_t *>(d + D_NBYTES))[0] = nbytes
-        (<uint64_t *>(d + D_SHAPE))[0] = shape_hash
+        (<uint64_t *>(d + D_SHAPE))[0] = h
         (<uint16_t *>(d + D_KIND))[0] = kind
         (<uint8_t *>(d + D_OP))[0] = op
         (<uint8_t *>(d + D_DTYPE))[0] = dtype
@@ -488,14 +550,22 @@ cdef class Engine:
             raise RuntimeError("shmtree: no call in progress")
         cdef int rc
         with nogil:
-            rc = self._run(budget_ns)
+            rc = self._run_call(budget_ns)
         if rc != RC_STALLED:
             self.busy = 0
+            self.src_ref = None
+            self.dst_ref = None
+            if rc == RC_DONE:
+                self.ncalls += 1
+                shm_store_release64(<uint64_t *>(self.seg.rank_block(self.rank) + R_DONE),
+                                    self.ncalls)
         return rc
 
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""
         self.busy = 0
+        self.src_ref = None
+        self.dst_ref = None
 
     @property
     def in_call(self):

@@ -64,9 +64,22 @@ SMALL_SLOTS = 2
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
 RUN_GRACE_S = 5.0           # run(): after a failure, how long the other workers get to report
-DEAD_GRACE_S = 0.005        # after finding a dead member: time to finish from what it published
 
 _OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
+_OPS = dict(_kernels.OP_CODES)
+_OPS.update({np.add: _OPS["sum"], np.multiply: _OPS["prod"], np.minimum: _OPS["min"],
+             np.maximum: _OPS["max"]})
+_SUPPORTED = [[_kernels.supported(o, d) for d in range(len(_kernels.DTYPE_CODES))]
+              for o in range(len(_kernels.OP_CODES))]
+_DTYPES: dict = {}                          # dtype -> code, filled as dtypes are seen
+
+
+def _dtype_code(dtype) -> int:
+    code = _DTYPES.get(dtype)
+    if code is None:
+        code = _DTYPES[dtype] = _kernels.dtype_code(dtype)     # TypeError if unsupported
+    return code
+
 _DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
 _EMPTY = np.empty(0, dtype=np.uint8)
 
@@ -370,6 +383,7 @@ class Communicator:
         self._closed = False
         specs = [group.layout.engine_spec(ch, rank) for ch in range(2)]
         self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.spin_ns)
+        self._small_bytes = group.small_bytes
         self._neighbours = sorted({r for ch in range(2) for r in _neighbours(group.trees[ch], rank)})
         self._procs: dict[int, object] = {}
         self._next_full_scan = 0.0
@@ -378,25 +392,37 @@ class Communicator:
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        opc = _kernels.op_code(op)
-        a = array if isinstance(array, np.ndarray) else np.asarray(array)
-        dtc = _kernels.dtype_code(a.dtype)
-        if not _kernels.supported(opc, dtc):
+        try:
+            opc = _OPS[op]
+        except (KeyError, TypeError):
+            opc = _kernels.op_code(op)                 # raises ValueError with the details
+        a = array if type(array) is np.ndarray else np.asarray(array)
+        dtc = _dtype_code(a.dtype)
+        if not _SUPPORTED[opc][dtc]:
             raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
-        result, dst, copy_back = _destination(a, out)
         src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-        if dst is not None and src is not dst and _overlaps(src, dst):
-            src = src.copy()                  # out overlaps the input without being it
-        target = dst if dst is not None else result
-        self._collective(KIND_ALLREDUCE, opc, dtc, src, target, a.shape, timeout)
+        if out is None:
+            result = dst = np.empty(a.shape, a.dtype)
+            copy_back = None
+        elif (type(out) is np.ndarray and out.dtype == a.dtype and out.shape == a.shape
+              and out.flags.c_contiguous and out.flags.writeable):
+            result = dst = out                # the common case, checked inline
+            copy_back = None
+            if out is not src and _overlaps(src, out):
+                src = src.copy()
+        else:
+            result, dst, copy_back = _destination(a, out)
+            if src is not dst and _overlaps(src, dst):
+                src = src.copy()              # out overlaps the input without being it
+        self._collective(KIND_ALLREDUCE, opc, dtc, src, dst, a.shape, timeout)
         if copy_back is not None:
-            copy_back[...] = target.reshape(copy_back.shape)
+            copy_back[...] = dst.reshape(copy_back.shape)
         return result
 
     def barrier(self, timeout=None):
         """Return once every rank has entered the barrier."""
-        self._collective(KIND_BARRIER, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"],
-                         _EMPTY, _EMPTY, (), timeout)
+        self._collective(KIND_BARRIER, _OPS["max"], _kernels.DTYPE_CODES["u1"], None, None, (),
+                         timeout)
 
     def close(self):
         """Release this rank's engine (local, not a collective).  Later calls raise."""
@@ -418,31 +444,20 @@ class Communicator:
     # ---- one collective ----
 
     def _collective(self, kind, opc, dtc, src, dst, shape, timeout):
-        self._check_usable()
-        if not self._lock.acquire(blocking=False):
+        if self._closed or self._pid != os.getpid() or self.group._closed:
+            self._check_usable()
+        if not self._lock.acquire(False):
             raise ShmtreeError("shmtree: another thread of this rank is inside a collective on "
                                "the same communicator; collectives of one rank must not overlap")
         try:
             deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
             seq = self._seq
-            self._seq += 1
-            nbytes = src.nbytes
-            itemsize = src.itemsize if nbytes else 1
-            sb = src.reshape(-1).view(np.uint8) if nbytes else _EMPTY
-            db = dst.reshape(-1).view(np.uint8) if nbytes else _EMPTY
-            small = nbytes <= self.group.small_bytes
-            eng = self._engine
-            shape_hash = hash(shape) & 0xFFFFFFFFFFFFFFFF
-            # round on channel 0: the descriptor, and the data when it fits inline
-            eng.start(0, sb if small else _EMPTY, db if small else _EMPTY,
-                      nbytes if small else 0, 1, itemsize, opc, dtc, seq, kind, nbytes,
-                      shape_hash, tuple(shape))
+            itemsize = src.itemsize if src is not None else 1
+            if self._engine.begin(src, dst, itemsize, opc, dtc, seq, kind, shape,
+                                  self._small_bytes) == _engine.ABORTED:
+                raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+            self._seq = seq + 1
             self._drive(seq, deadline)
-            if not small:
-                chunk = (self.group.chunk_bytes // itemsize) * itemsize
-                eng.start(1, sb, db, nbytes, -(-nbytes // chunk), itemsize, opc, dtc, seq, kind,
-                          nbytes, shape_hash, tuple(shape))
-                self._drive(seq, deadline)
         finally:
             self._lock.release()
 
@@ -457,7 +472,7 @@ class Communicator:
                     budget = max(0.0005, min(budget, deadline - time.monotonic()))
                 rc = eng.progress(int(budget * 1e9))
                 if rc == _engine.STALLED:
-                    dead = self._find_dead()
+                    dead = self._find_dead(seq)
                     if dead is None:
                         if deadline is not None and time.monotonic() >= deadline:
                             self.group.abort(ABORT_TIMEOUT, self.rank)
@@ -465,14 +480,10 @@ class Communicator:
                                 f"shmtree: rank {self.rank}: collective timed out; the group "
                                 "is aborted")
                         continue
-                    # a member that exited after publishing its part is no loss: finish what
-                    # is already in the rings before declaring the group broken
-                    rc = eng.progress(int(DEAD_GRACE_S * 1e9))
-                    if rc == _engine.STALLED:
-                        r, how = dead
-                        self.group.abort(ABORT_DIED, r)
-                        raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); "
-                                            "the group is aborted")
+                    r, how = dead
+                    self.group.abort(ABORT_DIED, r)
+                    raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); the "
+                                        "group is aborted")
                 if rc == _engine.DONE:
                     return
                 if rc == _engine.ABORTED:
@@ -503,18 +514,20 @@ class Communicator:
         if self.group.aborted():
             raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
 
-    def _find_dead(self):
-        """(rank, how) of a dead member this rank may depend on (gone, a zombie, or its pid
-        reused), else None.  Tree neighbours every slice, every member once a second."""
+    def _find_dead(self, seq):
+        """(rank, how) of a member that died (gone, a zombie, or its pid reused) before finishing
+        its part of call `seq`, else None.  (A member that completed the call and exited is no
+        loss to it.)  Tree neighbours every slice, every member once a second."""
         ranks = self._neighbours
         now = time.monotonic()
         if now >= self._next_full_scan:
             ranks = range(self.size)
             self._next_full_scan = now + FULL_SCAN_S
+        seg = self.group._seg
         for r in ranks:
-            if r != self.rank:
+            if r != self.rank and seg.completed(r) <= seq:
                 how = self._death_of(r)
-                if how:
+                if how and seg.completed(r) <= seq:
                     return r, how
         return None
 
@@ -612,6 +625,7 @@ def _as_flat_buffer(out):
 
 
 def _overlaps(a, b) -> bool:
+    """Do two contiguous arrays share memory without being the very same bytes?"""
     if not np.may_share_memory(a, b):
         return False
     same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
