@@ -268,6 +268,32 @@ class Group:
                             "bytes": length, "pages": counts})
         return out
 
+    def death_of(self, r) -> str:
+        """'' while rank r's process lives (or has not joined yet); else how it is gone: exited,
+        a zombie nobody has reaped yet, or its pid now used by another process."""
+        import psutil
+
+        joined, pid, ctime = self._seg.member(r)
+        if not joined:
+            return ""                    # not started yet: nothing to say
+        procs = self.__dict__.setdefault("_procs", {})      # psutil handles, per process
+        proc = procs.get((r, pid))
+        try:
+            if proc is None:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - ctime) > 0.05:
+                    return f"pid {pid} now belongs to another process"
+                procs[(r, pid)] = proc
+            if not proc.is_running():
+                return f"pid {pid} is gone"
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return f"pid {pid} is a zombie"
+            return ""
+        except psutil.NoSuchProcess:
+            return f"pid {pid} is gone"
+        except psutil.Error:
+            return ""
+
     def claim_rank(self) -> int:
         """The next unclaimed rank (Pool workers); >= size once every rank has been handed out."""
         self._check_open()
@@ -385,7 +411,6 @@ class Communicator:
         self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.spin_ns)
         self._small_bytes = group.small_bytes
         self._neighbours = sorted({r for ch in range(2) for r in _neighbours(group.trees[ch], rank)})
-        self._procs: dict[int, object] = {}
         self._next_full_scan = 0.0
 
     # ---- public calls ----
@@ -526,34 +551,10 @@ class Communicator:
         seg = self.group._seg
         for r in ranks:
             if r != self.rank and seg.completed(r) <= seq:
-                how = self._death_of(r)
+                how = self.group.death_of(r)
                 if how and seg.completed(r) <= seq:
                     return r, how
         return None
-
-    def _death_of(self, r) -> str:
-        """'' while rank r's process lives; else how it is gone."""
-        import psutil
-
-        joined, pid, ctime = self.group.member(r)
-        if not joined:
-            return ""                    # not started yet: nothing to say
-        proc = self._procs.get(r)
-        try:
-            if proc is None:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - ctime) > 0.05:
-                    return f"pid {pid} now belongs to another process"
-                self._procs[r] = proc
-            if not proc.is_running():
-                return f"pid {pid} is gone"
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return f"pid {pid} is a zombie"
-            return ""
-        except psutil.NoSuchProcess:
-            return f"pid {pid} is gone"
-        except psutil.Error:
-            return ""
 
     def _mismatch_message(self, seq) -> str:
         seen = {}
@@ -811,11 +812,59 @@ def _stop(procs):
 # Pool: a multiprocessing pool whose workers form one group
 
 
+POOL_WATCH_S = 0.05
+
+
+def _watch_pool(pool_ref, group):
+    """Parent side of a Pool: once the group is aborted (a member died, timed out or failed),
+    fail every outstanding job with PeerLostError naming the cause.  Without this, a job given
+    to a worker that died would never complete (multiprocessing.Pool does not notice)."""
+    while True:
+        time.sleep(POOL_WATCH_S)
+        pool = pool_ref()
+        if pool is None or group.closed:
+            return
+        if group.aborted():
+            _fail_jobs(pool, PeerLostError(f"shmtree.Pool: {_pool_failure(group)}"))
+        del pool
+
+
+def _pool_failure(group) -> str:
+    for r in range(group.size):
+        how = group.death_of(r)
+        if how:
+            return f"rank {r} failed: died ({how}); the group is aborted"
+    return group.describe_abort()
+
+
+def _fail_jobs(pool, exc):
+    """Complete the pool's outstanding jobs with `exc` (late results of those jobs are dropped
+    by the pool's result handler, which ignores jobs no longer in its cache)."""
+    from multiprocessing.pool import ApplyResult, IMapIterator, MapResult
+
+    for job_id, job in list(pool._cache.items()):
+        if isinstance(job, ApplyResult):              # MapResult too
+            job._success, job._value = False, exc
+            if isinstance(job, MapResult):
+                job._number_left = 0
+            pool._cache.pop(job_id, None)
+            job._event.set()
+        elif isinstance(job, IMapIterator):
+            with job._cond:
+                job._items.append((False, exc))
+                pool._cache.pop(job_id, None)
+                job._cond.notify()
+
+
 def _pool_worker_init(group, initializer, initargs):
     rank = group.claim_rank()
     if rank >= group.size:
         # a replacement for a worker that died: the group lost a member for good
-        group.abort(ABORT_MEMBERSHIP, -1)
+        dead = [r for r in range(group.size) if group.death_of(r)]
+        if dead:
+            group.abort(ABORT_DIED, dead[0])
+        else:
+            group.abort(ABORT_MEMBERSHIP, -1)
     else:
         group.join(rank)
     if initializer is not None:
@@ -841,6 +890,10 @@ class Pool(multiprocessing.pool.Pool):
             self._shm_group.close()
             raise
         weakref.finalize(self, Group.close, self._shm_group)
+        self._shm_watch = threading.Thread(target=_watch_pool,
+                                           args=(weakref.ref(self), self._shm_group),
+                                           name="shmtree-pool-watch", daemon=True)
+        self._shm_watch.start()
 
     @property
     def group(self) -> Group:
