@@ -194,13 +194,24 @@ class Group:
             os.close(fd)
             raise ShmtreeError("shmtree: the group segment has the wrong size")
         self._seg = _engine.Segment(fd, total, self.size)
-        magic, version, nranks, stored_total, stored_nonce = self._seg.header()
-        if (magic != _engine.MAGIC or version != _engine.VERSION or nranks != self.size
-                or stored_total != total or stored_nonce != nonce):
+        try:
+            self._verify_header()
+        except ShmtreeError:
             self._seg.unmap()
             os.close(fd)
-            raise ShmtreeError("shmtree: the shared segment is not this group's (bad magic, "
-                               "version, size or nonce)")
+            raise
+
+    def _verify_header(self):
+        """Refuse a segment whose header is not this group's (magic, version, ranks, size,
+        nonce): another group's memory, or a corrupted one."""
+        magic, version, nranks, total, nonce = self._seg.header()
+        problems = [what for what, ok in (
+            ("magic", magic == _engine.MAGIC), ("version", version == _engine.VERSION),
+            ("rank count", nranks == self.size), ("size", total == self.layout.total),
+            ("nonce", nonce == self._nonce)) if not ok]
+        if problems:
+            raise ShmtreeError(f"shmtree: the shared segment is not this group's or is corrupted "
+                               f"(wrong {', '.join(problems)}); refusing to use it")
 
     # ---- membership ----
 
@@ -209,6 +220,7 @@ class Group:
         self._check_open()
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
             raise ValueError(f"shmtree: rank must be an int in [0, {self.size}), got {rank!r}")
+        self._verify_header()
         reason, _ = self._seg.abort_state()
         if reason:
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
