@@ -264,6 +264,17 @@ def test_synthetic_topologies_p8(topology, tree):
         assert cpus and cpus <= allowed, f"rank {rank} has affinity {cpus}, machine {allowed}"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chunk_bytes", [1000, 4100, 12345])
+@pytest.mark.parametrize("tree", ["chain", "ring", "binary"])
+def test_chunk_bytes_not_a_multiple_of_the_itemsize(tree, chunk_bytes):
+    cases = [(d, op, (n,)) for d in ("int8", "float64", "complex128")
+             for op in valid_ops(d)[:2] for n in (7, 4099, MID_SIZE)]
+    cases += [("complex128", "sum", (big_n(16),)), ("float32", "max", (big_n(4),))]
+    check_cases(run_ok(cases_worker, 3, args=(cases,), tree=tree, chunk_bytes=chunk_bytes),
+                cases, 3)
+
+
 def topology_json_files():
     d = os.path.join(os.path.dirname(shmtree.__file__), "fixtures")
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".json")) \
@@ -444,9 +455,10 @@ def layout_worker(comm, names):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs", [1, 3])
-def test_layouts_buffers_and_out(nprocs):
-    results = run_ok(layout_worker, nprocs, args=(LAYOUTS,))
+@pytest.mark.parametrize("nprocs,chunk_bytes", [(1, None), (3, None), (4, 4096)])
+def test_layouts_buffers_and_out(nprocs, chunk_bytes):
+    kw = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
+    results = run_ok(layout_worker, nprocs, args=(LAYOUTS,), **kw)
     failures = []
     for name_i, name in enumerate(LAYOUTS):
         for rank in range(nprocs):

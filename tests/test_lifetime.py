@@ -124,7 +124,16 @@ def doomed_member(group, rank, victim, how, n, queue, death_time):
                 os._exit(3)
             comm.allreduce(x)
     except BaseException as e:  # noqa: B036 -- reported to the parent
-        queue.put((rank, error_name(e), time.monotonic()))
+        t = time.monotonic()
+        later = []                                  # the group is aborted: every call fails
+        for call in (lambda: comm.allreduce(x), comm.barrier):
+            t0 = time.monotonic()
+            try:
+                call()
+                later.append(("returned", time.monotonic() - t0))
+            except BaseException as e2:  # noqa: B036
+                later.append((error_name(e2), time.monotonic() - t0))
+        queue.put((rank, error_name(e), t, later))
 
 
 @pytest.mark.timeout(90)
@@ -149,19 +158,22 @@ def test_group_survivors_raise_peer_lost(P, victim, how, n):
                 if queue.empty():
                     time.sleep(0.01)
                     continue
-                rank, name, t = queue.get()
-                reports[rank] = (name, t)
+                rank, name, t, later = queue.get()
+                reports[rank] = (name, t, later)
         finally:
             stop_processes(procs)
     assert death_time.value > 0, "the victim never reached its 3rd call"
     assert sorted(reports) == [r for r in range(P) if r != victim], \
         f"survivors that reported within 60 s: {sorted(reports)}"
-    delays = {rank: round(t - death_time.value, 3) for rank, (_, t) in reports.items()}
+    delays = {rank: round(t - death_time.value, 3) for rank, (_, t, _) in reports.items()}
     print(f"survivors noticed the death after (s): {delays}")
-    for rank, (name, t) in reports.items():
+    for rank, (name, t, later) in reports.items():
         delay = t - death_time.value
         assert name == "PeerLostError", f"rank {rank} raised {name}"
         assert delay < 10, f"rank {rank} noticed the death after {delay:.1f} s"
+        for what, (lname, secs) in zip(("allreduce", "barrier"), later):
+            assert lname == "PeerLostError" and secs < 1.0, \
+                f"rank {rank}: a later {what} gave {lname} after {secs:.2f} s"
 
 
 # ---------------------------------------------------------------------------------------------
