@@ -154,5 +154,9 @@ def no_leaks():
 
 @pytest.fixture
 def repo_root():
-    """The repository root (the directory holding the shmtree package)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The directory holding the shmtree package these tests import: the repository root with
+    an in-place build, else the site-packages of the installed package (a fresh clone's source
+    tree has no compiled extensions, so subprocesses must not import it)."""
+    import shmtree
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(shmtree.__file__)))
