@@ -198,6 +198,10 @@ def mismatch_args(kind, rank):
         return np.ones(10), "max" if rank == 1 else "sum"
     if kind == "op_ufunc_halves":
         return np.ones(10), np.multiply if rank < 2 else np.minimum
+    if kind == "empty_shapes":
+        return np.ones((0, 5) if rank == 1 else (0,)), "sum"
+    if kind == "zero_d_vs_one":
+        return (np.array(1.0) if rank == 0 else np.ones(1)), "sum"
     if kind == "big_shape":
         return np.ones(300_007 if rank == 3 else 300_001), "sum"
     raise KeyError(kind)
@@ -212,6 +216,8 @@ MISMATCH_WORDS = {
     "op": [["max", "maximum"], ["sum", "add"]],
     "op_ufunc_halves": [["prod", "multiply"], ["min", "minimum"]],
     "big_shape": [["300007"], ["300001"]],
+    "empty_shapes": [["(0, 5)", "(0,5)", "0x5", "[0, 5]"], ["(0,)", "[0]"]],
+    "zero_d_vs_one": [["()", "[]", "0-d"], ["(1,)", "[1]"]],
 }
 
 
@@ -230,7 +236,8 @@ def mismatch_worker(comm, kind):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind,P", [("shape_length", 3), ("shape_same_size", 3),
                                     ("dtype_same_nbytes", 3), ("dtype_same_itemsize", 2),
-                                    ("op", 3), ("op_ufunc_halves", 4), ("big_shape", 4)])
+                                    ("op", 3), ("op_ufunc_halves", 4), ("big_shape", 4),
+                                    ("empty_shapes", 3), ("zero_d_vs_one", 2)])
 def test_mismatch_raises_on_every_rank(kind, P):
     results = run_ok(mismatch_worker, P, args=(kind,))
     failures = []
