@@ -357,3 +357,34 @@ def test_call_after_close_raises():
         for what in ("allreduce", "barrier"):
             assert rep[what] == "ShmtreeError", f"rank {rank}, {what} after close: {rep[what]}"
             assert rep[what + "_s"] < 2.0
+
+
+@pytest.mark.timeout(120)
+def test_two_groups_at_once():
+    """Two groups alive at the same time, each with its own processes, do not interfere."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = []
+    with shmtree.Group(2) as g2, shmtree.Group(3, tree="chain", chunk_bytes=4096) as g3:
+        try:
+            for group, P in ((g2, 2), (g3, 3)):
+                for rank in range(P):
+                    p = ctx.Process(target=group_member, args=(group, rank, queue))
+                    p.start()
+                    procs.append(p)
+            reports = [queue.get(timeout=60) for _ in range(5)]
+            for p in procs:
+                p.join(30)
+        finally:
+            stop_processes(procs)
+            queue.close()
+            queue.join_thread()
+    by_size = {}
+    for rep in reports:
+        assert rep["ok"], f"{rep.get('error')}\n{rep.get('tb')}"
+        by_size.setdefault(rep["size"], []).append(rep)
+    assert sorted(r["rank"] for r in by_size[2]) == [0, 1]
+    assert sorted(r["rank"] for r in by_size[3]) == [0, 1, 2]
+    for P, reps in by_size.items():
+        for rep in reps:
+            assert rep["y"] == [i * P * (P + 1) / 2 for i in range(5)]
