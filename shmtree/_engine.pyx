@@ -30,7 +30,7 @@ from libc.string cimport memcpy, memcmp, memset
 from libc.stdlib cimport malloc, free, calloc
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel
+from shmtree._kernels cimport reduce_fn, get_kernel, OP_SUM, OP_PROD, OP_MIN, OP_MAX
 cimport numpy as cnp
 
 cnp.import_array()
@@ -105,6 +105,34 @@ DEF S_CHUNK = 32       # u64
 DEF S_FLAGS = 40       # u32
 
 DEF FLAG_MISMATCH = 1
+
+DEF N_TYPENUMS = 64
+DEF KIND_ALLREDUCE = 1
+
+import numpy as np
+from shmtree import _kernels
+
+# numpy type number -> DT_* code (-1: unsupported), for the fast path
+cdef int _TYPENUM_CODE[N_TYPENUMS]
+for _i in range(N_TYPENUMS):
+    _TYPENUM_CODE[_i] = -1
+for _ch in np.typecodes["All"]:
+    try:
+        _dt = np.dtype(_ch)
+        if _dt.num < N_TYPENUMS:
+            _TYPENUM_CODE[_dt.num] = _kernels.dtype_code(_dt)
+    except (TypeError, ValueError):
+        pass
+_UFUNC_OPS = (np.add, np.multiply, np.minimum, np.maximum)
+_OP_CODE_OF = dict(_kernels.OP_CODES)
+_OP_CODE_OF.update(zip(_UFUNC_OPS, (OP_SUM, OP_PROD, OP_MIN, OP_MAX)))
+
+
+cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
+    cdef char *pa = <char *>cnp.PyArray_DATA(a)
+    cdef char *pb = <char *>cnp.PyArray_DATA(b)
+    return pa < pb + cnp.PyArray_NBYTES(b) and pb < pa + cnp.PyArray_NBYTES(a)
+
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
 VERSION = 1
@@ -445,20 +473,30 @@ cdef class Engine:
         Returns DONE when started, ABORTED if the group is already aborted."""
         if self.busy:
             raise RuntimeError("shmtree: a call is already in progress on this engine")
+        if src is not None and cnp.PyArray_NBYTES(dst) != cnp.PyArray_NBYTES(src):
+            raise ValueError("shmtree: source and destination sizes differ")
+        if get_kernel(op, dtype) == NULL:
+            raise TypeError("shmtree: no kernel for this op and dtype")
+        if shm_load_acquire32(self.abort_word):
+            return RC_ABORTED
+        cdef int64_t dims[MAX_DIMS]
+        cdef int i, nd = len(shape)
+        for i in range(min(nd, MAX_DIMS)):
+            dims[i] = shape[i]
+        self._begin_c(src, dst, itemsize, op, dtype, seq, kind, nd, dims, small_bytes)
+        return RC_DONE
+
+    cdef void _begin_c(self, src, dst, int itemsize, int op, int dtype, uint64_t seq, int kind,
+                       int ndim, int64_t *dims, uint64_t small_bytes):
+        """Set up a call whose arguments are checked (see begin and quick)."""
         cdef uint64_t nbytes = 0
         self.src_p = NULL
         self.dst_p = NULL
         if src is not None:
             nbytes = cnp.PyArray_NBYTES(src)
-            if <uint64_t>cnp.PyArray_NBYTES(dst) != nbytes:
-                raise ValueError("shmtree: source and destination sizes differ")
             if nbytes:
                 self.src_p = <const char *>cnp.PyArray_DATA(src)
                 self.dst_p = <char *>cnp.PyArray_DATA(dst)
-        if get_kernel(op, dtype) == NULL:
-            raise TypeError("shmtree: no kernel for this op and dtype")
-        if shm_load_acquire32(self.abort_word):
-            return RC_ABORTED
         self.src_ref = src
         self.dst_ref = dst
         self.msg_nbytes = nbytes
@@ -466,14 +504,13 @@ cdef class Engine:
         self.msg_op = op
         self.msg_dtype = dtype
         self.small_bytes = small_bytes
-        self._write_desc(seq, nbytes, kind, op, dtype, shape)
+        self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
         self.phase = 0
         if nbytes <= small_bytes:
             self._start_phase(0, self.src_p, self.dst_p, nbytes, 1)
         else:
             self._start_phase(0, NULL, NULL, 0, 1)
         self.busy = 1
-        return RC_DONE
 
     cdef void _start_phase(self, int ch, const char *src, char *dst, uint64_t nbytes,
                            uint64_t m) noexcept nogil:
@@ -522,15 +559,17 @@ cdef class Engine:
             rc = self._run(budget_ns)
         return rc
 
-    cdef _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
-                     tuple shape):
+    cdef void _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
+                          int ndim, int64_t *dims) noexcept:
+        """This rank's call descriptor, in its rank block (read by others to explain a
+        mismatch) and in self.call.desc (stamped on every slot of the call)."""
         cdef char *d = self.seg.rank_block(self.rank) + R_DESC + (seq & 1) * 128
         cdef int i
+        cdef int nkept = ndim if ndim < MAX_DIMS else MAX_DIMS
         cdef uint64_t h = 1469598103934665603ULL        # FNV-1a over the dims
-        cdef int64_t dim
-        for i in range(len(shape)):
-            dim = shape[i]
-            h = (h ^ <uint64_t>dim) * 1099511628211ULL
+        for i in range(nkept):
+            h = (h ^ <uint64_t>dims[i]) * 1099511628211ULL
+        h = (h ^ <uint64_t>ndim) * 1099511628211ULL
         memset(d, 0, 128)
         (<uint64_t *>(d + D_SEQ))[0] = seq
         (<uint64_t *>(d + D_NBYTES))[0] = nbytes
@@ -538,16 +577,19 @@ cdef class Engine:
         (<uint16_t *>(d + D_KIND))[0] = kind
         (<uint8_t *>(d + D_OP))[0] = op
         (<uint8_t *>(d + D_DTYPE))[0] = dtype
-        (<uint32_t *>(d + D_NDIM))[0] = len(shape)
-        for i in range(min(len(shape), MAX_DIMS)):
-            (<int64_t *>(d + D_DIMS))[i] = shape[i]
+        (<uint32_t *>(d + D_NDIM))[0] = ndim
+        for i in range(nkept):
+            (<int64_t *>(d + D_DIMS))[i] = dims[i]
         memcpy(self.call.desc, d, D_CMP)
 
     def progress(self, int64_t budget_ns):
-        """Run the call until RC_DONE, RC_ABORTED, RC_MISMATCH or RC_CORRUPT, or RC_STALLED after budget_ns with
-        no step taken.  Releases the GIL."""
+        """Run the call until DONE, ABORTED, MISMATCH or CORRUPT, or STALLED after budget_ns
+        with no step taken.  Releases the GIL."""
         if not self.busy:
             raise RuntimeError("shmtree: no call in progress")
+        return self._progress(budget_ns)
+
+    cdef int _progress(self, int64_t budget_ns):
         cdef int rc
         with nogil:
             rc = self._run_call(budget_ns)
@@ -560,6 +602,49 @@ cdef class Engine:
                 shm_store_release64(<uint64_t *>(self.seg.rank_block(self.rank) + R_DONE),
                                     self.ncalls)
         return rc
+
+    def quick(self, array, op, out, uint64_t seq, uint64_t small_bytes, int64_t budget_ns):
+        """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
+        native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
+        an ndarray of the same dtype and shape that is the input itself or does not overlap it.
+        Begins the call and runs it for up to budget_ns.  Returns (rc, result), or None when the
+        general path must handle the call (validation, copies, error messages)."""
+        if self.busy or type(array) is not np.ndarray:
+            return None
+        cdef cnp.ndarray a = <cnp.ndarray>array
+        cdef cnp.ndarray res
+        cdef int num = cnp.PyArray_TYPE(a)
+        if (num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
+                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
+                or not cnp.PyArray_ISALIGNED(a)):
+            return None
+        code = _OP_CODE_OF.get(op) if (type(op) is str or op in _UFUNC_OPS) else None
+        if code is None:
+            return None
+        cdef int opc = code
+        cdef int dtc = _TYPENUM_CODE[num]
+        if get_kernel(opc, dtc) == NULL:
+            return None
+        cdef int nd = cnp.PyArray_NDIM(a)
+        if out is None:
+            res = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
+        else:
+            if type(out) is not np.ndarray:
+                return None
+            res = <cnp.ndarray>out
+            if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
+                    or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)
+                    or memcmp(cnp.PyArray_DIMS(res), cnp.PyArray_DIMS(a),
+                              nd * sizeof(cnp.npy_intp)) != 0):
+                return None
+            if res is not a and _ranges_overlap(a, res):
+                return None
+        if shm_load_acquire32(self.abort_word):
+            return RC_ABORTED, res
+        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, seq, KIND_ALLREDUCE, nd,
+                      <int64_t *>cnp.PyArray_DIMS(a), small_bytes)
+        return self._progress(budget_ns), res
 
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""

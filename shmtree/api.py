@@ -62,6 +62,7 @@ DEFAULT_SLOTS = 4
 DEFAULT_SMALL_BYTES = 32 * 1024
 SMALL_SLOTS = 2
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
+SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
 RUN_GRACE_S = 5.0           # run(): after a failure, how long the other workers get to report
 
@@ -429,6 +430,19 @@ class Communicator:
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
+        if timeout is None and not (self._closed or self.group._closed) and \
+                self._lock.acquire(False):
+            try:                                          # the fast path (engine.quick)
+                if self._pid == os.getpid():
+                    seq = self._seq
+                    r = self._engine.quick(array, op, out, seq, self._small_bytes, SLICE_NS)
+                    if r is not None:
+                        self._seq = seq + 1
+                        if r[0] != _engine.DONE:
+                            self._drive(seq, None, r[0])
+                        return r[1]
+            finally:
+                self._lock.release()
         try:
             opc = _OPS[op]
         except (KeyError, TypeError):
@@ -490,24 +504,25 @@ class Communicator:
             deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
             seq = self._seq
             itemsize = src.itemsize if src is not None else 1
-            if self._engine.begin(src, dst, itemsize, opc, dtc, seq, kind, shape,
-                                  self._small_bytes) == _engine.ABORTED:
-                raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+            rc = self._engine.begin(src, dst, itemsize, opc, dtc, seq, kind, shape,
+                                    self._small_bytes)
             self._seq = seq + 1
-            self._drive(seq, deadline)
+            self._drive(seq, deadline, rc if rc == _engine.ABORTED else None)
         finally:
             self._lock.release()
 
-    def _drive(self, seq, deadline):
-        """Run the engine to the end of the call, checking peers, timeout and signals between
-        time slices.  Any exception leaves the group aborted (a half-done call can't resume)."""
+    def _drive(self, seq, deadline, rc=None):
+        """Run the engine to the end of the call (rc: the result of a slice already run),
+        checking peers, timeout and signals between time slices.  Any exception leaves the
+        group aborted (a half-done call can't resume)."""
         eng = self._engine
         try:
             while True:
-                budget = STALL_SLICE_S
-                if deadline is not None:
-                    budget = max(0.0005, min(budget, deadline - time.monotonic()))
-                rc = eng.progress(int(budget * 1e9))
+                if rc is None:
+                    budget = STALL_SLICE_S
+                    if deadline is not None:
+                        budget = max(0.0005, min(budget, deadline - time.monotonic()))
+                    rc = eng.progress(int(budget * 1e9))
                 if rc == _engine.STALLED:
                     dead = self._find_dead(seq)
                     if dead is None:
@@ -516,6 +531,7 @@ class Communicator:
                             raise CollectiveTimeoutError(
                                 f"shmtree: rank {self.rank}: collective timed out; the group "
                                 "is aborted")
+                        rc = None
                         continue
                     r, how = dead
                     self.group.abort(ABORT_DIED, r)
@@ -706,8 +722,30 @@ def _die_with_parent():
         pass
 
 
-def _run_worker(group, rank, fn, args, kwargs, conn):
+def _watch_parent(pid, ctime):
+    """A run() worker dies with the process that called run(), even when that process is not
+    its parent (forkserver workers are the forkserver's children, so PDEATHSIG does not see it)."""
+    import psutil
+
+    while True:
+        time.sleep(PARENT_WATCH_S)
+        try:
+            proc = psutil.Process(pid)
+            alive = (abs(proc.create_time() - ctime) < 0.05
+                     and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            alive = False
+        except psutil.Error:
+            alive = True
+        if not alive:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
     _die_with_parent()
+    if parent is not None:
+        threading.Thread(target=_watch_parent, args=parent, name="shmtree-parent-watch",
+                         daemon=True).start()
     comm = None
     try:
         comm = group.join(rank)
@@ -733,14 +771,18 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
 
     If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
     (rank, remote_traceback) is raised for the rank that failed first."""
+    import psutil
+
     ctx = _default_context(start_method)
     kwargs = dict(kwargs or {})
+    me = (os.getpid(), psutil.Process().create_time())
     with Group(nprocs, **group_options) as group:
         procs, conns = [], []
         try:
             for r in range(nprocs):
                 recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_run_worker, args=(group, r, fn, args, kwargs, send),
+                p = ctx.Process(target=_run_worker,
+                                args=(group, r, fn, args, kwargs, send, me),
                                 name=f"shmtree-rank-{r}")
                 p.start()
                 send.close()
@@ -825,6 +867,7 @@ def _stop(procs):
 
 
 POOL_WATCH_S = 0.05
+PARENT_WATCH_S = 0.25
 
 
 def _watch_pool(pool_ref, group):
@@ -868,7 +911,10 @@ def _fail_jobs(pool, exc):
                 job._cond.notify()
 
 
-def _pool_worker_init(group, initializer, initargs):
+def _pool_worker_init(group, initializer, initargs, parent):
+    _die_with_parent()
+    threading.Thread(target=_watch_parent, args=parent, name="shmtree-parent-watch",
+                     daemon=True).start()
     rank = group.claim_rank()
     if rank >= group.size:
         # a replacement for a worker that died: the group lost a member for good
@@ -896,8 +942,11 @@ class Pool(multiprocessing.pool.Pool):
         ctx = context if context is not None else _default_context()
         self._shm_group = Group(processes, **group_options)
         try:
+            import psutil
+
+            parent = (os.getpid(), psutil.Process().create_time())
             super().__init__(processes, _pool_worker_init,
-                             (self._shm_group, initializer, tuple(initargs)), context=ctx)
+                             (self._shm_group, initializer, tuple(initargs), parent), context=ctx)
         except BaseException:
             self._shm_group.close()
             raise
