@@ -263,13 +263,15 @@ class Group:
         best = max(set(votes), key=lambda n: (votes.count(n), n == self.node_of[producer]))
         return {best}
 
-    def ring_placement(self):
-        """Where the pages of every ring are: a list of dicts (channel, producer, consumers,
-        offset, bytes, pages per NUMA node; node -2 counts pages never touched).  None where
-        the kernel refuses the query.  For the bench and tests: shows the policy at work."""
+    def ring_placement(self, ranks=None):
+        """Where the pages of the rings produced by `ranks` (default: all) are: a list of dicts
+        (producer, consumers, offset, bytes, pages per NUMA node).  None where the kernel refuses
+        the query.  The query (move_pages) sees the pages this process has mapped: a producer
+        sees all of its rings' pages (it touched them at join); elsewhere a page this process
+        has not accessed yet counts under node -2.  For the bench and tests."""
         self._check_open()
         out = []
-        for rank in range(self.size):
+        for rank in (range(self.size) if ranks is None else ranks):
             for off, length, consumers in self.layout.produced_rings(rank):
                 nodes = self._seg.page_nodes(off, length)
                 if nodes is None:
@@ -469,6 +471,11 @@ class Communicator:
         if copy_back is not None:
             copy_back[...] = dst.reshape(copy_back.shape)
         return result
+
+    def ring_placement(self):
+        """Group.ring_placement of the rings this rank produces (all their pages are mapped
+        here): where the NUMA policy put them."""
+        return self.group.ring_placement([self.rank])
 
     def barrier(self, timeout=None):
         """Return once every rank has entered the barrier."""
