@@ -107,6 +107,8 @@ DEF S_FLAGS = 40       # u32
 DEF FLAG_MISMATCH = 1
 
 DEF N_TYPENUMS = 64
+DEF PIPE_CHUNKS = 4         # a message on the bandwidth channel is cut into at least this many
+DEF MIN_CHUNK = 4096        # chunks (down to this size), so that its pieces overlap
 DEF KIND_ALLREDUCE = 1
 
 import numpy as np
@@ -551,13 +553,29 @@ cdef class Engine:
         cdef Chan *c
         cdef uint64_t chunk
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
-            c = &self.chans[1]
-            chunk = (c.payload // self.msg_itemsize) * self.msg_itemsize
             self.phase = 1
+            chunk = self._chunk_for(&self.chans[1], self.msg_nbytes)
             self._start_phase(1, self.src_p, self.dst_p, self.msg_nbytes,
                               (self.msg_nbytes + chunk - 1) // chunk)
+            self.call.chunk = chunk
             rc = self._run(budget_ns)
         return rc
+
+    cdef inline uint64_t _chunk_for(self, Chan *c, uint64_t nbytes) noexcept nogil:
+        """Bytes per chunk for a message on a tree channel: the slot payload, or less so that a
+        mid-sized message is still cut into PIPE_CHUNKS chunks that overlap in the pipeline
+        (never below MIN_CHUNK).  A function of (nbytes, itemsize, payload) alone: every rank
+        cuts the message the same way."""
+        cdef uint64_t item = self.msg_itemsize
+        cdef uint64_t chunk = c.payload // item * item
+        cdef uint64_t want = (nbytes + PIPE_CHUNKS - 1) // PIPE_CHUNKS
+        if c.ring or want >= chunk:
+            return chunk
+        if want < MIN_CHUNK:
+            want = MIN_CHUNK
+        want = (want + 63) // 64 * 64                    # whole cache lines ...
+        want = (want + item - 1) // item * item          # ... of whole items
+        return want if want < chunk else chunk
 
     cdef void _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
                           int ndim, int64_t *dims) noexcept:
