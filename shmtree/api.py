@@ -59,7 +59,7 @@ MPOL_INTERLEAVE = 3
 
 DEFAULT_CHUNK_BYTES = 128 * 1024
 DEFAULT_SLOTS = 4
-DEFAULT_SMALL_BYTES = 32 * 1024
+DEFAULT_SMALL_BYTES = 4096
 SMALL_SLOTS = 2
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
@@ -432,16 +432,20 @@ class Communicator:
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        if timeout is None and not (self._closed or self.group._closed) and \
-                self._lock.acquire(False):
+        if not (self._closed or self.group._closed) and self._lock.acquire(False):
             try:                                          # the fast path (engine.quick)
                 if self._pid == os.getpid():
                     seq = self._seq
-                    r = self._engine.quick(array, op, out, seq, self._small_bytes, SLICE_NS)
+                    budget, deadline = SLICE_NS, None
+                    if timeout is not None:
+                        wait = _timeout_s(timeout)
+                        deadline = time.monotonic() + wait
+                        budget = max(500_000, min(SLICE_NS, int(wait * 1e9)))
+                    r = self._engine.quick(array, op, out, seq, self._small_bytes, budget)
                     if r is not None:
                         self._seq = seq + 1
                         if r[0] != _engine.DONE:
-                            self._drive(seq, None, r[0])
+                            self._drive(seq, deadline, r[0])
                         return r[1]
             finally:
                 self._lock.release()
