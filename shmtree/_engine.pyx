@@ -902,6 +902,7 @@ cdef class Engine:
         else:
             spinning[0] = False
             shm_store_seqcst32(sleepers, 1)
+            shm_fence()                 # pairs with the publisher's fence before it reads the flag
             seen = shm_load_seqcst32(bell)
             if not (self._ready(c, k) or shm_load_acquire32(self.abort_word)):
                 shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
