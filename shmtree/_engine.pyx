@@ -922,26 +922,22 @@ cdef class Engine:
     # however large the blocks (ordering items block by block would need a whole block of slots).
     # Each block is completed at exactly one rank, so every rank gets the same bits.
 
-    cdef inline void _ring_range(self, Chan *c, Call *k, uint64_t t, uint64_t *lo,
-                                 uint64_t *n) noexcept nogil:
-        """Byte range of item t of position c.ring_pos (t may be one step past the last send:
-        that is the range of the final receive)."""
+    cdef inline void _ring_piece(self, Chan *c, Call *k, uint64_t col, int64_t s,
+                                 uint64_t *lo, uint64_t *n) noexcept nogil:
+        """Byte range of chunk column col of the block this position handles at step s
+        (s = 2P-2, one past its last send, is the block of the final receive)."""
         cdef int64_t P = self.nranks
-        cdef int64_t steps = 2 * (P - 1)
-        cdef int64_t s = t % steps
-        cdef uint64_t col = t // steps
         cdef int64_t b
-        cdef uint64_t blo, bhi, clo
+        cdef uint64_t bhi, clo
         if s < P - 1:
             b = c.ring_pos - s
         else:
             b = c.ring_pos + 1 - (s - (P - 1))
         b = ((b % P) + P) % P
-        blo = <uint64_t>b * k.block
-        bhi = blo + k.block
+        bhi = (<uint64_t>b + 1) * k.block
         if bhi > k.nbytes:
             bhi = k.nbytes
-        clo = blo + col * k.chunk
+        clo = <uint64_t>b * k.block + col * k.chunk
         lo[0] = clo
         n[0] = 0
         if clo < bhi:
@@ -977,7 +973,7 @@ cdef class Engine:
         cdef char *mine = slot_at(c.up, c.up_hdr, c, k.up_base + t)
         cdef char *got = NULL
         cdef const void *srcs[2]
-        self._ring_range(c, k, t, &lo, &n)
+        self._ring_piece(c, k, t // (2 * (P - 1)), s, &lo, &n)
         if s >= 1:
             got = slot_at(c.child_up[0], c.up_hdr, c, k.child_base[0] + t - 1)
             if not self._slot_ok(got, k, t - 1):
@@ -1011,7 +1007,7 @@ cdef class Engine:
         cdef char *got = slot_at(c.child_up[0], c.up_hdr, c, k.child_base[0] + u)
         if not self._slot_ok(got, k, u):
             return RC_CORRUPT
-        self._ring_final_range(c, k, u, &lo, &n)
+        self._ring_piece(c, k, u // (2 * (self.nranks - 1)), 2 * (self.nranks - 1), &lo, &n)
         if n:
             memcpy(k.dst + lo, got + SLOT_HDR, n)
         shm_store_release64(ring_tail(c.child_up[0], 0), k.child_base[0] + u + 1)
@@ -1019,25 +1015,6 @@ cdef class Engine:
         self._wake(c.children[0])
         k.j_down = u + 1
         return RC_DONE
-
-    cdef inline void _ring_final_range(self, Chan *c, Call *k, uint64_t u, uint64_t *lo,
-                                       uint64_t *n) noexcept nogil:
-        """Range of block p+2 (what the predecessor's step 2P-3 carries), column of item u."""
-        cdef int64_t P = self.nranks
-        cdef uint64_t col = u // (2 * (P - 1))
-        cdef int64_t b = (c.ring_pos + 2) % P
-        cdef uint64_t blo = <uint64_t>b * k.block
-        cdef uint64_t bhi = blo + k.block
-        cdef uint64_t clo
-        if bhi > k.nbytes:
-            bhi = k.nbytes
-        clo = blo + col * k.chunk
-        lo[0] = clo
-        n[0] = 0
-        if clo < bhi:
-            n[0] = bhi - clo
-            if n[0] > k.chunk:
-                n[0] = k.chunk
 
     cdef int _run_ring(self, Chan *c, Call *k, int64_t budget_ns) noexcept nogil:
         cdef int64_t idle_since = 0
