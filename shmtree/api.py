@@ -457,12 +457,13 @@ class Communicator:
         dtc = _dtype_code(a.dtype)
         if not _SUPPORTED[opc][dtc]:
             raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
-        src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        flags = a.flags
+        src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
         if out is None:
             result = dst = np.empty(a.shape, a.dtype)
             copy_back = None
         elif (type(out) is np.ndarray and out.dtype == a.dtype and out.shape == a.shape
-              and out.flags.c_contiguous and out.flags.writeable):
+              and out.flags.c_contiguous and out.flags.writeable and out.flags.aligned):
             result = dst = out                # the common case, checked inline
             copy_back = None
             if out is not src and _overlaps(src, out):
@@ -647,7 +648,7 @@ def _destination(a, out):
         raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
     if not o.flags.writeable:
         raise ValueError("shmtree: out is read-only")
-    if o.flags.c_contiguous:
+    if o.flags.c_contiguous and o.flags.aligned:
         return out, o, None
     tmp = np.empty(a.shape, dtype=a.dtype)
     return out, tmp, o
