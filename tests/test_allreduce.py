@@ -402,6 +402,18 @@ def build_layout(name, rank):
     elif name == "out_array_array_inplace":
         x = array.array("i", _ints(rng, (50,), np.int32).tolist())
         d.update(x=x, out=x)
+    elif name == "unaligned_input":
+        vals = _ints(rng, (4099,), np.float64)
+        buf = bytearray(vals.nbytes + 1)
+        x = np.frombuffer(buf, dtype=np.float64, count=vals.size, offset=1)
+        x[...] = vals
+        d["x"] = x
+    elif name == "out_unaligned_inplace":
+        vals = _ints(rng, (70001,), np.int32)
+        buf = bytearray(vals.nbytes + 3)
+        x = np.frombuffer(buf, dtype=np.int32, count=vals.size, offset=3)
+        x[...] = vals
+        d.update(x=x, out=x)
     else:
         raise KeyError(name)
     return d
@@ -413,7 +425,8 @@ LAYOUTS = ["0d_float64", "0d_int32_max", "python_scalar", "python_list", "shape_
            "big_transposed_float64", "big_step_float32", "big_fortran_int16_max", "array_double",
            "array_int", "array_schar_max", "memoryview_float32", "readonly_input", "out_separate",
            "out_inplace", "out_inplace_big", "out_inplace_strided", "out_strided_separate",
-           "out_fortran", "out_0d", "out_array_array", "out_array_array_inplace"]
+           "out_fortran", "out_0d", "out_array_array", "out_array_array_inplace",
+           "unaligned_input", "out_unaligned_inplace"]
 
 
 def layout_worker(comm, names):
