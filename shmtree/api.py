@@ -924,7 +924,9 @@ def _fail_jobs(pool, exc):
 
 
 def _pool_worker_init(group, initializer, initargs, parent):
-    _die_with_parent()
+    # (no PDEATHSIG here: it follows the *thread* that forked the worker, and the pool forks
+    # replacements from a handler thread that exits at terminate(), which would kill a worker
+    # holding the task queue's lock; the watch thread follows the pool's process instead)
     threading.Thread(target=_watch_parent, args=parent, name="shmtree-parent-watch",
                      daemon=True).start()
     rank = group.claim_rank()
