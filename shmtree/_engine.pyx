@@ -62,6 +62,8 @@ cdef extern from "_csrc/shm_sync.h" nogil:
     int64_t shm_now_ns()
     void shm_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
     void shm_futex_wake_all(uint32_t *addr)
+    void shm_copy_nt(void *dst, const void *src, size_t n)
+    void shm_store_fence()
 
 # ---- layout constants (mirrored in transport.py, which computes the offsets) ----
 DEF LINE = 128
@@ -385,13 +387,15 @@ cdef class Engine:
     cdef uint64_t msg_nbytes, small_bytes
     cdef int msg_itemsize, msg_op, msg_dtype, phase
     cdef uint64_t ncalls
+    cdef public uint64_t nt_bytes     # messages of at least this size write their output with
+    cdef bint nt                      # streaming stores (nt: for the call in progress)
 
     def __cinit__(self):
         memset(&self.chans[0], 0, sizeof(Chan) * 2)
         memset(&self.call, 0, sizeof(Call))
 
     def __init__(self, Segment seg, int rank, list channels, int64_t spin_ns=20000,
-                 int64_t yield_ns=200000, int64_t sleep_ns=5000000):
+                 int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0):
         """channels: per channel a dict with parent, index, children, up, down, child_up,
         parent_down (segment offsets, -1 for none), nslots, stride, payload."""
         self.seg = seg
@@ -404,6 +408,7 @@ cdef class Engine:
         self.spin_ns = spin_ns
         self.yield_ns = yield_ns
         self.sleep_ns = sleep_ns
+        self.nt_bytes = nt_bytes
         maxchild = 0
         for i, spec in enumerate(channels):
             self._setup(&self.chans[i], spec)
@@ -502,6 +507,7 @@ cdef class Engine:
         self.src_ref = src
         self.dst_ref = dst
         self.msg_nbytes = nbytes
+        self.nt = self.nt_bytes > 0 and nbytes >= self.nt_bytes
         self.msg_itemsize = itemsize if itemsize > 0 else 1
         self.msg_op = op
         self.msg_dtype = dtype
@@ -611,6 +617,8 @@ cdef class Engine:
         cdef int rc
         with nogil:
             rc = self._run_call(budget_ns)
+            if rc != RC_STALLED and self.nt:
+                shm_store_fence()             # the output's streaming stores are complete
         if rc != RC_STALLED:
             self.busy = 0
             self.src_ref = None
@@ -673,6 +681,16 @@ cdef class Engine:
     @property
     def in_call(self):
         return bool(self.busy)
+
+    # ---- writing the output ----
+
+    cdef inline void _out(self, char *dst, const char *src, uint64_t n) noexcept nogil:
+        """Copy result bytes into the caller's output: streaming stores for large messages
+        (nt_bytes and up), whose output will not be read back from cache soon."""
+        if self.nt:
+            shm_copy_nt(dst, src, n)
+        else:
+            memcpy(dst, src, n)
 
     # ---- waking ----
 
@@ -773,7 +791,7 @@ cdef class Engine:
             else:
                 k.fn(target, sv, nsrc, n // k.itemsize)
             if slot != NULL and c.up == NULL:        # the root keeps its own copy of the result
-                memcpy(k.dst + lo, target, n)
+                self._out(k.dst + lo, target, n)
         free(heap)
         if slot != NULL:
             self._stamp(slot, k, j)
@@ -816,9 +834,9 @@ cdef class Engine:
                 memcpy(mine + SLOT_HDR, slot + SLOT_HDR, n)
             self._stamp(mine, k, j)
             if n:
-                memcpy(k.dst + lo, mine + SLOT_HDR, n)
+                self._out(k.dst + lo, mine + SLOT_HDR, n)
         elif n:
-            memcpy(k.dst + lo, slot + SLOT_HDR, n)
+            self._out(k.dst + lo, slot + SLOT_HDR, n)
         shm_store_release64(ring_tail(c.parent_down, c.index), k.pdown_base + j + 1)
         if c.down != NULL:
             shm_store_release64(ring_head(c.down), k.down_base + j + 1)
@@ -988,7 +1006,7 @@ cdef class Engine:
             else:
                 memcpy(mine + SLOT_HDR, got + SLOT_HDR, n)
             if s >= P - 1:
-                memcpy(k.dst + lo, mine + SLOT_HDR, n)
+                self._out(k.dst + lo, mine + SLOT_HDR, n)
         self._stamp(mine, k, t)
         if s >= 1:
             shm_store_release64(ring_tail(c.child_up[0], 0), k.child_base[0] + t)
@@ -1009,7 +1027,7 @@ cdef class Engine:
             return RC_CORRUPT
         self._ring_piece(c, k, u // (2 * (self.nranks - 1)), 2 * (self.nranks - 1), &lo, &n)
         if n:
-            memcpy(k.dst + lo, got + SLOT_HDR, n)
+            self._out(k.dst + lo, got + SLOT_HDR, n)
         shm_store_release64(ring_tail(c.child_up[0], 0), k.child_base[0] + u + 1)
         shm_fence()
         self._wake(c.children[0])

@@ -77,3 +77,47 @@ static inline void shm_futex_wake_all(volatile uint32_t *addr) {
 }
 
 #endif
+
+/* Copy with non-temporal (streaming) stores: for outputs of large messages, which the caller will
+ * not read back soon; it saves the read-for-ownership of every destination line (a third of a
+ * large copy's memory traffic).  Callers issue shm_store_fence() before relying on the data from
+ * another core (the stores are weakly ordered). */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#include <string.h>
+
+static inline void shm_copy_nt(void *dst, const void *src, size_t n) {
+#if defined(__SSE2__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (n < 256) {
+        memcpy(d, s, n);
+        return;
+    }
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s);
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static inline void shm_store_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
