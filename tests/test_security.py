@@ -1,0 +1,285 @@
+"""Security of the shared memory (DESIGN.md section 4 "Names and lifetime", transport.py).
+
+- the segment is a memfd: no entry in /dev/shm, /proc/<pid>/fd shows memfd:shmtree-..., the
+  descriptor is close-on-exec (an exec'd program does not inherit it);
+- a forked worker maps it (and a spawned one receives it by descriptor passing); an unrelated
+  process cannot find it by name (nothing to shm_open);
+- the attach check of a pickled Group (spawn / forkserver) refuses a wrong nonce, a wrong magic,
+  a wrong size, a wrong group geometry with a clear ShmtreeError, and closes what it was given;
+- a group larger than the free memory is refused up front (ShmtreeError naming the need and
+  the free amount), not a SIGBUS later;
+- the memfd is sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL).
+
+Private API used here, sparingly and on purpose: ``group._fd`` (the memfd, to inspect its
+seals and /proc link and to corrupt its header through a second mapping) and
+``shmtree.api._rebuild_group`` (what unpickling a Group runs in a spawned process), called with
+tampered arguments because a real spawn cannot be made to carry them.
+"""
+import errno
+import fcntl
+import mmap
+import multiprocessing as mp
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import shmtree
+from shmtree import api
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def shm_listing():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def open_fds():
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+class FakeDupFd:
+    """Stands in for multiprocessing's DupFd in a pickled Group: detach() hands over a fd."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def detach(self):
+        return self.fd
+
+
+def rebuild_args(group):
+    """The arguments Group.__reduce__ would send to a spawned process (private layout)."""
+    fn, args = group.__reduce__()
+    assert fn is api._rebuild_group
+    size, options, _dupfd, nonce, total = args
+    return size, options, nonce, total
+
+
+# ---------------------------------------------------------------------------------------------
+# a memfd, not a name
+
+@pytest.mark.timeout(30)
+def test_segment_is_an_unnamed_memfd():
+    before = shm_listing()
+    with shmtree.Group(4) as g:
+        assert shm_listing() == before, "the group created a /dev/shm entry"
+        link = os.readlink(f"/proc/{os.getpid()}/fd/{g._fd}")
+        assert re.fullmatch(r"/memfd:shmtree-\d+ \(deleted\)", link), link
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+        shared = [line for line in maps if "memfd:shmtree" in line]
+        assert shared and all(" rw-s " in line for line in shared), shared
+        assert not any("/dev/shm" in line for line in maps)
+        flags = fcntl.fcntl(g._fd, fcntl.F_GETFD)
+        assert flags & fcntl.FD_CLOEXEC, "the memfd would leak into exec'd programs"
+
+
+UNRELATED = textwrap.dedent("""
+    import os, sys
+    names = [n for n in os.listdir("/dev/shm") if "shmtree" in n]
+    inherited = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:shmtree" in os.readlink(f"/proc/self/fd/{fd}"):
+                inherited.append(fd)
+        except OSError:
+            pass
+    try:
+        import _posixshmem
+        _posixshmem.shm_open("/shmtree-" + sys.argv[1], os.O_RDWR, 0o600)
+        opened = True
+    except (OSError, ImportError):
+        opened = False
+    print(repr((names, inherited, opened)))
+""")
+
+
+@pytest.mark.timeout(30)
+def test_unrelated_process_cannot_find_it():
+    with shmtree.Group(3) as g:
+        out = subprocess.run([sys.executable, "-c", UNRELATED, str(os.getpid())],
+                             capture_output=True, text=True, timeout=20, close_fds=False)
+        assert out.returncode == 0, out.stderr
+        names, inherited, opened = eval(out.stdout)
+        assert g._fd >= 0
+    assert names == [], f"/dev/shm names an unrelated process can see: {names}"
+    assert inherited == [], "an exec'd child inherited the memfd (close_fds=False)"
+    assert not opened, "shm_open by the name found the segment"
+
+
+def forked_reader(comm):
+    # the worker maps the same pages: what rank 0 contributes, rank 1 reads back reduced
+    return comm.allreduce(np.arange(5.0) * (comm.rank + 1)).tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_map_it(method):
+    assert shmtree.run(forked_reader, 2, start_method=method) == [[0.0, 3.0, 6.0, 9.0, 12.0]] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the attach check of a pickled group
+
+def tamper(case, group):
+    """(size, options, fd, nonce, total) with one thing wrong; fd is a fresh descriptor."""
+    size, options, nonce, total = rebuild_args(group)
+    fd = os.dup(group._fd)
+    if case == "nonce":
+        nonce = bytes(b ^ 0xFF for b in nonce)
+    elif case == "total":
+        total = total + 4096
+    elif case == "options":
+        options = dict(options, chunk_bytes=(group.chunk_bytes or 65536) * 2)
+    elif case == "size":
+        size = size + 1
+    elif case == "other_group":
+        other = shmtree.Group(group.size, **{k: v for k, v in group._options.items()})
+        os.close(fd)
+        fd = os.dup(other._fd)                       # same geometry, another group's segment
+        other.close()
+    elif case == "foreign_memfd":
+        os.close(fd)
+        fd = os.memfd_create("not-shmtree", os.MFD_CLOEXEC)
+        os.ftruncate(fd, total)                      # right size, no header at all
+    return size, options, fd, nonce, total
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["nonce", "total", "options", "size", "other_group",
+                                  "foreign_memfd"])
+def test_attach_refuses_the_wrong_segment(case):
+    with shmtree.Group(3, chunk_bytes=8192) as g:
+        size, options, fd, nonce, total = tamper(case, g)
+        fds_before = set(open_fds())
+        with pytest.raises(shmtree.ShmtreeError) as info:
+            api._rebuild_group(size, options, FakeDupFd(fd), nonce, total)   # private
+        msg = str(info.value)
+        assert "shmtree" in msg and re.search(r"size|nonce|magic|not this group", msg), msg
+        # the descriptor it was handed is closed, nothing else is left open
+        assert fd not in open_fds() or "memfd" not in open_fds()[fd], "attach kept the fd"
+        assert set(open_fds()) <= fds_before
+        # the real group is untouched
+        assert not g.aborted()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("field,offset,fmt", [("magic", 0, "<Q"), ("version", 8, "<I"),
+                                              ("nranks", 12, "<I"), ("total", 16, "<Q")])
+def test_attach_refuses_a_corrupted_header(field, offset, fmt):
+    """Corrupt one header field through a second mapping of the memfd (private: the header
+    layout of _engine.pyx), then attach as a spawned process would."""
+    with shmtree.Group(2) as g:
+        size, options, nonce, total = rebuild_args(g)
+        with mmap.mmap(g._fd, 4096) as m:
+            (value,) = struct.unpack_from(fmt, m, offset)
+            struct.pack_into(fmt, m, offset, value ^ 0x5A)
+        with pytest.raises(shmtree.ShmtreeError, match="not this group's|bad magic"):
+            api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+        with mmap.mmap(g._fd, 4096) as m:                 # restore: the group works again
+            struct.pack_into(fmt, m, offset, value)
+        good = api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+        assert isinstance(good, shmtree.Group) and good.size == 2
+        good.close()
+
+
+@pytest.mark.timeout(30)
+def test_untampered_rebuild_attaches():
+    """The control for the two tests above: the same path with the right arguments works."""
+    with shmtree.Group(3, chunk_bytes=8192) as g:
+        size, options, nonce, total = rebuild_args(g)
+        h = api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+        try:
+            assert h.layout.total == g.layout.total and h.size == 3
+        finally:
+            h.close()
+
+
+@pytest.mark.timeout(30)
+def test_closed_group_cannot_be_pickled():
+    import pickle
+
+    g = shmtree.Group(2)
+    g.close()
+    with pytest.raises(shmtree.ShmtreeError, match="closed"):
+        pickle.dumps(g)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: refused up front, and sealed
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw", [dict(chunk_bytes=2 ** 40), dict(slots=2 ** 30),
+                                dict(chunk_bytes=2 ** 36, slots=64)])
+def test_group_larger_than_free_memory(kw):
+    from shmtree.transport import available_memory
+
+    fds = set(open_fds())
+    with pytest.raises(shmtree.ShmtreeError) as info:
+        shmtree.Group(2, **kw)
+    msg = str(info.value)
+    m = re.search(r"needs ([\d.]+) MiB .* only ([\d.]+) MiB is free", msg)
+    assert m, f"the message does not name the need and the free amount: {msg}"
+    need, free = float(m.group(1)), float(m.group(2))
+    assert need > free
+    ring = kw.get("chunk_bytes", 128 * 1024) * kw.get("slots", 4)    # one ring's slots at least
+    assert need * 2 ** 20 >= 0.99 * ring, f"the stated need is below one ring: {msg}"
+    assert abs(free - available_memory() / 2 ** 20) < 0.25 * free + 64
+    assert "chunk_bytes" in msg or "slots" in msg, f"not actionable: {msg}"
+    assert set(open_fds()) <= fds, "a refused group left a descriptor open"
+
+
+@pytest.mark.timeout(30)
+def test_memfd_is_sealed():
+    with shmtree.Group(2) as g:
+        seals = fcntl.fcntl(g._fd, fcntl.F_GET_SEALS)
+        assert seals & SEALS == SEALS, f"seals {seals:#x}"
+        size = os.fstat(g._fd).st_size
+        for new in (size + 4096, size // 2, 0):
+            with pytest.raises(PermissionError) as info:
+                os.ftruncate(g._fd, new)
+            assert info.value.errno == errno.EPERM
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(g._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)   # sealed seals
+        assert os.fstat(g._fd).st_size == size == g.layout.total
+
+
+def child_resizes(group, queue):
+    try:
+        os.ftruncate(group._fd, 0)
+        queue.put("resized")
+    except OSError as e:
+        queue.put(errno.errorcode.get(e.errno, str(e.errno)))
+
+
+@pytest.mark.timeout(30)
+def test_forked_member_cannot_resize():
+    """A forked process holds the same descriptor; the seals bind it too."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    with shmtree.Group(2) as g:
+        p = ctx.Process(target=child_resizes, args=(g, queue))
+        p.start()
+        try:
+            result = queue.get()
+        finally:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+    assert result == "EPERM", result
