@@ -425,6 +425,7 @@ class Communicator:
         self.rank = int(rank)
         self.size = int(group.size)
         self._pid = os.getpid()
+        self._gen = _fork_gen                 # a forked child sees another generation
         self._seq = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -439,23 +440,21 @@ class Communicator:
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        if not (self._closed or self.group._closed) and self._lock.acquire(False):
-            try:                                          # the fast path (engine.quick)
-                if self._pid == os.getpid():
-                    seq = self._seq
-                    budget, deadline = SLICE_NS, None
-                    if timeout is not None:
-                        wait = _timeout_s(timeout)
-                        deadline = time.monotonic() + wait
-                        budget = max(500_000, min(SLICE_NS, int(wait * 1e9)))
-                    r = self._engine.quick(array, op, out, seq, self._small_bytes, budget)
-                    if r is not None:
-                        self._seq = seq + 1
-                        if r[0] != _engine.DONE:
-                            self._drive(seq, deadline, r[0])
-                        return r[1]
-            finally:
-                self._lock.release()
+        if self._gen == _fork_gen and not (self._closed or self.group._closed):
+            # the fast path (engine.quick declines a call when another thread of this rank is
+            # inside one: that call then fails on the general path)
+            seq = self._seq
+            budget, deadline = SLICE_NS, None
+            if timeout is not None:
+                wait = _timeout_s(timeout)
+                deadline = time.monotonic() + wait
+                budget = max(500_000, min(SLICE_NS, int(wait * 1e9)))
+            r = self._engine.quick(array, op, out, seq, self._small_bytes, budget)
+            if r is not None:
+                self._seq = seq + 1
+                if r[0] != _engine.DONE:
+                    self._drive(seq, deadline, r[0])
+                return r[1]
         try:
             opc = _OPS[op]
         except (KeyError, TypeError):
@@ -514,17 +513,19 @@ class Communicator:
     # ---- one collective ----
 
     def _collective(self, kind, opc, dtc, src, dst, shape, timeout):
-        if self._closed or self._pid != os.getpid() or self.group._closed:
+        if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
-        if not self._lock.acquire(False):
-            raise ShmtreeError("shmtree: another thread of this rank is inside a collective on "
-                               "the same communicator; collectives of one rank must not overlap")
+        if self._engine.in_call or not self._lock.acquire(False):
+            raise ShmtreeError(_CONCURRENT)
         try:
             deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
             seq = self._seq
             itemsize = src.itemsize if src is not None else 1
-            rc = self._engine.begin(src, dst, itemsize, opc, dtc, seq, kind, shape,
-                                    self._small_bytes)
+            try:
+                rc = self._engine.begin(src, dst, itemsize, opc, dtc, seq, kind, shape,
+                                        self._small_bytes)
+            except RuntimeError:                 # another thread's fast path got in first
+                raise ShmtreeError(_CONCURRENT) from None
             self._seq = seq + 1
             self._drive(seq, deadline, rc if rc == _engine.ABORTED else None)
         finally:
@@ -578,7 +579,7 @@ class Communicator:
     def _check_usable(self):
         if self._closed:
             raise ShmtreeError("shmtree: this communicator is closed")
-        if os.getpid() != self._pid:
+        if self._gen != _fork_gen or os.getpid() != self._pid:
             raise ShmtreeError(f"shmtree: this communicator belongs to process {self._pid} (rank "
                                f"{self.rank}); a forked child cannot use it")
         if self.group.closed:
@@ -685,6 +686,17 @@ def _overlaps(a, b) -> bool:
 # module-level calls, in a process that joined a group
 
 _current: Communicator | None = None
+_fork_gen = 0           # incremented in every forked child: communicators are not inherited
+_CONCURRENT = ("shmtree: another thread of this rank is inside a collective on the same "
+               "communicator; collectives of one rank must not overlap")
+
+
+def _after_fork_in_child():
+    global _fork_gen
+    _fork_gen += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _set_current(comm):
@@ -694,7 +706,7 @@ def _set_current(comm):
 
 def current() -> Communicator:
     """This process's communicator (set by Group.join, Pool and run)."""
-    if _current is None or _current._closed or _current._pid != os.getpid():
+    if _current is None or _current._closed or _current._gen != _fork_gen:
         raise ShmtreeError("shmtree: this process has not joined a group (use shmtree.run, "
                            "shmtree.Pool or Group.join)")
     return _current
