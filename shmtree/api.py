@@ -166,9 +166,13 @@ class Group:
             raise ValueError(f"shmtree: spin_us must be a number >= 0, got {spin_us!r}")
         self.spin_ns = int(spin_us * 1000)
         self.trees = self._plan_trees()
+        ring = self.tree_kind == "ring"
         self.layout = Layout(size, [
             ChannelPlan(self.trees[0], SMALL_SLOTS, max(self.small_bytes, 64)),
-            ChannelPlan(self.trees[1], self.slots, self.chunk_bytes, ring=self.tree_kind == "ring")])
+            # the ring schedule needs two slots: each item waits for its successor to have
+            # consumed the previous one, which the successor does while producing its own
+            ChannelPlan(self.trees[1], max(self.slots, 2) if ring else self.slots,
+                        self.chunk_bytes, ring=ring)])
 
     def _plan_trees(self):
         """Channel 0 (latency) and channel 1 (bandwidth) trees.  For tree="ring" channel 1 runs
