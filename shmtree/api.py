@@ -57,7 +57,8 @@ NUMA_POLICIES = ("auto", "consumer", "producer", "interleave", None)
 MPOL_PREFERRED = 1
 MPOL_INTERLEAVE = 3
 
-DEFAULT_CHUNK_BYTES = 128 * 1024
+DEFAULT_CHUNK_BYTES = 256 * 1024
+AUTO_FLAT_OVERSUBSCRIBED = 8    # "auto" with more ranks than cores: a flat tree up to this size
 DEFAULT_SLOTS = 4
 DEFAULT_SMALL_BYTES = 4096
 # messages of at least this many bytes write their output with streaming (non-temporal) stores:
@@ -165,8 +166,8 @@ class Group:
         if not isinstance(spin_us, (int, float)) or spin_us < 0:
             raise ValueError(f"shmtree: spin_us must be a number >= 0, got {spin_us!r}")
         self.spin_ns = int(spin_us * 1000)
-        self.trees = self._plan_trees()
-        ring = self.tree_kind == "ring"
+        self.trees, self.large_schedule = self._plan_trees(len(cpus))
+        ring = self.large_schedule == "ring"
         self.layout = Layout(size, [
             ChannelPlan(self.trees[0], SMALL_SLOTS, max(self.small_bytes, 64)),
             # the ring schedule needs two slots: each item waits for its successor to have
@@ -174,17 +175,32 @@ class Group:
             ChannelPlan(self.trees[1], max(self.slots, 2) if ring else self.slots,
                         self.chunk_bytes, ring=ring)])
 
-    def _plan_trees(self):
-        """Channel 0 (latency) and channel 1 (bandwidth) trees.  For tree="ring" channel 1 runs
-        the ring schedule around the depth-first order of the bandwidth tree "auto" would pick
-        (the machine's hierarchy, so each socket link is crossed once per direction)."""
-        ring = self.tree_kind == "ring"
-        kind = "auto" if ring else self.tree_kind
-        small = build_tree(kind, self.size, self.topology, placement=self.placement,
+    def _plan_trees(self, ncpus):
+        """Channel 0 (latency) and channel 1 (bandwidth) trees, and the schedule of channel 1
+        ("tree" or "ring": the ring schedule runs around the tree's depth-first order).
+
+        "auto" (measured on a 2-core machine, P = 2 and 4, see README): the topology tree where
+        the machine has several sockets or NUMA nodes; else a flat tree for the latency round,
+        and for larger messages the ring schedule (reduce-scatter + allgather: every rank
+        reduces 1/P of the data, so no rank is the bottleneck), except when ranks outnumber
+        the cores and are few (<= 8): then a flat tree, which needs the fewest context switches.
+        tree="ring" runs the ring around the bandwidth tree "auto" would pick (the machine's
+        hierarchy: each socket link is crossed once per direction)."""
+        kind = self.tree_kind
+        small = build_tree("auto" if kind == "ring" else kind, self.size, self.topology,
+                           placement=self.placement,
                            message_bytes=min(self.small_bytes, SMALL_MESSAGE_BYTES - 1))
-        large = build_tree(kind, self.size, self.topology, placement=self.placement,
+        large_kind, schedule = kind, "tree"
+        if kind == "ring":
+            large_kind, schedule = "auto", "ring"
+        elif kind == "auto" and not self.topology.multi_level:
+            if self.size <= ncpus or self.size > AUTO_FLAT_OVERSUBSCRIBED:
+                large_kind, schedule = "chain", "ring"
+            else:
+                large_kind = "flat"
+        large = build_tree(large_kind, self.size, self.topology, placement=self.placement,
                            message_bytes=max(self.chunk_bytes, SMALL_MESSAGE_BYTES))
-        return small, large
+        return (small, large), schedule
 
     # ---- pickling for spawn / forkserver: the memfd travels as a descriptor ----
 
@@ -437,7 +453,9 @@ class Communicator:
         self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.spin_ns,
                                       nt_bytes=group.nt_bytes)
         self._small_bytes = group.small_bytes
-        self._neighbours = sorted({r for ch in range(2) for r in _neighbours(group.trees[ch], rank)})
+        # the ranks this one waits for (tree parent and children; ring predecessor, successor)
+        self._neighbours = sorted({r for spec in specs for r in [spec["parent"], *spec["children"]]
+                                   if r >= 0})
         self._next_full_scan = 0.0
 
     # ---- public calls ----
@@ -623,12 +641,6 @@ class Communicator:
         parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {what}"
                           for what, rs in seen.items())
         return f"shmtree: ranks disagree on the collective call: {parts}"
-
-
-def _neighbours(tree, rank):
-    if tree.parent[rank] >= 0:
-        yield tree.parent[rank]
-    yield from tree.children[rank]
 
 
 def _dtype_name(code):
