@@ -566,6 +566,9 @@ class Communicator:
                         budget = max(0.0005, min(budget, deadline - time.monotonic()))
                     rc = eng.progress(int(budget * 1e9))
                 if rc == _engine.STALLED:
+                    if self.group.aborted():          # say the first cause, not a consequence
+                        raise PeerLostError(
+                            f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
                     dead = self._find_dead(seq)
                     if dead is None:
                         if deadline is not None and time.monotonic() >= deadline:
@@ -915,6 +918,7 @@ def _stop(procs):
 
 POOL_WATCH_S = 0.05
 PARENT_WATCH_S = 0.25
+POOL_LOCK_S = 5.0
 
 
 def _watch_pool(pool_ref, group):
@@ -1008,6 +1012,16 @@ class Pool(multiprocessing.pool.Pool):
     @property
     def group(self) -> Group:
         return self._shm_group
+
+    @staticmethod
+    def _help_stuff_finish(inqueue, task_handler, size):
+        """multiprocessing's, except that a worker killed while it held the task queue's read
+        lock (idle, waiting for a task) cannot make terminate() hang: give up draining."""
+        if not inqueue._rlock.acquire(timeout=POOL_LOCK_S):
+            return
+        while task_handler.is_alive() and inqueue._reader.poll():
+            inqueue._reader.recv()
+            time.sleep(0)
 
     def terminate(self):
         try:
