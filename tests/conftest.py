@@ -18,33 +18,15 @@ holds cannot be attributed and fails the test.
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import time
 import warnings
 
 import psutil
 import pytest
 
-SHM_DIR = "/dev/shm"
+from procutil import SHM_DIR, new_shm_entries, shm_listing
+
 SHM_SETTLE_S = 1.5          # how long a new /dev/shm entry may take to disappear
 CHILD_GRACE_S = 3.0         # how long children may take to exit after the test
-
-
-def shm_listing():
-    """The names in /dev/shm (empty if the directory does not exist)."""
-    try:
-        return set(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return set()
-
-
-def new_shm_entries(before, settle_s=SHM_SETTLE_S):
-    """Entries of /dev/shm not in ``before``, after waiting up to settle_s for them to go."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        new = shm_listing() - before
-        if not new or time.monotonic() >= deadline:
-            return sorted(new)
-        time.sleep(0.05)
 
 
 def shm_holders(name):

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmtree
+from procutil import run_ok
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128"]
@@ -176,14 +177,6 @@ def check_cases(results, cases, nprocs):
         if why:
             failures.append(f"{case}: {why}")
     assert not failures, f"{len(failures)} failures (P={nprocs}):\n" + "\n".join(failures[:40])
-
-
-def run_ok(fn, nprocs, **kw):
-    """shmtree.run, turning a WorkerError into a test failure that shows the remote traceback."""
-    try:
-        return shmtree.run(fn, nprocs, **kw)
-    except shmtree.WorkerError as e:
-        pytest.fail(f"{e}\n--- remote traceback ---\n{getattr(e, 'remote_traceback', None)}")
 
 
 def matrix_cases():

@@ -13,32 +13,11 @@ import numpy as np
 import pytest
 
 import shmtree
+from procutil import stop_processes, run_ok
 
 # set by a test in the parent right before starting workers: a forked worker sees the new value,
 # a spawned one re-imports this module and sees the initial one
 _PARENT_MARK = "import-time"
-
-
-def run_ok(fn, nprocs, **kw):
-    try:
-        return shmtree.run(fn, nprocs, **kw)
-    except shmtree.WorkerError as e:
-        pytest.fail(f"{e}\n--- remote traceback ---\n{getattr(e, 'remote_traceback', None)}")
-
-
-def stop_processes(procs, timeout=5.0):
-    """Terminate, then kill, then join every process (safe on processes never started)."""
-    for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join(5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import shmtree
+from procutil import stop_processes, error_name
 
 DETECT_S = 5.0                     # kill -> survivor's PeerLostError (design: ~20 ms / 1 s scans)
 STOP_TIMEOUT_S = 1.5               # timeout= the survivors pass when the victim is stopped
@@ -45,36 +46,6 @@ def group_options(tree):
     if tree == "topology":
         return dict(topology="2x4", tree="topology")
     return dict(tree=tree)
-
-
-def error_name(e):
-    for cls in (shmtree.PeerLostError, shmtree.CollectiveTimeoutError,
-                shmtree.CollectiveMismatchError, shmtree.WorkerError, shmtree.ShmtreeError):
-        if isinstance(e, cls):
-            return cls.__name__
-    return type(e).__name__
-
-
-def stop_processes(procs, timeout=5.0):
-    """Resume, terminate, then kill and join every started process (also when a test fails)."""
-    for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-            except OSError:
-                pass
-            try:
-                p.terminate()
-            except OSError:
-                pass
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join(5)
 
 
 def wait_stopped(pid, timeout=5.0):

@@ -25,59 +25,9 @@ import psutil
 import pytest
 
 import shmtree
+from procutil import shm_listing, new_shm_entries, is_gone, session_processes, stop_processes, error_name, run_ok
 
 BIG_N = (4 << 20) // 8 + 5        # a ~4 MiB float64 array (many chunks)
-
-
-def shm_listing():
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
-def new_shm_entries(before, settle_s):
-    """Entries of /dev/shm not in ``before``, after waiting up to settle_s for them to go."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        new = shm_listing() - before
-        if not new or time.monotonic() >= deadline:
-            return sorted(new)
-        time.sleep(0.05)
-
-
-def is_gone(p):
-    try:
-        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
-
-def stop_processes(procs, timeout=5.0):
-    """Terminate, then kill, then join every started process (SIGKILL also ends stopped ones)."""
-    for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-            except OSError:
-                pass
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join(5)
-
-
-def error_name(e):
-    for cls in (shmtree.PeerLostError, shmtree.CollectiveTimeoutError,
-                shmtree.CollectiveMismatchError, shmtree.WorkerError, shmtree.ShmtreeError):
-        if isinstance(e, cls):
-            return cls.__name__
-    return f"{type(e).__name__} (not a ShmtreeError): {e}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,13 +204,6 @@ def check_timeout_reports(results, sleeper, timeouts):
     assert not failures, "\n".join(failures)
 
 
-def run_ok(fn, nprocs, **kw):
-    try:
-        return shmtree.run(fn, nprocs, **kw)
-    except shmtree.WorkerError as e:
-        pytest.fail(f"{e}\n--- remote traceback ---\n{getattr(e, 'remote_traceback', None)}")
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("collective", ["allreduce", "barrier"])
 @pytest.mark.parametrize("timeouts", [{0: 0.5, 1: 0.5}, {0: 0.5}, {1: 1.0, 2: 0.5}],
@@ -426,17 +369,6 @@ JOB_SCRIPT = textwrap.dedent("""
             shmtree.run(work, int(P), args=(int(n), ready, float(nap)),
                         start_method=None if method == "default" else method)
 """)
-
-
-def session_processes(sid):
-    procs = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid:
-                procs.append(p)
-        except (OSError, psutil.Error):
-            pass
-    return procs
 
 
 @pytest.mark.timeout(120)

@@ -23,15 +23,9 @@ import numpy as np
 import pytest
 
 import shmtree
+from procutil import run_ok
 
 P = 3
-
-
-def run_ok(fn, nprocs, **kw):
-    try:
-        return shmtree.run(fn, nprocs, **kw)
-    except shmtree.WorkerError as e:
-        pytest.fail(f"{e}\n--- remote traceback ---\n{e.remote_traceback}")
 
 
 def good_call(comm, n=5):

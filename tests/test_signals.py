@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 import shmtree
+from procutil import shm_listing, new_shm_entries, is_gone, session_processes
 
 DETECT_S = 5.0
 EXIT_S = 15.0             # a signalled job must be gone within this
@@ -67,41 +68,6 @@ JOB = textwrap.dedent("""
             with shmtree.Pool(P) as pool:
                 pool.starmap(pool_busy, [(piddir, n)] * P, chunksize=1)
 """)
-
-
-def shm_listing():
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
-def new_shm_entries(before, settle_s=2.0):
-    deadline = time.monotonic() + settle_s
-    while True:
-        new = shm_listing() - before
-        if not new or time.monotonic() >= deadline:
-            return sorted(new)
-        time.sleep(0.05)
-
-
-def is_gone(pid):
-    try:
-        p = psutil.Process(pid)
-        return p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def session_processes(sid):
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid:
-                out.append(p)
-        except (OSError, psutil.Error):
-            pass
-    return out
 
 
 def kill_session(job, pids):
