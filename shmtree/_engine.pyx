@@ -60,7 +60,7 @@ cdef extern from "_csrc/shm_sync.h" nogil:
     void shm_fence()
     void shm_cpu_relax()
     int64_t shm_now_ns()
-    void shm_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+    int shm_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
     void shm_futex_wake_all(uint32_t *addr)
     void shm_copy_nt(void *dst, const void *src, size_t n)
     void shm_store_fence()
@@ -387,6 +387,7 @@ cdef class Engine:
     cdef uint64_t msg_nbytes, small_bytes
     cdef int msg_itemsize, msg_op, msg_dtype, phase
     cdef uint64_t ncalls
+    cdef uint64_t n_yields, n_sleeps, n_timeouts
     cdef public uint64_t nt_bytes     # messages of at least this size write their output with
     cdef bint nt                      # streaming stores (nt: for the call in progress)
 
@@ -629,14 +630,28 @@ cdef class Engine:
                                     self.ncalls)
         return rc
 
-    def quick(self, array, op, out, uint64_t seq, uint64_t small_bytes, int64_t budget_ns):
+    def quick(self, array, op, out, uint64_t seq, uint64_t small_bytes, int64_t slice_ns,
+              timeout):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
         native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
         an ndarray of the same dtype and shape that is the input itself or does not overlap it.
-        Begins the call and runs it for up to budget_ns.  Returns (rc, result), or None when the
-        general path must handle the call (validation, copies, error messages)."""
+        Begins the call and runs it for one time slice: slice_ns, or less when timeout (None or
+        seconds, a float or int >= 0) is shorter.  Returns (rc, result), or None when the general
+        path must handle the call (validation, copies, error messages)."""
         if self.busy or type(array) is not np.ndarray:
             return None
+        cdef int64_t budget_ns = slice_ns
+        cdef double wait
+        if timeout is not None:
+            if type(timeout) is not float and type(timeout) is not int:
+                return None
+            wait = timeout
+            if not wait >= 0:
+                return None
+            if wait * 1e9 < budget_ns:
+                budget_ns = <int64_t>(wait * 1e9)
+            if budget_ns < 500000:
+                budget_ns = 500000
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef cnp.ndarray res
         cdef int num = cnp.PyArray_TYPE(a)
@@ -677,6 +692,12 @@ cdef class Engine:
         self.busy = 0
         self.src_ref = None
         self.dst_ref = None
+
+    def stats(self):
+        """Counters of this rank's waiting since it joined: calls completed, sched_yield calls,
+        futex sleeps, and sleeps that ran out their time (nobody woke the rank)."""
+        return {"calls": self.ncalls, "yields": self.n_yields, "sleeps": self.n_sleeps,
+                "sleep_timeouts": self.n_timeouts}
 
     @property
     def in_call(self):
@@ -916,6 +937,7 @@ cdef class Engine:
             shm_cpu_relax()
         elif idle < self.spin_ns + self.yield_ns:
             spinning[0] = False
+            self.n_yields += 1
             sched_yield()
         else:
             spinning[0] = False
@@ -923,7 +945,8 @@ cdef class Engine:
             shm_fence()                 # pairs with the publisher's fence before it reads the flag
             seen = shm_load_seqcst32(bell)
             if not (self._ready(c, k) or shm_load_acquire32(self.abort_word)):
-                shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
+                self.n_sleeps += 1
+                self.n_timeouts += shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
             shm_store_seqcst32(sleepers, 0)
         return RC_DONE
 

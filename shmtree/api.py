@@ -466,15 +466,13 @@ class Communicator:
             # the fast path (engine.quick declines a call when another thread of this rank is
             # inside one: that call then fails on the general path)
             seq = self._seq
-            budget, deadline = SLICE_NS, None
-            if timeout is not None:
-                wait = _timeout_s(timeout)
-                deadline = time.monotonic() + wait
-                budget = max(500_000, min(SLICE_NS, int(wait * 1e9)))
-            r = self._engine.quick(array, op, out, seq, self._small_bytes, budget)
+            r = self._engine.quick(array, op, out, seq, self._small_bytes, SLICE_NS, timeout)
             if r is not None:
                 self._seq = seq + 1
                 if r[0] != _engine.DONE:
+                    # the slice ran at least min(timeout, STALL_SLICE_S) of the timeout
+                    deadline = None if timeout is None else \
+                        time.monotonic() + max(0.0, timeout - STALL_SLICE_S)
                     self._drive(seq, deadline, r[0])
                 return r[1]
         try:

@@ -63,13 +63,15 @@ static inline int64_t shm_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Sleep while *addr == expected, at most timeout_ns.  Spurious wake-ups are fine: callers re-check. */
-static inline void shm_futex_wait(volatile uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
+/* Sleep while *addr == expected, at most timeout_ns.  Spurious wake-ups are fine: callers re-check.
+ * Returns 1 when the sleep ran out its time (nobody woke us), else 0. */
+static inline int shm_futex_wait(volatile uint32_t *addr, uint32_t expected, int64_t timeout_ns) {
     struct timespec ts;
     if (timeout_ns < 0) timeout_ns = 0;
     ts.tv_sec = timeout_ns / 1000000000LL;
     ts.tv_nsec = timeout_ns % 1000000000LL;
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+    long rc = syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+    return rc != 0 && errno == ETIMEDOUT;
 }
 
 static inline void shm_futex_wake_all(volatile uint32_t *addr) {
