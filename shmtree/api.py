@@ -61,6 +61,7 @@ DEFAULT_CHUNK_BYTES = 256 * 1024
 AUTO_FLAT_OVERSUBSCRIBED = 8    # "auto" with more ranks than cores: a flat tree up to this size
 DEFAULT_SLOTS = 4
 DEFAULT_SMALL_BYTES = 4096
+OVERSUBSCRIBED_SMALL_BYTES = 64 * 1024      # the default when ranks outnumber the usable cores
 # messages of at least this many bytes write their output with streaming (non-temporal) stores:
 # the output of so large a call is not read back from cache, and skipping the read-for-ownership
 # of every output line saves a third of the traffic of the copy out; 0 disables
@@ -140,12 +141,15 @@ class Group:
         self.placement = placement
         self.chunk_bytes = _positive("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES, 64)
         self.slots = _positive("slots", slots, DEFAULT_SLOTS, 1)
-        self.small_bytes = _positive("small_bytes", small_bytes, DEFAULT_SMALL_BYTES, 0)
+        cpus = _usable_cpus()
+        # with more ranks than cores every hand-off is a context switch: one round carrying the
+        # whole message beats a header round plus a pipeline, up to larger sizes
+        self.small_bytes = _positive("small_bytes", small_bytes, DEFAULT_SMALL_BYTES if
+                                     size <= len(cpus) else OVERSUBSCRIBED_SMALL_BYTES, 0)
         self.nt_bytes = _positive("nt_bytes", nt_bytes, DEFAULT_NT_BYTES, 0)
         self._options = dict(topology=topology, tree=tree, chunk_bytes=chunk_bytes, pin=pin,
                              slots=slots, placement=placement, numa=numa, small_bytes=small_bytes,
                              spin_us=spin_us, nt_bytes=nt_bytes)
-        cpus = _usable_cpus()
         real = not topology.synthetic
         where = topology.placement(size, placement)
         self.cpu_of = [s.cpu if (real and s.cpu in cpus) else None for s in where]
