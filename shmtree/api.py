@@ -39,7 +39,6 @@ __all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "barrier", "rank
 # call kinds in the descriptor
 KIND_ALLREDUCE = 1
 KIND_BARRIER = 2
-_KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier"}
 
 # abort reasons (the header's abort word)
 ABORT_DIED = 1         # rank = the member found dead
@@ -88,7 +87,6 @@ def _dtype_code(dtype) -> int:
     return code
 
 _DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
-_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def _usable_cpus() -> list[int]:
