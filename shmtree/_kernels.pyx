@@ -75,14 +75,7 @@ ctypedef fused Integer:
     int64_t
 
 ctypedef fused Real:
-    uint8_t
-    uint16_t
-    uint32_t
-    uint64_t
-    int8_t
-    int16_t
-    int32_t
-    int64_t
+    Integer
     float
     double
 
@@ -92,33 +85,12 @@ ctypedef fused Cplx:
 
 # Types reduced directly by the generic loops.
 ctypedef fused Num:
-    uint8_t
-    uint16_t
-    uint32_t
-    uint64_t
-    int8_t
-    int16_t
-    int32_t
-    int64_t
-    float
-    double
-    c8_t
-    c16_t
+    Real
+    Cplx
 
 # Every element type a kernel exists for: Num plus float16.
 ctypedef fused Elem:
-    uint8_t
-    uint16_t
-    uint32_t
-    uint64_t
-    int8_t
-    int16_t
-    int32_t
-    int64_t
-    float
-    double
-    c8_t
-    c16_t
+    Num
     half_t
 
 # Op tags: never instantiated, only their types matter.
