@@ -63,16 +63,22 @@ def plot_sweep(path, rows, title):
     plt.close(fig)
 
 
-def plot_compare(path, sizes, series, title):
-    """Time against size, one line per method; series is {label: [time_us or None]}."""
-    plt = require()
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _time_lines(ax, sizes, series, ylabel):
+    """Time against size on log-log axes, one line per label of {label: [time_us or None]}
+    (missing points skipped)."""
     for label, times in series.items():
         points = [(s, t) for s, t in zip(sizes, times) if t is not None]
         if points:
             ax.loglog(*zip(*points), "o-", label=label)
     _size_axis(ax, sizes)
-    ax.set_ylabel("time per call (us)")
+    ax.set_ylabel(ylabel)
+
+
+def plot_compare(path, sizes, series, title):
+    """Time against size, one line per method; series is {label: [time_us or None]}."""
+    plt = require()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _time_lines(ax, sizes, series, "time per call (us)")
     ax.legend()
     ax.set_title(title)
     _save(fig, path)
@@ -92,12 +98,7 @@ def plot_numa(path, mat, sizes, series, title):
             left.text(b, a, f"{mat['read_gbs'][a][b]:.1f}", ha="center", va="center", color="w")
     fig.colorbar(image, ax=left, label="read GB/s")
     left.set_title(f"copy bandwidth, {format_size(mat['size'])}")
-    for label, times in series.items():
-        points = [(s, t) for s, t in zip(sizes, times) if t is not None]
-        if points:
-            right.loglog(*zip(*points), "o-", label=label)
-    _size_axis(right, sizes)
-    right.set_ylabel("allreduce time per call (us)")
+    _time_lines(right, sizes, series, "allreduce time per call (us)")
     right.legend(fontsize="small")
     fig.suptitle(title)
     _save(fig, path)
