@@ -487,19 +487,9 @@ class Communicator:
             raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
         flags = a.flags
         src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
-        if out is None:
-            result = dst = np.empty(a.shape, a.dtype)
-            copy_back = None
-        elif (type(out) is np.ndarray and out.dtype == a.dtype and out.shape == a.shape
-              and out.flags.c_contiguous and out.flags.writeable and out.flags.aligned):
-            result = dst = out                # the common case, checked inline
-            copy_back = None
-            if out is not src and _overlaps(src, out):
-                src = src.copy()
-        else:
-            result, dst, copy_back = _destination(a, out)
-            if src is not dst and _overlaps(src, dst):
-                src = src.copy()              # out overlaps the input without being it
+        result, dst, copy_back = _destination(a, out)
+        if src is not dst and _overlaps(src, dst):
+            src = src.copy()                  # out overlaps the input without being it
         self._collective(KIND_ALLREDUCE, opc, dtc, src, dst, a.shape, timeout)
         if copy_back is not None:
             copy_back[...] = dst.reshape(copy_back.shape)
@@ -661,7 +651,8 @@ def _timeout_s(timeout):
 
 
 def _destination(a, out):
-    """(result to return, contiguous array the engine writes or None, array to copy back into)."""
+    """(result to return, aligned C-contiguous array the engine writes, array to copy it back
+    into or None)."""
     if out is None:
         result = np.empty(a.shape, dtype=a.dtype)
         return result, result, None

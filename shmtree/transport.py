@@ -145,17 +145,11 @@ class Layout:
         """(offset, length, consumers) of each ring rank produces: it first-touches them at join,
         after pinning, so that their pages land where the NUMA policy says."""
         for ch, plan in enumerate(self.channels):
-            tree = plan.tree
-            if self.up[ch][rank] >= 0:
-                if plan.ring:
-                    order = list(tree.ring)
-                    consumer = order[(order.index(rank) + 1) % len(order)]
-                else:
-                    consumer = tree.parent[rank]
-                yield self.up[ch][rank], plan.ring_bytes(1), [consumer]
-            if self.down[ch][rank] >= 0:
-                children = list(tree.children[rank])
-                yield self.down[ch][rank], plan.ring_bytes(len(children)), children
+            spec = self.engine_spec(ch, rank)       # its parent consumes its up ring (ring: the
+            if spec["up"] >= 0:                     # successor), its children its result ring
+                yield spec["up"], plan.ring_bytes(1), [spec["parent"]]
+            if spec["down"] >= 0:
+                yield spec["down"], plan.ring_bytes(len(spec["children"])), spec["children"]
 
 
 def available_memory() -> int:
