@@ -1,6 +1,8 @@
-"""allreduce results against numpy, many processes at once (DESIGN.md section 5).
+"""allreduce results against numpy, many processes at once (docs/design.md, "What the result is").
 
-The expected value of every case is ``ufunc.reduce(np.stack(inputs), axis=0, dtype=dtype)``.
+The reference of every case is ``ufunc.reduce(np.stack(inputs), axis=0, dtype=dtype)``: integers,
+bool and min/max must equal it exactly; float and complex sum/prod only within a tolerance, since
+shmtree reduces in the order of its tree or ring schedule, not numpy's (docs/algorithms.md).
 Inputs are built deterministically from (case, rank), so the parent process can rebuild every
 rank's input and compute the expected value without receiving it.
 

@@ -1,4 +1,4 @@
-"""Errors of allreduce and run (DESIGN.md section 5).
+"""Errors of allreduce and run (docs/design.md, "Errors").
 
 - local errors (bad dtype, op, out): TypeError / ValueError raised before any communication,
   identically on every rank that made it, leaving the group usable;

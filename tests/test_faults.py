@@ -1,4 +1,5 @@
-"""Fault injection: SIGKILL and SIGSTOP of a member at chosen moments (DESIGN.md section 5).
+"""Fault injection: SIGKILL and SIGSTOP of a member at chosen moments (docs/design.md, "Errors"
+and "Waiting, aborting, liveness").
 
 The contract under test:
 - a member that dies (SIGKILL; left a zombie on purpose: nobody reaps it until the end) makes

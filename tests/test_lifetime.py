@@ -1,4 +1,5 @@
-"""Failure and lifetime rules of DESIGN.md section 5: dead peers, timeouts, aborts, no leaks.
+"""Failure and lifetime rules (docs/design.md, "Errors" and "Lifetime and security"): dead peers,
+timeouts, aborts, no leaks.
 
 - a worker SIGKILLed mid-allreduce: run raises WorkerError naming it; with a Group and hand-made
   processes the survivors raise PeerLostError within a few seconds (the dead process is left a

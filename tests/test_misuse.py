@@ -1,4 +1,4 @@
-"""Misuse of the API (DESIGN.md section 5): each a clear exception with an actionable message,
+"""Misuse of the API (docs/design.md, "Errors"): each a clear exception with an actionable message,
 and the group still usable where the contract says a local error leaves it usable.
 
 - local errors (read-only out, unsupported dtypes, bad op / timeout / out): TypeError or

@@ -1,9 +1,13 @@
-"""Security of the shared memory (DESIGN.md section 4 "Names and lifetime", transport.py).
+"""Security of the shared memory (docs/design.md, "Lifetime and security"; transport.py).
 
 - the segment is a memfd: no entry in /dev/shm, /proc/<pid>/fd shows memfd:shmtree-..., the
   descriptor is close-on-exec (an exec'd program does not inherit it);
 - a forked worker maps it (and a spawned one receives it by descriptor passing); an unrelated
-  process cannot find it by name (nothing to shm_open);
+  process finds no name to open (nothing in /dev/shm, nothing to shm_open) and an exec'd child
+  inherits no descriptor.  That is all "no name" gives: any process of the same user (or root)
+  CAN still open the segment through /proc/<member pid>/fd/<n> (ptrace-level access), and
+  shmtree trusts same-user processes; only processes of other users are kept out, by the
+  kernel's permission check on /proc/<pid>/fd, which these tests do not exercise;
 - the attach check of a pickled Group (spawn / forkserver) refuses a wrong nonce, a wrong magic,
   a wrong size, a wrong group geometry with a clear ShmtreeError, and closes what it was given;
 - a group larger than the free memory is refused up front (ShmtreeError naming the need and
@@ -117,7 +121,10 @@ UNRELATED = textwrap.dedent("""
 
 
 @pytest.mark.timeout(30)
-def test_unrelated_process_cannot_find_it():
+def test_unrelated_process_finds_no_name():
+    """An unrelated process finds no /dev/shm name, inherits no descriptor through exec, and
+    cannot shm_open the segment by a guessed name.  (It could still open it through
+    /proc/<pid>/fd/<n> when it runs as the same user: shmtree trusts same-user processes.)"""
     with shmtree.Group(3) as g:
         out = subprocess.run([sys.executable, "-c", UNRELATED, str(os.getpid())],
                              capture_output=True, text=True, timeout=20, close_fds=False)
