@@ -30,8 +30,9 @@ from libc.string cimport memcpy, memcmp, memset
 from libc.stdlib cimport malloc, free, calloc
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, OP_SUM, OP_PROD, OP_MIN, OP_MAX
+from shmtree._kernels cimport reduce_fn, get_kernel
 cimport numpy as cnp
+from cpython.pythread cimport PyThread_get_thread_ident
 
 cnp.import_array()
 
@@ -70,8 +71,9 @@ DEF LINE = 128
 DEF PAGE = 4096
 DEF SLOT_HDR = 64
 DEF HDR_BYTES = 4096
-DEF RANK_BLOCK = 512
-DEF MAX_DIMS = 12
+DEF RANK_BLOCK = 1024
+DEF MAX_DIMS = 12       # dims kept in a descriptor for messages (the shape digest covers all)
+DEF MAX_NDIM = 64       # numpy's limit
 
 # header fields (offsets in the segment)
 DEF H_MAGIC = 0        # u64
@@ -79,6 +81,7 @@ DEF H_VERSION = 8      # u32
 DEF H_NRANKS = 12      # u32
 DEF H_TOTAL = 16       # u64
 DEF H_NONCE = 24       # 16 bytes
+DEF H_DIGEST = 48      # 16 bytes: digest of the group's plan (trees, geometry): join checks it
 DEF H_ABORT = 128      # u32 reason (0: healthy), own line
 DEF H_ABORT_RANK = 132 # i32
 DEF H_CLAIM = 256      # u32 next rank to hand out (Pool workers), own line
@@ -89,8 +92,13 @@ DEF R_SLEEPERS = 4     # u32
 DEF R_JOINED = 128     # u32: 0 free, 1 being claimed, 2 joined (pid and ctime valid)
 DEF R_PID = 132        # u32
 DEF R_CTIME = 136      # f64 process create time (psutil)
-DEF R_DONE = 144       # u64 calls this rank has completed (its part of them is all published)
+DEF R_DONE = 144       # u64 seq + 1 of the last call this rank has completed (its part of it
+                       #     is all published; a call that ended in a mismatch counts)
+DEF R_STATE = 152      # u32 what the member is doing (ST_*, written by the Python layer)
+DEF R_CALL = 160       # u64 seq + 1 of the call this rank is in, 0 between calls
 DEF R_DESC = 256       # two call descriptors of 128 bytes, by call seq parity
+DEF R_NOTE = 512       # u32 length + text: why this rank aborted the group (its own words)
+DEF NOTE_MAX = RANK_BLOCK - R_NOTE - 4
 
 # call descriptor (in the rank block, and its first 32 bytes echoed in slot headers)
 DEF D_SEQ = 0          # u64
@@ -127,9 +135,7 @@ for _ch in np.typecodes["All"]:
             _TYPENUM_CODE[_dt.num] = _kernels.dtype_code(_dt)
     except (TypeError, ValueError):
         pass
-_UFUNC_OPS = (np.add, np.multiply, np.minimum, np.maximum)
-_OP_CODE_OF = dict(_kernels.OP_CODES)
-_OP_CODE_OF.update(zip(_UFUNC_OPS, (OP_SUM, OP_PROD, OP_MIN, OP_MAX)))
+_OP_CODE_OF = {**_kernels.OP_CODES, **getattr(_kernels, "UFUNC_CODES", {np.add: 0, np.multiply: 1, np.minimum: 2, np.maximum: 3})}
 
 
 cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
@@ -139,7 +145,13 @@ cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
-VERSION = 1
+VERSION = 2
+# the layout constants, for transport.py (one definition)
+LINE_BYTES = LINE
+PAGE_BYTES = PAGE
+SLOT_HDR_BYTES = SLOT_HDR
+HEADER_BYTES = HDR_BYTES
+RANK_BLOCK_BYTES = RANK_BLOCK
 
 # progress() results
 cdef enum:
@@ -240,20 +252,24 @@ cdef class Segment:
         if self.base == NULL:
             raise ValueError("shmtree: the group's segment is closed")
 
-    def init_header(self, bytes nonce):
+    def init_header(self, bytes nonce, bytes digest):
         self._live()
+        if len(nonce) != 16 or len(digest) != 16:
+            raise ValueError("shmtree: nonce and digest are 16 bytes")
         (<uint64_t *>(self.base + H_MAGIC))[0] = MAGIC
         (<uint32_t *>(self.base + H_VERSION))[0] = VERSION
         (<uint32_t *>(self.base + H_NRANKS))[0] = self.nranks
         (<uint64_t *>(self.base + H_TOTAL))[0] = self.size
         memcpy(self.base + H_NONCE, <char *>nonce, 16)
+        memcpy(self.base + H_DIGEST, <char *>digest, 16)
 
     def header(self):
-        """(magic, version, nranks, total size, nonce) as stored: the attach check reads these."""
+        """(magic, version, nranks, total size, nonce, plan digest) as stored: the attach check
+        reads these."""
         self._live()
         return ((<uint64_t *>(self.base + H_MAGIC))[0], (<uint32_t *>(self.base + H_VERSION))[0],
                 (<uint32_t *>(self.base + H_NRANKS))[0], (<uint64_t *>(self.base + H_TOTAL))[0],
-                (self.base + H_NONCE)[:16])
+                (self.base + H_NONCE)[:16], (self.base + H_DIGEST)[:16])
 
     def set_abort(self, uint32_t reason, int rank):
         """Mark the group aborted (the first reason wins) and wake every sleeping rank."""
@@ -291,9 +307,38 @@ cdef class Segment:
         return True
 
     def completed(self, int rank):
-        """How many collectives rank has completed (all it had to publish for them is out)."""
+        """How many collectives rank is through (seq + 1 of its last completed call: all it had
+        to publish for it is out)."""
         self._live()
         return shm_load_acquire64(<uint64_t *>(self.rank_block(rank) + R_DONE))
+
+    def call_of(self, int rank):
+        """seq + 1 of the call rank is inside, 0 when it is between calls."""
+        self._live()
+        return shm_load_acquire64(<uint64_t *>(self.rank_block(rank) + R_CALL))
+
+    def set_state(self, int rank, uint32_t state):
+        """Publish what rank's process is doing (the Python layer's ST_* codes)."""
+        self._live()
+        shm_store_seqcst32(<uint32_t *>(self.rank_block(rank) + R_STATE), state)
+
+    def state(self, int rank):
+        self._live()
+        return shm_load_seqcst32(<uint32_t *>(self.rank_block(rank) + R_STATE))
+
+    def set_note(self, int rank, bytes text):
+        """rank's own explanation of an abort it is about to cause (truncated to fit)."""
+        self._live()
+        cdef char *b = self.rank_block(rank)
+        cdef uint32_t n = min(len(text), NOTE_MAX)
+        memcpy(b + R_NOTE + 4, <char *>text, n)
+        shm_store_seqcst32(<uint32_t *>(b + R_NOTE), n)
+
+    def note(self, int rank):
+        self._live()
+        cdef char *b = self.rank_block(rank)
+        cdef uint32_t n = min(shm_load_seqcst32(<uint32_t *>(b + R_NOTE)), NOTE_MAX)
+        return (b + R_NOTE + 4)[:n].decode("utf-8", "replace")
 
     def member(self, int rank):
         """(joined, pid, create time) of a rank."""
@@ -387,6 +432,10 @@ cdef class Engine:
     cdef uint64_t msg_nbytes, small_bytes
     cdef int msg_itemsize, msg_op, msg_dtype, phase
     cdef uint64_t ncalls
+    cdef uint64_t next_seq            # seq of the next call (the engine numbers the calls)
+    cdef uint64_t cur_seq             # seq of the call begun last
+    cdef int64_t slice_end            # monotonic ns at which the running slice ends
+    cdef unsigned long owner          # the thread that began the call in progress
     cdef uint64_t n_yields, n_sleeps, n_timeouts
     cdef public uint64_t nt_bytes     # messages of at least this size write their output with
     cdef bint nt                      # streaming stores (nt: for the call in progress)
@@ -470,15 +519,16 @@ cdef class Engine:
 
     # ---- the call ----
 
-    def begin(self, src, dst, int itemsize, int op, int dtype, uint64_t seq, int kind,
-              tuple shape, uint64_t small_bytes):
+    def begin(self, src, dst, int itemsize, int op, int dtype, int kind, tuple shape,
+              uint64_t small_bytes):
         """Begin a collective: src and dst are C-contiguous numpy arrays of the same size (dst
         writable; they may be the same array), or None for a call that carries no data.
 
         Phase 0 is one round on channel 0 that carries this rank's call descriptor, which every
         parent compares with its children's (MISMATCH on any difference), and the data itself
         when it is at most small_bytes; phase 1 pipelines larger messages through channel 1.
-        Returns DONE when started, ABORTED if the group is already aborted."""
+        The call gets the engine's next seq (`seq` tells it).  Returns DONE when started, ABORTED
+        if the group is already aborted (no seq is used then)."""
         if self.busy:
             raise RuntimeError("shmtree: a call is already in progress on this engine")
         if src is not None and cnp.PyArray_NBYTES(dst) != cnp.PyArray_NBYTES(src):
@@ -487,17 +537,30 @@ cdef class Engine:
             raise TypeError("shmtree: no kernel for this op and dtype")
         if shm_load_acquire32(self.abort_word):
             return RC_ABORTED
-        cdef int64_t dims[MAX_DIMS]
+        cdef int64_t dims[MAX_NDIM]
         cdef int i, nd = len(shape)
-        for i in range(min(nd, MAX_DIMS)):
+        if nd > MAX_NDIM:
+            raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
+        for i in range(nd):
             dims[i] = shape[i]
-        self._begin_c(src, dst, itemsize, op, dtype, seq, kind, nd, dims, small_bytes)
+        self._begin_c(src, dst, itemsize, op, dtype, kind, nd, dims, small_bytes)
         return RC_DONE
 
-    cdef void _begin_c(self, src, dst, int itemsize, int op, int dtype, uint64_t seq, int kind,
+    @property
+    def seq(self):
+        """The seq of the call begun last (calls are numbered 0, 1, ... by the engine)."""
+        return self.cur_seq
+
+    cdef void _begin_c(self, src, dst, int itemsize, int op, int dtype, int kind,
                        int ndim, int64_t *dims, uint64_t small_bytes):
-        """Set up a call whose arguments are checked (see begin and quick)."""
+        """Set up a call whose arguments are checked (see begin and quick): it takes the next
+        seq, and says so in the rank block (R_CALL) for peers that explain a stall."""
         cdef uint64_t nbytes = 0
+        cdef uint64_t seq = self.next_seq
+        self.next_seq = seq + 1
+        self.cur_seq = seq
+        self.owner = PyThread_get_thread_ident()
+        shm_store_release64(<uint64_t *>(self.seg.rank_block(self.rank) + R_CALL), seq + 1)
         self.src_p = NULL
         self.dst_p = NULL
         if src is not None:
@@ -554,9 +617,9 @@ cdef class Engine:
         for i in range(c.nchild):
             k.child_base[i] = shm_load_relaxed64(ring_tail(c.child_up[i], 0))
 
-    cdef int _run_call(self, int64_t budget_ns) noexcept nogil:
+    cdef int _run_call(self) noexcept nogil:
         """Run the phases of the call in progress (see begin)."""
-        cdef int rc = self._run(budget_ns)
+        cdef int rc = self._run()
         cdef Chan *c
         cdef uint64_t chunk
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
@@ -565,7 +628,7 @@ cdef class Engine:
             self._start_phase(1, self.src_p, self.dst_p, self.msg_nbytes,
                               (self.msg_nbytes + chunk - 1) // chunk)
             self.call.chunk = chunk
-            rc = self._run(budget_ns)
+            rc = self._run()
         return rc
 
     cdef inline uint64_t _chunk_for(self, Chan *c, uint64_t nbytes) noexcept nogil:
@@ -591,8 +654,8 @@ cdef class Engine:
         cdef char *d = self.seg.rank_block(self.rank) + R_DESC + (seq & 1) * 128
         cdef int i
         cdef int nkept = ndim if ndim < MAX_DIMS else MAX_DIMS
-        cdef uint64_t h = 1469598103934665603ULL        # FNV-1a over the dims
-        for i in range(nkept):
+        cdef uint64_t h = 1469598103934665603ULL        # FNV-1a over all the dims
+        for i in range(ndim):
             h = (h ^ <uint64_t>dims[i]) * 1099511628211ULL
         h = (h ^ <uint64_t>ndim) * 1099511628211ULL
         memset(d, 0, 128)
@@ -608,16 +671,19 @@ cdef class Engine:
         memcpy(self.call.desc, d, D_CMP)
 
     def progress(self, int64_t budget_ns):
-        """Run the call until DONE, ABORTED, MISMATCH or CORRUPT, or STALLED after budget_ns
-        with no step taken.  Releases the GIL."""
+        """Run the call until DONE, ABORTED, MISMATCH or CORRUPT, or STALLED when the time slice
+        of budget_ns ends first (whether or not steps were taken: the caller checks its deadline,
+        signals and peers between slices).  Releases the GIL."""
         if not self.busy:
             raise RuntimeError("shmtree: no call in progress")
         return self._progress(budget_ns)
 
     cdef int _progress(self, int64_t budget_ns):
         cdef int rc
+        cdef char *me = self.seg.rank_block(self.rank)
         with nogil:
-            rc = self._run_call(budget_ns)
+            self.slice_end = shm_now_ns() + budget_ns
+            rc = self._run_call()
             if rc != RC_STALLED and self.nt:
                 shm_store_fence()             # the output's streaming stores are complete
         if rc != RC_STALLED:
@@ -626,12 +692,12 @@ cdef class Engine:
             self.dst_ref = None
             if rc == RC_DONE:
                 self.ncalls += 1
-                shm_store_release64(<uint64_t *>(self.seg.rank_block(self.rank) + R_DONE),
-                                    self.ncalls)
+            if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
+                shm_store_release64(<uint64_t *>(me + R_DONE), self.cur_seq + 1)
+            shm_store_release64(<uint64_t *>(me + R_CALL), 0)
         return rc
 
-    def quick(self, array, op, out, uint64_t seq, uint64_t small_bytes, int64_t slice_ns,
-              timeout):
+    def quick(self, array, op, out, uint64_t small_bytes, int64_t slice_ns, timeout):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
         native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
         an ndarray of the same dtype and shape that is the input itself or does not overlap it.
@@ -659,7 +725,7 @@ cdef class Engine:
                 or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
                 or not cnp.PyArray_ISALIGNED(a)):
             return None
-        code = _OP_CODE_OF.get(op) if (type(op) is str or op in _UFUNC_OPS) else None
+        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
         if code is None:
             return None
         cdef int opc = code
@@ -683,7 +749,7 @@ cdef class Engine:
                 return None
         if shm_load_acquire32(self.abort_word):
             return RC_ABORTED, res
-        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, seq, KIND_ALLREDUCE, nd,
+        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, KIND_ALLREDUCE, nd,
                       <int64_t *>cnp.PyArray_DIMS(a), small_bytes)
         return self._progress(budget_ns), res
 
@@ -692,6 +758,7 @@ cdef class Engine:
         self.busy = 0
         self.src_ref = None
         self.dst_ref = None
+        shm_store_release64(<uint64_t *>(self.seg.rank_block(self.rank) + R_CALL), 0)
 
     def stats(self):
         """Counters of this rank's waiting since it joined: calls completed, sched_yield calls,
@@ -702,6 +769,11 @@ cdef class Engine:
     @property
     def in_call(self):
         return bool(self.busy)
+
+    def owns_call(self):
+        """Is a call in progress that the calling thread began?  (Only that thread may cancel
+        it: another thread's call must not be torn down by a concurrency error.)"""
+        return bool(self.busy) and self.owner == PyThread_get_thread_ident()
 
     # ---- writing the output ----
 
@@ -879,30 +951,36 @@ cdef class Engine:
     cdef inline bint _can_down(self, Chan *c, Call *k) noexcept nogil:
         return c.parent >= 0 and k.j_down < k.j_up and self._down_ready(c, k)
 
-    cdef int _run(self, int64_t budget_ns) noexcept nogil:
+    cdef inline bint _slice_over(self, int *steps) noexcept nogil:
+        """After a step: has the time slice ended?  (The clock is read every 8th step.)"""
+        steps[0] += 1
+        return (steps[0] & 7) == 0 and shm_now_ns() >= self.slice_end
+
+    cdef int _run(self) noexcept nogil:
         cdef Chan *c = &self.chans[self.call.ch]
         cdef Call *k = &self.call
         cdef int64_t idle_since = 0
-        cdef int rc, spins = 0
+        cdef int rc, spins = 0, steps = 0
         cdef bint spinning = False
         if c.ring and c.parent >= 0:
-            return self._run_ring(c, k, budget_ns)
+            return self._run_ring(c, k)
         while True:
             if self._done(c, k):
                 return RC_MISMATCH if k.mismatch else RC_DONE
             if self._can_down(c, k):
                 rc = self._down_step(c, k)
-                if rc != RC_DONE:
-                    return rc
-                idle_since = 0
-                continue
-            if self._can_up(c, k):
+            elif self._can_up(c, k):
                 rc = self._up_step(c, k)
+            else:
+                rc = self._idle(&idle_since, &spins, &spinning, c, k)
                 if rc != RC_DONE:
                     return rc
-                idle_since = 0
                 continue
-            rc = self._idle(&idle_since, &spins, &spinning, budget_ns, c, k)
+            if rc != RC_DONE:
+                return rc
+            idle_since = 0
+            if self._slice_over(&steps) and not self._done(c, k):
+                return RC_STALLED
             if rc != RC_DONE:
                 return rc
 
@@ -911,14 +989,14 @@ cdef class Engine:
             return self._ring_send_ready(c, k) or self._ring_last_ready(c, k)
         return self._can_down(c, k) or self._can_up(c, k)
 
-    cdef int _idle(self, int64_t *idle_since, int *spins, bint *spinning, int64_t budget_ns,
-                   Chan *c, Call *k) noexcept nogil:
+    cdef int _idle(self, int64_t *idle_since, int *spins, bint *spinning, Chan *c,
+                   Call *k) noexcept nogil:
         """Nothing was ready: spin (pause), then yield, then sleep on the bell.  RC_DONE means
         'look again'; RC_STALLED or RC_ABORTED end the slice."""
         cdef char *me = self.seg.rank_block(self.rank)
         cdef uint32_t *bell = <uint32_t *>(me + R_BELL)
         cdef uint32_t *sleepers = <uint32_t *>(me + R_SLEEPERS)
-        cdef int64_t idle
+        cdef int64_t idle, now
         cdef uint32_t seen
         if shm_load_acquire32(self.abort_word):
             return RC_ABORTED
@@ -930,9 +1008,10 @@ cdef class Engine:
         if spinning[0] and (spins[0] & 31):
             shm_cpu_relax()
             return RC_DONE
-        idle = shm_now_ns() - idle_since[0]
-        if idle >= budget_ns:
+        now = shm_now_ns()
+        if now >= self.slice_end:
             return RC_STALLED
+        idle = now - idle_since[0]
         if idle < self.spin_ns:
             shm_cpu_relax()
         elif idle < self.spin_ns + self.yield_ns:
@@ -946,7 +1025,8 @@ cdef class Engine:
             seen = shm_load_seqcst32(bell)
             if not (self._ready(c, k) or shm_load_acquire32(self.abort_word)):
                 self.n_sleeps += 1
-                self.n_timeouts += shm_futex_wait(bell, seen, min(self.sleep_ns, budget_ns - idle))
+                self.n_timeouts += shm_futex_wait(bell, seen, min(self.sleep_ns,
+                                                                  self.slice_end - now))
             shm_store_seqcst32(sleepers, 0)
         return RC_DONE
 
@@ -1057,9 +1137,9 @@ cdef class Engine:
         k.j_down = u + 1
         return RC_DONE
 
-    cdef int _run_ring(self, Chan *c, Call *k, int64_t budget_ns) noexcept nogil:
+    cdef int _run_ring(self, Chan *c, Call *k) noexcept nogil:
         cdef int64_t idle_since = 0
-        cdef int rc, spins = 0
+        cdef int rc, spins = 0, steps = 0
         cdef bint spinning = False
         while True:
             if k.j_up >= k.m and k.j_down >= k.m:
@@ -1069,10 +1149,12 @@ cdef class Engine:
             elif self._ring_last_ready(c, k):
                 rc = self._ring_last(c, k)
             else:
-                rc = self._idle(&idle_since, &spins, &spinning, budget_ns, c, k)
+                rc = self._idle(&idle_since, &spins, &spinning, c, k)
                 if rc != RC_DONE:
                     return rc
                 continue
             if rc != RC_DONE:
                 return rc
             idle_since = 0
+            if self._slice_over(&steps) and not (k.j_up >= k.m and k.j_down >= k.m):
+                return RC_STALLED

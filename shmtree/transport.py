@@ -10,9 +10,11 @@ size, per-group random nonce).
 Layout (offsets in bytes; every ring starts on a page of its own so that it can be placed on the
 NUMA node of the process that uses it most):
 
-    0                       header: magic, version, nranks, size, nonce | abort word | rank claims
-    4096                    rank blocks, 512 bytes each: bell + sleepers | join record | call
-                            descriptors (two, by call parity)
+    0                       header: magic, version, nranks, size, nonce, plan digest | abort
+                            word | rank claims
+    4096                    rank blocks, 1024 bytes each: bell + sleepers | join record, calls
+                            completed, member state, call in progress | call descriptors (two,
+                            by call parity) | abort note
     then, per channel and per rank r:
         up ring of edge r -> parent(r)      (absent at the root)   head | tail | S slots
         down ring of r's results            (absent at a leaf)     head | tail per child | S slots
@@ -32,11 +34,9 @@ from dataclasses import dataclass
 
 from .errors import ShmtreeError
 
-LINE = 128
-PAGE = 4096
-SLOT_HDR = 64
-HDR_BYTES = 4096
-RANK_BLOCK = 512
+# the layout constants are the engine's (one definition, in _engine.pyx)
+from ._engine import (HEADER_BYTES as HDR_BYTES, LINE_BYTES as LINE, PAGE_BYTES as PAGE,
+                      RANK_BLOCK_BYTES as RANK_BLOCK, SLOT_HDR_BYTES as SLOT_HDR)
 
 
 def round_up(n: int, to: int) -> int:

@@ -19,6 +19,7 @@ seals and /proc link and to corrupt its header through a second mapping) and
 ``shmtree.api._rebuild_group`` (what unpickling a Group runs in a spawned process), called with
 tampered arguments because a real spawn cannot be made to carry them.
 """
+import dataclasses
 import errno
 import fcntl
 import mmap
@@ -34,6 +35,7 @@ import numpy as np
 import pytest
 
 import shmtree
+import shmtree.plan
 from shmtree import api
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -70,8 +72,8 @@ def rebuild_args(group):
     """The arguments Group.__reduce__ would send to a spawned process (private layout)."""
     fn, args = group.__reduce__()
     assert fn is api._rebuild_group
-    size, options, _dupfd, nonce, total = args
-    return size, options, nonce, total
+    plan, _dupfd, nonce, total = args
+    return plan, nonce, total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,19 +153,21 @@ def test_workers_map_it(method):
 # the attach check of a pickled group
 
 def tamper(case, group):
-    """(size, options, fd, nonce, total) with one thing wrong; fd is a fresh descriptor."""
-    size, options, nonce, total = rebuild_args(group)
+    """(plan, fd, nonce, total) with one thing wrong; fd is a fresh descriptor."""
+    plan, nonce, total = rebuild_args(group)
     fd = os.dup(group._fd)
     if case == "nonce":
         nonce = bytes(b ^ 0xFF for b in nonce)
     elif case == "total":
         total = total + 4096
     elif case == "options":
-        options = dict(options, chunk_bytes=(group.chunk_bytes or 65536) * 2)
+        plan = dataclasses.replace(plan, chunk_bytes=plan.chunk_bytes * 2)
+    elif case == "plan":                             # same geometry, another plan
+        plan = dataclasses.replace(plan, spin_ns=plan.spin_ns + 1000)
     elif case == "size":
-        size = size + 1
+        plan = shmtree.plan.plan_group(plan.size + 1, chunk_bytes=plan.chunk_bytes)
     elif case == "other_group":
-        other = shmtree.Group(group.size, **{k: v for k, v in group._options.items()})
+        other = shmtree.Group(group.size, chunk_bytes=group.chunk_bytes)
         os.close(fd)
         fd = os.dup(other._fd)                       # same geometry, another group's segment
         other.close()
@@ -171,20 +175,22 @@ def tamper(case, group):
         os.close(fd)
         fd = os.memfd_create("not-shmtree", os.MFD_CLOEXEC)
         os.ftruncate(fd, total)                      # right size, no header at all
-    return size, options, fd, nonce, total
+    return plan, fd, nonce, total
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("case", ["nonce", "total", "options", "size", "other_group",
+@pytest.mark.parametrize("case", ["nonce", "total", "options", "plan", "size", "other_group",
                                   "foreign_memfd"])
 def test_attach_refuses_the_wrong_segment(case):
     with shmtree.Group(3, chunk_bytes=8192) as g:
-        size, options, fd, nonce, total = tamper(case, g)
+        plan, fd, nonce, total = tamper(case, g)
         fds_before = set(open_fds())
         with pytest.raises(shmtree.ShmtreeError) as info:
-            api._rebuild_group(size, options, FakeDupFd(fd), nonce, total)   # private
+            api._rebuild_group(plan, FakeDupFd(fd), nonce, total)   # private
         msg = str(info.value)
         assert "shmtree" in msg and re.search(r"size|nonce|magic|not this group", msg), msg
+        if case == "plan":
+            assert "plan digest" in msg, msg
         # the descriptor it was handed is closed, nothing else is left open
         assert fd not in open_fds() or "memfd" not in open_fds()[fd], "attach kept the fd"
         assert set(open_fds()) <= fds_before
@@ -194,20 +200,21 @@ def test_attach_refuses_the_wrong_segment(case):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("field,offset,fmt", [("magic", 0, "<Q"), ("version", 8, "<I"),
-                                              ("nranks", 12, "<I"), ("total", 16, "<Q")])
+                                              ("nranks", 12, "<I"), ("total", 16, "<Q"),
+                                              ("plan digest", 48, "<Q")])
 def test_attach_refuses_a_corrupted_header(field, offset, fmt):
     """Corrupt one header field through a second mapping of the memfd (private: the header
     layout of _engine.pyx), then attach as a spawned process would."""
     with shmtree.Group(2) as g:
-        size, options, nonce, total = rebuild_args(g)
+        plan, nonce, total = rebuild_args(g)
         with mmap.mmap(g._fd, 4096) as m:
             (value,) = struct.unpack_from(fmt, m, offset)
             struct.pack_into(fmt, m, offset, value ^ 0x5A)
         with pytest.raises(shmtree.ShmtreeError, match="not this group's|bad magic"):
-            api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+            api._rebuild_group(plan, FakeDupFd(os.dup(g._fd)), nonce, total)
         with mmap.mmap(g._fd, 4096) as m:                 # restore: the group works again
             struct.pack_into(fmt, m, offset, value)
-        good = api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+        good = api._rebuild_group(plan, FakeDupFd(os.dup(g._fd)), nonce, total)
         assert isinstance(good, shmtree.Group) and good.size == 2
         good.close()
 
@@ -216,8 +223,8 @@ def test_attach_refuses_a_corrupted_header(field, offset, fmt):
 def test_untampered_rebuild_attaches():
     """The control for the two tests above: the same path with the right arguments works."""
     with shmtree.Group(3, chunk_bytes=8192) as g:
-        size, options, nonce, total = rebuild_args(g)
-        h = api._rebuild_group(size, options, FakeDupFd(os.dup(g._fd)), nonce, total)
+        plan, nonce, total = rebuild_args(g)
+        h = api._rebuild_group(plan, FakeDupFd(os.dup(g._fd)), nonce, total)
         try:
             assert h.layout.total == g.layout.total and h.size == 3
         finally:
