@@ -1,25 +1,83 @@
-"""Engine.stats(): per-rank counters of completed calls and of waiting."""
+"""Engine.stats(): per-rank counters of completed calls and of waiting.
+
+The counters are unsigned, so "delta >= 0" says nothing; these tests make them move:
+- every completed call counts exactly once, on every path (inline fast path, pipelined general
+  path, a non-contiguous input, barrier);
+- a rank alone (P = 1) never waits: yields, sleeps and sleep timeouts stay 0;
+- a rank whose peer arrives 50 ms late must wait: it spins, then yields, then sleeps on its bell,
+  and nobody rings the bell while the peer sleeps, so some of those sleeps run out their time.
+"""
+import time
+
 import numpy as np
 import pytest
 
 from procutil import run_ok
 
+LATE_S = 0.05               # how late the late rank enters each call
+LATE_CALLS = 3
+WAIT_KEYS = ("yields", "sleeps", "sleep_timeouts")
 
-def stats_worker(comm, calls):
-    before = comm._engine.stats()
-    for _ in range(calls):
-        comm.allreduce(np.ones(1000))
-    comm.barrier()
-    after = comm._engine.stats()
+
+def delta(before, after):
+    assert set(before) == set(after) == {"calls", *WAIT_KEYS}, (before, after)
     return {k: after[k] - before[k] for k in after}
 
 
+def calls_worker(comm, rounds):
+    """`rounds` times: a small (inline) allreduce, a large (pipelined) one, a non-contiguous one
+    (the general path) and a barrier; results checked."""
+    P = comm.size
+    small = np.full(1, comm.rank + 1.0)
+    large = np.full(100_000, comm.rank + 1.0)                # 800 kB: several chunks
+    strided = np.full(64, comm.rank + 1.0)[::2]
+    comm.barrier()                                           # every rank is up
+    before = comm._engine.stats()
+    for _ in range(rounds):
+        for x in (small, large, strided):
+            y = comm.allreduce(x)
+            assert np.all(y == P * (P + 1) / 2), y[:4]
+        comm.barrier()
+    return delta(before, comm._engine.stats())
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("P", [1, 3])
-def test_stats_count_calls_and_waits(P):
-    for delta in run_ok(stats_worker, P, args=(25,)):
-        assert delta["calls"] == 26                     # 25 allreduce calls and the barrier
-        assert all(delta[k] >= 0 for k in ("yields", "sleeps", "sleep_timeouts"))
-        assert delta["sleep_timeouts"] <= delta["sleeps"]
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_stats_count_every_call_exactly(P):
+    rounds = 5
+    for rank, d in enumerate(run_ok(calls_worker, P, args=(rounds,))):
+        assert d["calls"] == 4 * rounds, f"rank {rank}: {d}"     # 3 allreduces + 1 barrier
+        assert d["sleep_timeouts"] <= d["sleeps"], f"rank {rank}: {d}"
         if P == 1:
-            assert delta["yields"] == delta["sleeps"] == 0   # nobody to wait for
+            assert all(d[k] == 0 for k in WAIT_KEYS), f"P=1 has nobody to wait for: {d}"
+
+
+def late_worker(comm, late_rank, calls, late_s):
+    """Every call: `late_rank` sleeps late_s before entering it, the others enter at once and
+    wait for it."""
+    comm.barrier()
+    before = comm._engine.stats()
+    x = np.full(8, comm.rank + 1.0)
+    for _ in range(calls):
+        if comm.rank == late_rank:
+            time.sleep(late_s)
+        y = comm.allreduce(x)
+        assert np.all(y == comm.size * (comm.size + 1) / 2), y
+    return delta(before, comm._engine.stats())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("P", [2, 3])
+def test_stats_count_waiting(P):
+    late = P - 1
+    deltas = run_ok(late_worker, P, args=(late, LATE_CALLS, LATE_S))
+    for rank, d in enumerate(deltas):
+        assert d["calls"] == LATE_CALLS, f"rank {rank}: {d}"
+        assert d["sleep_timeouts"] <= d["sleeps"], f"rank {rank}: {d}"
+        if rank == late:
+            continue                      # it may or may not wait for the others' last steps
+        # 3 x 50 ms of waiting for the late rank: past the spin, yields, then sleeps on the
+        # bell; nobody rings it while the late rank sleeps, so sleeps also time out
+        assert d["yields"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
+        assert d["sleeps"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
+        assert d["sleep_timeouts"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
