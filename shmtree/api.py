@@ -592,20 +592,20 @@ class Communicator:
         group = self.group
         if group.aborted():                   # say the first cause, not a consequence
             raise PeerLostError(f"shmtree: rank {self.rank}: {group.describe_abort()}")
-        dead = self._find_dead(seq)
-        if dead is not None:
-            r, how = dead
-            group.abort(ABORT_DIED, r)
-            raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); the group "
-                                "is aborted")
         absent = self._absent(seq)
-        left = [r for r, st in absent if st == ST_LEFT]
+        left = [r for r, st in absent if st == ST_LEFT]        # (said before it exits)
         if left:
             self._fail(ABORT_LEFT, ShmtreeError,
                        f"{_ranks_text(left)} left the group (closed its communicator or "
                        f"returned from its function) after {self._seg.completed(left[0])} "
                        f"collective(s), while {self._waiting_text(seq)} waited in "
                        f"{self._call_name(seq)}")
+        dead = self._find_dead(seq)
+        if dead is not None:
+            r, how = dead
+            group.abort(ABORT_DIED, r)
+            raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); the group "
+                                "is aborted")
         if deadline is not None and time.monotonic() >= deadline:
             self._fail(ABORT_TIMEOUT, CollectiveTimeoutError,
                        f"rank {self.rank} timed out in {self._call_name(seq)}; "
