@@ -1,4 +1,4 @@
-"""The exceptions of shmtree (DESIGN.md section 5)."""
+"""The exceptions of shmtree (docs/design.md, "Errors")."""
 
 
 class ShmtreeError(RuntimeError):
