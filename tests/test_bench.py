@@ -292,6 +292,20 @@ def test_reproduce_quick(tmp_path):
 
 
 @timeout
+def test_sizes_must_be_positive(capsys):
+    for bad in ("0", "8,0", "0K", "-8", "0:8:x2"):
+        with pytest.raises(ValueError):
+            units.parse_sizes(bad)
+        with pytest.raises(SystemExit) as stop:
+            parse(["allreduce", f"--sizes={bad}"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --sizes:" in err and ("at least 1 byte" in err or "negative" in err
+                                               or "0 < START" in err), err
+    assert parse(["--sizes", "1"]).sizes == [1]
+
+
+@timeout
 def test_numa_matrix_with_two_nodes(monkeypatch):
     """A two-node matrix (here: each CPU as its own "node"), so multi-node code paths run."""
     cpus = sorted(os.sched_getaffinity(0))

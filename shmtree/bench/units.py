@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 OPS = ("sum", "prod", "min", "max")
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -23,7 +23,9 @@ def parse_size(text):
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 8, 4K, 2M, 64MiB)")
     value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value != int(value) or value < 0:
+    if value < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    if value != int(value):
         raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)
 
@@ -46,12 +48,21 @@ def parse_range(text):
 
 
 def parse_sizes(text):
-    """A comma-separated mix of sizes and ranges -> sorted list of distinct byte counts."""
+    """A comma-separated mix of sizes and ranges -> sorted list of distinct byte counts, each at
+    least 1 byte (a message of 0 bytes is not measured: it is refused, not rounded up to one
+    element)."""
     sizes = set()
     for item in text.split(","):
         item = item.strip()
-        if item:
-            sizes.update(parse_range(item) if ":" in item else [parse_size(item)])
+        if not item:
+            continue
+        if ":" in item:
+            sizes.update(parse_range(item))
+            continue
+        size = parse_size(item)
+        if size < 1:
+            raise ValueError(f"a message size must be at least 1 byte, got {item!r}")
+        sizes.add(size)
     if not sizes:
         raise ValueError("no sizes given")
     return sorted(sizes)
