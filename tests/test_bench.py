@@ -306,6 +306,41 @@ def test_sizes_must_be_positive(capsys):
 
 
 @timeout
+def test_compare_without_mpi_says_how_to_get_it(tmp_path, capsys):
+    if importlib.util.find_spec("mpi4py") is not None:
+        pytest.skip("mpi4py is installed here")
+    doc = _json(tmp_path, ["compare", "--methods", "mpi"] + TINY)
+    out = capsys.readouterr().out
+    assert "n/a (not installed)" in out
+    [line] = [l for l in out.splitlines() if l.startswith("# MPI:")]
+    assert 'pip install "shmtree[mpi]"' in line and "mpi4py mpich" in line
+    assert "--mpi-python PATH" in line
+    assert 'pip install "shmtree[mpi]"' in doc["methods"]["mpi0"]["hint"]
+
+
+@timeout
+def test_mpi_probe_names_the_missing_piece(tmp_path, monkeypatch):
+    from shmtree.bench import mpi
+
+    def fake(name, script):
+        path = tmp_path / name
+        path.write_text("#!/bin/sh\n" + script)
+        path.chmod(0o755)
+        return str(path)
+
+    status, hint = mpi.probe(fake("nolib", "echo 'RuntimeError: cannot load MPI library' >&2\n"
+                                           "exit 1\n"))
+    assert status == "n/a (no MPI library)" and "cannot load MPI library" in hint
+    assert "pip install mpich" in hint and "--mpi-python PATH" in hint
+    status, hint = mpi.probe(fake("nompi4py", "echo mpi4py\nexit 3\n"))
+    assert status == "n/a (not installed)" and "-m pip install numpy mpi4py mpich" in hint
+    monkeypatch.setattr(mpi.shutil, "which", lambda name: None)
+    status, hint = mpi.probe(fake("noexec", "exit 0\n"))
+    assert status == "n/a (no mpiexec)" and "pip install mpich" in hint
+    assert mpi.probe("/nonexistent/python")[0] == "n/a (no such interpreter)"
+
+
+@timeout
 def test_numa_matrix_with_two_nodes(monkeypatch):
     """A two-node matrix (here: each CPU as its own "node"), so multi-node code paths run."""
     cpus = sorted(os.sched_getaffinity(0))

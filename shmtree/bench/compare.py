@@ -13,7 +13,9 @@ default; ``pin=None`` in the harness, for numpy-shm, pipe, gloo and a standalone
 ``--bind-to core`` for MPI), and left unpinned otherwise.
 
 A method that cannot run says why in its cells: "n/a (not installed)" when its package is
-missing, "error: ..." when it failed (the other columns still run).  Ratios: every baseline's
+missing, "error: ..." when it failed (the other columns still run); the lines below the table
+(and the JSON's ``methods``) add how to get it: for MPI, ``pip install "shmtree[mpi]"`` (mpi4py
+and MPICH) or ``--mpi-python PATH`` of an interpreter that has an MPI.  Ratios: every baseline's
 time over shmtree's (how many times slower than shmtree it is) and shmtree's over the copy's.
 """
 import sys
@@ -31,16 +33,19 @@ LABELS = {"shmtree": "shmtree", "copy": "copy", "numpy_shm": "numpy-shm", "pipe"
 class Column:
     """One method's results: {size: summary}, or a status that says why there are none."""
 
-    def __init__(self, key, label, times=None, status="ok", detail=None):
+    def __init__(self, key, label, times=None, status="ok", detail=None, hint=None):
         self.key, self.label, self.times = key, label, times or {}
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.hint = status, detail, hint
 
     def us(self, size):
         summary = self.times.get(size)
         return None if summary is None else summary["median_s"] * 1e6
 
     def meta(self):
-        return {"label": self.label, "status": self.status, "detail": self.detail}
+        meta = {"label": self.label, "status": self.status, "detail": self.detail}
+        if self.hint:
+            meta["hint"] = self.hint
+        return meta
 
 
 def _guarded(key, label, run):
@@ -65,9 +70,9 @@ def run_shmtree(sizes, nprocs, plan, options):
 def run_mpi_columns(sizes, nprocs, plan, pythons):
     columns = []
     for k, python in enumerate(pythons):
-        reason = mpi.missing(python)
+        reason, hint = mpi.probe(python)
         if reason:
-            columns.append(Column(f"mpi{k}", _mpi_label(python), status=reason))
+            columns.append(Column(f"mpi{k}", _mpi_label(python), status=reason, hint=hint))
             continue
         try:
             library, times = mpi.run_mpi(python, sizes, nprocs, plan)
@@ -115,7 +120,7 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress):
             columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons))
         elif method == "gloo":
             reason = gloo.missing()
-            columns.append(Column("gloo", "gloo", status=reason) if reason else
+            columns.append(Column("gloo", "gloo", status=reason, hint=gloo.HINT) if reason else
                            _guarded("gloo", "gloo", lambda: gloo.run_gloo(sizes, nprocs, plan)))
     bar.done()
     if "copy" in methods and copy is None:  # shmtree failed: measure the copy on its own
@@ -164,8 +169,10 @@ def _cell(col, r):
 
 
 def problems(columns, copy):
-    """Full status lines for the methods that did not run (cells may be shortened)."""
-    return [f"{c.label}: {c.status}" for c in everything(columns, copy) if c.status != "ok"]
+    """Full status lines for the methods that did not run (cells may be shortened), each with
+    how to get that method where there is a way."""
+    return [f"{c.label}: {c.status}" + (f": {c.hint}" if c.hint else "")
+            for c in everything(columns, copy) if c.status != "ok"]
 
 
 def everything(columns, copy):

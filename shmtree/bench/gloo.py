@@ -22,6 +22,9 @@ from .measure import Buffers, measure, slowest, verify
 from .units import count_for
 
 
+HINT = "pip install torch"
+
+
 def missing():
     """None when torch (with torch.distributed) can be imported, else the n/a reason."""
     return None if importlib.util.find_spec("torch") else "n/a (not installed)"

