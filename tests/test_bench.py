@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -267,28 +268,86 @@ def test_numa_report(tmp_path, capsys):
     assert "read: np.copyto(local, remote)" in capsys.readouterr().out
 
 
+# (command-line options, the same options as shmtree.Group keywords)
+PLAN_CASES = [
+    (["-n", "1"], {}),
+    (["-n", "4"], {}),
+    (["-n", "4", "--tree", "auto"], {"tree": "auto"}),
+    (["-n", "4", "--tree", "chain", "--chunk-bytes", "64K", "--slots", "3"],
+     {"tree": "chain", "chunk_bytes": 64 << 10, "slots": 3}),
+    (["-n", "4", "--tree", "ring", "--small-bytes", "1K"], {"tree": "ring", "small_bytes": 1024}),
+    (["-n", "4", "--tree", "3", "--nt-bytes", "0", "--spin-us", "5"],
+     {"tree": 3, "nt_bytes": 0, "spin_us": 5.0}),
+    (["-n", "16", "--topology", "2x4", "--tree", "binary", "--placement", "spread"],
+     {"topology": "2x4", "tree": "binary", "placement": "spread"}),
+    (["-n", "16", "--topology", "2x2x4"], {"topology": "2x2x4"}),
+    (["-n", "16", "--topology", "2x2x4", "--tree", "flat", "--no-pin", "--numa", "producer"],
+     {"topology": "2x2x4", "tree": "flat", "pin": False, "numa": "producer"}),
+    (["-n", "8", "--topology", "2x4", "--tree", "ring"], {"topology": "2x4", "tree": "ring"}),
+    (["--topology", "2x4"], {"topology": "2x4"}),     # -n defaults to the topology's cores
+]
+
+
+def _group_plan(argv, options):
+    """shmtree.Group's own plan for these options (the Group is made here, then closed)."""
+    import shmtree
+    n = int(argv[argv.index("-n") + 1]) if "-n" in argv else \
+        shmtree.Topology.resolve(options["topology"]).ncpus
+    group = shmtree.Group(n, **options)
+    try:
+        return group.plan
+    finally:
+        group.close()
+
+
 @needs_shmtree
 @timeout
-def test_topology(tmp_path, capsys):
-    path = tmp_path / "t.json"
-    assert main(["topology", "--topology", "2x4", "-n", "8", "--json", str(path)]) == 0
+@pytest.mark.parametrize("argv, options", PLAN_CASES, ids=[" ".join(a) for a, _ in PLAN_CASES])
+def test_topology_prints_the_groups_own_plan(argv, options, capsys):
+    """The bench prints exactly what the Group runs: they cannot disagree."""
+    import shmtree
+    assert main(["topology"] + argv) == 0
     out = capsys.readouterr().out
-    assert out.count("# tree for 8 ranks") == 2
-    doc = json.loads(path.read_text())
-    assert set(doc["trees"]) == {"small", "large"} and doc["trees"]["large"]["depth"] >= 1
+    plan = _group_plan(argv, options)
+    summary = shmtree.Topology.resolve(options.get("topology")).describe()
+    assert out == f"{summary}\n\n{plan.describe()}\n"
 
 
 @needs_shmtree
 @timeout
-def test_reproduce_quick(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "reproduce.py")
-    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=110)
-    assert proc.returncode in (0, 1), proc.stderr
-    [path] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
-    doc = json.loads(path.read_text())
-    assert set(doc["sections"]) == {"allreduce", "compare", "numa"} and doc["quick"] is True
-    assert doc["exit_codes"]["allreduce"] == 0 and doc["sections"]["allreduce"]["rows"]
+def test_topology_json_is_the_groups_plan(tmp_path):
+    argv = ["-n", "16", "--topology", "2x2x4", "--tree", "ring", "--chunk-bytes", "128K",
+            "--small-bytes", "2K"]
+    options = {"topology": "2x2x4", "tree": "ring", "chunk_bytes": 128 << 10,
+               "small_bytes": 2048}
+    doc = _json(tmp_path, ["topology"] + argv)
+    plan, got = _group_plan(argv, options), doc["plan"]
+    assert got["small_tree"]["parent"] == list(plan.small_tree.parent)
+    assert got["large_tree"]["parent"] == list(plan.large_tree.parent)
+    assert got["small_tree"]["kind"] == plan.small_tree.kind
+    assert got["large_tree"]["kind"] == plan.large_tree.kind
+    assert got["large_schedule"] == plan.large_schedule == "ring"
+    assert got["ring_order"] == list(plan.large_tree.ring)
+    assert (got["chunk_bytes"], got["slots"], got["small_bytes"]) == \
+        (plan.chunk_bytes, plan.slots, plan.small_bytes) == (128 << 10, max(plan.slots, 2), 2048)
+    assert got["digest"] == plan.digest().hex() and got["describe"] == plan.describe()
+    assert doc["options"]["group_options"] == options and doc["options"]["nprocs"] == 16
+
+
+@needs_shmtree
+@timeout
+def test_topology_refuses_what_the_group_refuses(capsys):
+    assert main(["topology", "-n", "4", "--chunk-bytes", "8"]) == 1
+    assert "chunk_bytes must be an int >= 64" in capsys.readouterr().err
+
+
+@timeout
+def test_version(capsys):
+    from shmtree._version import __version__
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"shmtree-bench {__version__}\n"
 
 
 @timeout
@@ -302,7 +361,24 @@ def test_sizes_must_be_positive(capsys):
         err = capsys.readouterr().err
         assert "argument --sizes:" in err and ("at least 1 byte" in err or "negative" in err
                                                or "0 < START" in err), err
+    with pytest.raises(SystemExit):
+        parse(["numa", "--matrix-size", "0"])
     assert parse(["--sizes", "1"]).sizes == [1]
+
+
+@timeout
+@pytest.mark.parametrize("argv, codes", [(["topology", "-n", "16", "--topology", "2x2x4"], {141}),
+                                         (["--help"], {0, 141})])
+def test_closed_pipe_ends_quietly(argv, codes):
+    """`shmtree-bench ... | head -1`: the reader is gone before the output is written.  Exit
+    141 (128 + SIGPIPE); argparse's --help drops a failed write itself and may exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmtree.bench"] + argv,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()          # before the interpreter has even started: every write fails
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in codes, err
+    assert err == ""             # no traceback, no "Exception ignored ... BrokenPipeError"
 
 
 @timeout
@@ -338,6 +414,37 @@ def test_mpi_probe_names_the_missing_piece(tmp_path, monkeypatch):
     status, hint = mpi.probe(fake("noexec", "exit 0\n"))
     assert status == "n/a (no mpiexec)" and "pip install mpich" in hint
     assert mpi.probe("/nonexistent/python")[0] == "n/a (no such interpreter)"
+
+
+@needs_shmtree
+@timeout
+def test_numa_quick(tmp_path, capsys):
+    started = time.monotonic()
+    doc = _json(tmp_path, ["numa", "--quick", "-n", "2"])
+    elapsed = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert out.startswith("# --quick: 32 KiB only, 1 MiB matrix cells")
+    assert doc["options"]["quick"] is True and doc["options"]["sizes"] == [32 << 10]
+    assert doc["options"]["plan"]["target_s"] == 0.02 and doc["matrix"]["size"] == 1 << 20
+    assert {r["size"] for r in doc["rows"]} == {32 << 10}
+    assert {(r["group"], r["variant"]) for r in doc["rows"]} == set(numa.VARIANTS)
+    assert elapsed < 30, elapsed       # about 2 s on the 2-core CI machine
+    with pytest.raises(SystemExit):
+        main(["numa", "--help"])
+    assert "--quick, --short" in capsys.readouterr().out
+
+
+@needs_shmtree
+@timeout
+def test_reproduce_quick(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "reproduce.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode in (0, 1), proc.stderr
+    [path] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    doc = json.loads(path.read_text())
+    assert set(doc["sections"]) == {"allreduce", "compare", "numa"} and doc["quick"] is True
+    assert doc["exit_codes"]["allreduce"] == 0 and doc["sections"]["allreduce"]["rows"]
 
 
 @timeout

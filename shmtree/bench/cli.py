@@ -4,12 +4,17 @@
     shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
     shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
-    shmtree-bench topology [...]       the machine (or a synthetic one) and the trees n ranks use
+    shmtree-bench topology [...]       the plan a shmtree.Group with these options runs
+    shmtree-bench --version            "shmtree-bench <shmtree's version>"
 
 Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
 --sizes 8,1M`` works.  This module only parses, dispatches, prints and writes; measuring is done
-by ``sweep``, ``compare``, ``numa``; output by ``report`` and ``plot``.  Exit status: 0 done,
-1 the benchmark failed (message on stderr), 2 bad arguments.
+by ``sweep``, ``compare``, ``numa``; output by ``report`` and ``plot``.
+
+Exit status: 0 done, 1 the benchmark failed (message on stderr), 2 bad arguments, 130
+interrupted (Ctrl-C or SIGTERM), 141 (= 128 + SIGPIPE, what a shell reports for a tool killed by
+a broken pipe) when whoever reads the output stopped reading (``shmtree-bench ... | head -1``):
+the rest of the output is dropped without a traceback.
 """
 import argparse
 import functools
@@ -25,6 +30,9 @@ from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M"}
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
+QUICK_TARGET_S = 0.02                       # numa --quick: seconds of timed calls per cell
+QUICK_MATRIX_SIZE = 1 << 20                 # numa --quick: bytes per matrix cell
 
 
 def _arg(convert):
@@ -49,6 +57,13 @@ def _positive(text):
     return value
 
 
+def _nonnegative_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _group_arguments(p):
     g = p.add_argument_group("shmtree group options (default: shmtree's own)")
     g.add_argument("--topology", help='spec such as "2x4", or a topology JSON file')
@@ -60,6 +75,12 @@ def _group_arguments(p):
                    help="where ring pages live")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                    help="pin each rank to one core")
+    g.add_argument("--small-bytes", type=_arg(parse_size),
+                   help="largest message carried inline in the latency round, e.g. 4K")
+    g.add_argument("--nt-bytes", type=_arg(parse_size),
+                   help="streaming stores from this message size (0: never)")
+    g.add_argument("--spin-us", type=_arg(_nonnegative_float),
+                   help="microseconds to busy-wait before yielding")
 
 
 def _measure_arguments(p, command, nprocs_help):
@@ -72,7 +93,7 @@ def _measure_arguments(p, command, nprocs_help):
     p.add_argument("--op", type=_arg(parse_op), default="sum", help="sum, prod, min or max")
     p.add_argument("--iters", type=_arg(_positive),
                    help=f"timed calls per size (default: adaptive, about {TARGET_S} s)")
-    p.add_argument("--time", type=float, default=TARGET_S,
+    p.add_argument("--time", type=float,
                    help=f"adaptive: seconds of timed calls per size (default {TARGET_S})")
     p.add_argument("--fresh", action="store_true",
                    help="cache-cold buffers: rotate through more memory than the LLC")
@@ -95,6 +116,8 @@ def build_parser():
         description="Benchmarks for shmtree's allreduce. Without a command, or with options "
                     "only, runs the allreduce sweep (shmtree-bench --sizes 8,1M = "
                     "shmtree-bench allreduce --sizes 8,1M).")
+    parser.add_argument("--version", action="version",
+                        version=f"shmtree-bench {machine.shmtree_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("allreduce", help="allreduce sweep with the memory-copy limit")
     _measure_arguments(p, "allreduce", "processes (default: usable cores)")
@@ -110,22 +133,31 @@ def build_parser():
     p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
     _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
     _group_arguments(p)
-    p.add_argument("--matrix-size", type=_arg(parse_size), default=64 << 20,
-                   help="bytes per matrix cell (default 64M)")
-    p = sub.add_parser("topology", help="describe a topology and draw the trees n ranks use")
-    p.add_argument("--topology", help='spec such as "2x4", or a topology JSON file')
-    p.add_argument("-n", "--nprocs", type=_arg(_positive), help="ranks (default: all cores)")
-    p.add_argument("--tree", type=_tree, default="auto")
-    p.add_argument("--placement", choices=("compact", "spread"))
-    p.add_argument("--small", type=_arg(parse_size), default=8, help="small message (8)")
-    p.add_argument("--large", type=_arg(parse_size), default=64 << 20, help="large one (64M)")
-    p.add_argument("--json", metavar="FILE", help="write the description and trees as JSON")
+    p.add_argument("--matrix-size", type=_arg(_positive_size),
+                   help=f"bytes per matrix cell (default 64M; {format_size(QUICK_MATRIX_SIZE)} "
+                        "with --quick)")
+    p.add_argument("--quick", "--short", action="store_true",
+                   help="a smoke test in a few seconds, not a result: only the first size of "
+                        f"--sizes, {format_size(QUICK_MATRIX_SIZE)} matrix cells and about "
+                        f"{QUICK_TARGET_S} s of timed calls per cell and knob (unless "
+                        "--matrix-size, --time or --iters say otherwise)")
+    p = sub.add_parser(
+        "topology", help="the plan a shmtree.Group with these options runs (trees, schedule)",
+        description="Prints the topology, then exactly what shmtree.Group(n, **options).plan."
+                    "describe() prints for the same options: the latency tree, the bandwidth "
+                    "tree or ring schedule, chunk size, slots, inline limit, pinning.")
+    p.add_argument("-n", "--nprocs", type=_arg(_positive),
+                   help="ranks (default: the cores of --topology, else the usable cores)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the plan as JSON (trees as parent lists, schedule, chunk, slots, "
+                        "small_bytes, digest)")
+    _group_arguments(p)
     return parser
 
 
 def parse(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "allreduce")
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -135,7 +167,33 @@ def parse(argv):
 
 
 def main(argv=None):
-    """Entry point of ``shmtree-bench`` and ``python -m shmtree.bench``; returns the exit code."""
+    """Entry point of ``shmtree-bench`` and ``python -m shmtree.bench``; returns the exit code.
+
+    A reader that stops reading (``| head``) ends the command quietly with EXIT_BROKEN_PIPE, as
+    the Python documentation recommends (signal module, "Note on SIGPIPE"): stdout is pointed at
+    /dev/null so that the interpreter's final flush does not fail again, and no traceback is
+    printed."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()   # buffered output meets a closed pipe here at the latest
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_to_devnull():
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):   # stdout without a file descriptor (tests): nothing to flush
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _main(argv):
     _terminate_like_interrupt()
     try:
         args = parse(argv)
@@ -162,9 +220,19 @@ def _on_sigterm(main_pid, signum, frame):
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _positive_size(text):
+    value = parse_size(text)
+    if value < 1:
+        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    return value
+
+
 def _plan(args, nprocs):
     rotation = machine.rotation_bytes(nprocs) if args.fresh else 0
-    return Plan(dtype=args.dtype, op=args.op, iters=args.iters, target_s=args.time,
+    target = args.time
+    if target is None:
+        target = QUICK_TARGET_S if getattr(args, "quick", False) else TARGET_S
+    return Plan(dtype=args.dtype, op=args.op, iters=args.iters, target_s=target,
                 fresh=args.fresh, rotation_bytes=rotation, timeout=args.timeout)
 
 
@@ -277,8 +345,16 @@ def _column_order(key):
 def cmd_numa(args):
     nprocs = args.nprocs or _usable()
     plan, options = _plan(args, nprocs), _options(args)
+    if args.quick:
+        args.sizes = args.sizes[:1]
+    if args.matrix_size is None:
+        args.matrix_size = QUICK_MATRIX_SIZE if args.quick else 64 << 20
     cells = len([n for n, cpus in machine.numa_nodes().items() if cpus]) ** 2
     bar = report.Progress(cells + len(numa.VARIANTS), "numa", _progress(args))
+    if args.quick:
+        print(f"# --quick: {format_size(args.sizes[0])} only, {format_size(args.matrix_size)} "
+              f"matrix cells, about {plan.target_s} s of timed calls each: a smoke test, "
+              "not a result")
     mat = numa.matrix(args.matrix_size, plan, bar)
     print(numa_matrix_text(mat))
     note = numa.one_node_note(mat)
@@ -290,8 +366,8 @@ def cmd_numa(args):
     print(_headline("allreduce time (us) per knob", nprocs, plan, options))
     print(numa_variants_text(rows))
     doc = report.document(
-        "numa", machine.describe(args.topology), _settings(args, nprocs, plan,
-                                                            matrix_size=args.matrix_size),
+        "numa", machine.describe(args.topology),
+        _settings(args, nprocs, plan, matrix_size=args.matrix_size, quick=args.quick),
         {"group": "knob", "variant": "its value", "size": "message bytes",
          "time_us": "allreduce time", "busbw_gbs": "bus bandwidth", "error": "why it failed"},
         rows, matrix=mat, note=note)
@@ -347,40 +423,45 @@ def _variant_label(group, value):
 
 
 def cmd_topology(args):
+    """The plan shmtree.Group(n, **options) runs: what the group's own planner says, not a
+    drawing of our own (the bench and the Group cannot disagree)."""
+    options = _options(args)
     try:
         import shmtree
-        from shmtree.schedule import build_tree
+        from shmtree.plan import plan_group
         topo = shmtree.Topology.resolve(args.topology)
+        nprocs = args.nprocs or (topo.ncpus if args.topology else _usable())
+        group_plan = plan_group(nprocs, **options)
+        text = group_plan.describe()
     except Exception as exc:
         raise _shmtree_failure(exc) from exc
-    nprocs = args.nprocs or (topo.ncpus if args.topology else _usable())
     print(topo.describe())
-    trees = {}
-    for label, size in (("small", args.small), ("large", args.large)):
-        try:
-            tree = build_tree(args.tree, nprocs, topology=topo, placement=args.placement,
-                              message_bytes=size)
-        except Exception as exc:
-            raise _shmtree_failure(exc) from exc
-        kind = getattr(tree, "kind", args.tree)
-        chosen = f"tree={args.tree}" + (f" -> {kind}" if str(kind) != str(args.tree) else "")
-        print(f"\n# tree for {nprocs} ranks, {label} messages ({format_size(size)}), "
-              f"{chosen}: depth {tree.depth}")
-        print(tree.draw())
-        trees[label] = {"message_bytes": size, "kind": str(kind), "depth": tree.depth,
-                        "drawing": tree.draw(),
-                        "parent": _plain_list(tree.parent), "children": _plain_list(tree.children)}
+    print()
+    print(text)
     if args.json:
         doc = report.document("topology", machine.describe(args.topology),
-                              {"topology": args.topology, "nprocs": nprocs, "tree": args.tree,
-                               "placement": args.placement}, {}, [], trees=trees,
-                              description=topo.describe())
+                              {"argv": args.argv, "nprocs": nprocs, "group_options": options},
+                              {}, [], description=topo.describe(),
+                              plan=plan_as_dict(group_plan))
         report.write_json(args.json, doc)
     return 0
 
 
-def _plain_list(value):
-    try:
-        return [list(v) if isinstance(v, (list, tuple)) else v for v in value]
-    except TypeError:
-        return str(value)
+def plan_as_dict(plan):
+    """A shmtree Plan as plain JSON data: trees as parent lists (root: -1)."""
+    def tree(t):
+        return {"kind": str(t.kind), "root": t.root, "depth": t.depth, "parent": list(t.parent),
+                "children": [list(c) for c in t.children]}
+
+    return {
+        "size": plan.size, "tree_option": str(plan.tree_kind), "placement": plan.placement,
+        "ncpus": plan.ncpus, "oversubscribed": plan.oversubscribed,
+        "small_tree": tree(plan.small_tree), "small_bytes": plan.small_bytes,
+        "small_slots": plan.small_slots,
+        "large_tree": tree(plan.large_tree), "large_schedule": plan.large_schedule,
+        "ring_order": list(plan.large_tree.ring) if plan.large_schedule == "ring" else None,
+        "chunk_bytes": plan.chunk_bytes, "slots": plan.slots, "nt_bytes": plan.nt_bytes,
+        "spin_us": plan.spin_ns / 1000, "pin": plan.pin, "cpu_of": list(plan.cpu_of),
+        "node_of": list(plan.node_of), "numa": plan.numa, "stall_timeout": plan.stall_timeout,
+        "digest": plan.digest().hex(), "describe": plan.describe(),
+    }

@@ -18,7 +18,8 @@ from .copylimit import copy_measurement
 from .measure import Buffers, measure, slowest, verify
 from .units import count_for
 
-GROUP_OPTIONS = ("topology", "tree", "chunk_bytes", "slots", "placement", "numa", "pin")
+GROUP_OPTIONS = ("topology", "tree", "chunk_bytes", "slots", "placement", "numa", "pin",
+                 "small_bytes", "nt_bytes", "spin_us")
 
 
 def group_options(**given):
