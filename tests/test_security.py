@@ -72,7 +72,8 @@ def rebuild_args(group):
     """The arguments Group.__reduce__ would send to a spawned process (private layout)."""
     fn, args = group.__reduce__()
     assert fn is api._rebuild_group
-    plan, _dupfd, nonce, total = args
+    plan, dupfd, nonce, total = args
+    os.close(dupfd.detach())       # take back the duplicate multiprocessing holds for a receiver
     return plan, nonce, total
 
 
