@@ -841,19 +841,23 @@ def _context(context=None):
 
 
 def _check_picklable(who, ctx, **things):
-    """Under spawn and forkserver everything a worker gets is pickled: say so clearly, with the
-    remedy, before any process starts (pickle's own error surfaces late and says neither)."""
-    method = ctx.get_start_method()
+    """Under spawn and forkserver everything a worker gets is pickled (ctx None: pickled whatever
+    the start method, as pool tasks are): say so clearly, with the remedy, before any process
+    starts (pickle's own error surfaces late and says neither)."""
+    method = None if ctx is None else ctx.get_start_method()
     if method == "fork":
         return
     for name, value in things.items():
         try:
             reduction.ForkingPickler.dumps(value)
         except Exception as exc:
-            raise TypeError(f"{who}: cannot send {name} to {method!r} workers ({exc}); under "
-                            f"{method!r} functions must be defined at module level (not a lambda "
-                            f"or a local function) and arguments picklable; or use the 'fork' "
-                            f"start method") from exc
+            how = ("pool tasks are pickled whatever the start method" if method is None else
+                   f"under {method!r} everything a worker gets is pickled")
+            raise TypeError(f"{who}: cannot send {name} to the workers ({exc}); {how}: functions "
+                            f"must be defined at module level (not a lambda or a local function) "
+                            f"and arguments picklable"
+                            + ("" if method is None else "; or use the 'fork' start method")
+                            ) from exc
 
 
 def _die_with_parent():
@@ -1135,6 +1139,7 @@ class _Task:
     """A user's task function as the pool sends it (see _run_as_task)."""
 
     def __init__(self, fn):
+        _check_picklable("shmtree.Pool", None, task=fn)
         self.fn = fn
 
     def __call__(self, *args, **kwargs):

@@ -415,6 +415,14 @@ def test_lambda_under_spawn_gives_a_hint():
         shmtree.run(lambda comm: 1, 2, start_method="spawn")
 
 
+@pytest.mark.timeout(60)
+def test_lambda_task_gives_a_hint():
+    with shmtree.Pool(2) as pool:
+        with pytest.raises(TypeError, match="module level"):
+            pool.map(lambda i: i, range(2))
+        assert sorted(pool.map(one_allreduce, range(2))) == [(2.0, 0), (2.0, 1)]
+
+
 def masked(comm):
     try:
         comm.allreduce(np.ma.masked_array([1.0, 2.0], mask=[0, 1]))
