@@ -14,6 +14,24 @@ Note: ``/dev/shm`` is shared by everything on the machine.  A job started by som
 same moment can make an entry appear; an entry held (mapped or open) only by processes outside
 this test's process tree is therefore reported as a warning, not a failure.  An entry that nobody
 holds cannot be attributed and fails the test.
+
+shmtree's segment is a memfd, which never appears in ``/dev/shm``; so the fixture also looks at
+the test process itself (when something new is found, after ``gc.collect()``: a dropped Group
+goes with its last reference, which a reference cycle may keep until a collection):
+
+- no new memfd descriptor (``/proc/self/fd`` entries whose link reads ``/memfd:...``) and no new
+  memfd mapping (``/proc/self/maps``, counted per segment: the NUMA binding of the rings splits
+  one mapping into several lines) remains after the test; they are given up to ~1.5 s to go
+  (threads of a Pool may hold the last reference for a moment);
+- other descriptors: multiprocessing opens a few for the whole session, once (the forkserver's
+  alive pipe, the resource tracker's pipe, the resource sharer's listening socket, which a Group
+  pickled outside a process start uses); those are left out.  Anything else new is reported: a
+  warning for up to procutil.FD_ALLOWANCE of them (a library may open a file of its own for good
+  the first time it is used), a failure above that.  When the test itself failed, these findings
+  are warnings only: the failure's traceback keeps the test's locals alive;
+- the CPU affinity of the test process is what it was before (Group.join pins the process that
+  joins; a test that joins in the test process must leave it unpinned).  A changed mask is
+  restored before the test fails, so that the next test is not run on one CPU.
 """
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -23,7 +41,8 @@ import warnings
 import psutil
 import pytest
 
-from procutil import SHM_DIR, new_shm_entries, shm_listing
+from procutil import (FD_SETTLE_S, SHM_DIR, fd_and_map_problems, memfd_mappings, new_shm_entries,
+                      open_fds, shm_listing)
 
 SHM_SETTLE_S = 1.5          # how long a new /dev/shm entry may take to disappear
 CHILD_GRACE_S = 3.0         # how long children may take to exit after the test
@@ -54,6 +73,8 @@ def split_foreign(entries):
     """(ours, foreign): an entry is foreign when it is held only by processes outside this
     test's process tree (someone else's job running on the machine at the same time).  An entry
     that nobody holds any more cannot be attributed, and counts as ours."""
+    if not entries:
+        return [], []
     me = psutil.Process()
     tree = {me.pid} | {c.pid for c in me.children(recursive=True)}
     ours, foreign = [], []
@@ -97,12 +118,31 @@ def _describe(procs):
     return out
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep the outcome of the test's call on the item (the leak check looks at it)."""
+    outcome = yield
+    if call.when == "call":
+        item.shmtree_call_failed = outcome.get_result().failed
+
+
 @pytest.fixture(autouse=True)
-def no_leaks():
-    """Fail the test if it leaves an entry in /dev/shm or a child process behind."""
+def no_leaks(request):
+    """Fail the test if it leaves an entry in /dev/shm, a child process, a memfd descriptor or
+    mapping, too many descriptors, or a changed CPU affinity behind."""
     shm_before = shm_listing()
+    fds_before = open_fds()           # (no gc.collect here: see fd_and_map_problems)
+    maps_before = memfd_mappings()
+    affinity_before = os.sched_getaffinity(0)
     yield
     problems = []
+
+    # CPU affinity: restore it first, whatever else fails
+    affinity_after = os.sched_getaffinity(0)
+    if affinity_after != affinity_before:
+        os.sched_setaffinity(0, affinity_before)
+        problems.append(f"the test process's CPU affinity was left at {sorted(affinity_after)} "
+                        f"(was {sorted(affinity_before)}; restored now)")
 
     # children: give them a grace period (this also reaps our own zombies), then kill and fail
     strays = stray_children()
@@ -129,6 +169,20 @@ def no_leaks():
         named = [n for n in leaked if "shmtree" in n.lower()]
         problems.append(f"new entries left in {SHM_DIR}: {leaked}"
                         + (f" (of which named shmtree: {named})" if named else ""))
+
+    # this process's descriptors and memfd mappings (checked after the children are gone:
+    # pipes to them close as they are reaped).  When the test itself failed, its traceback
+    # keeps its locals (a Group, a Process and its pipes) alive: what is found then cannot be
+    # told from a leak, and is only a warning
+    failed = getattr(request.node, "shmtree_call_failed", False)
+    failures, warns = fd_and_map_problems(fds_before, maps_before,
+                                          settle_s=0.0 if failed else FD_SETTLE_S)
+    if failed:
+        warns += [f"(the test failed; its traceback may hold these) {f}" for f in failures]
+        failures = []
+    problems += failures
+    for w in warns:
+        warnings.warn(w)
 
     if problems:
         pytest.fail("leak check failed:\n" + "\n".join(problems), pytrace=False)

@@ -1,4 +1,9 @@
-"""Helpers shared by the multi-process tests: /dev/shm listings, process cleanup, error names."""
+"""Helpers shared by the multi-process tests: /dev/shm listings, this process's descriptors and
+memfd mappings, process cleanup, error names."""
+import gc
+import multiprocessing.forkserver
+import multiprocessing.resource_sharer
+import multiprocessing.resource_tracker
 import os
 import signal
 import time
@@ -9,6 +14,10 @@ import pytest
 import shmtree
 
 SHM_DIR = "/dev/shm"
+MEMFD = "/memfd:"           # how the link of a memfd descriptor, and its mapping, read
+FD_SETTLE_S = 1.5           # how long new memfd descriptors and mappings may take to go
+PLAIN_SETTLE_S = 0.3        # how long other new descriptors may take to go
+FD_ALLOWANCE = 3            # new plain descriptors reported as a warning, not a failure
 
 
 def shm_listing():
@@ -27,6 +36,99 @@ def new_shm_entries(before, settle_s=1.5):
         if not new or time.monotonic() >= deadline:
             return sorted(new)
         time.sleep(0.05)
+
+
+# ---- this process's own descriptors and memfd mappings (the autouse leak check) ----
+
+def open_fds():
+    """{fd: link target} of this process (the fd of the listing itself is gone by the readlink
+    and left out)."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return fds
+
+
+def memfd_mappings():
+    """{inode: name} of the memfd segments this process maps."""
+    with open("/proc/self/maps", "rb") as f:
+        data = f.read()
+    segs = {}
+    if MEMFD.encode() not in data:            # the common case: no line to parse
+        return segs
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith(MEMFD):
+            segs[parts[4]] = parts[5].strip()
+    return segs
+
+
+def _session_helper_fds():
+    """Descriptors that multiprocessing keeps open for the whole session, once started."""
+    fds = set()
+    fs = getattr(multiprocessing.forkserver, "_forkserver", None)
+    fd = getattr(fs, "_forkserver_alive_fd", None)
+    if fd is not None:
+        fds.add(fd)
+    rt = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    fd = getattr(rt, "_fd", None)
+    if fd is not None:
+        fds.add(fd)
+    rs = getattr(multiprocessing.resource_sharer, "_resource_sharer", None)
+    sock = getattr(getattr(getattr(rs, "_listener", None), "_listener", None), "_socket", None)
+    if sock is not None:
+        try:
+            fds.add(sock.fileno())
+        except OSError:
+            pass
+    return fds
+
+
+def new_fds(before):
+    """{fd: target} open now that were not open (with that target) before, session helpers'
+    descriptors left out."""
+    helpers = _session_helper_fds()
+    return {fd: t for fd, t in open_fds().items()
+            if before.get(fd) != t and fd not in helpers}
+
+
+def fd_and_map_problems(fds_before, maps_before, settle_s=FD_SETTLE_S):
+    """(failures, warnings) about this process's descriptors and memfd mappings new since
+    fds_before (open_fds) and maps_before (memfd_mappings), after giving them settle_s to go.
+    gc.collect() runs only when something new is found (a full collection costs ~60 ms once the
+    whole suite is loaded: too much for every test)."""
+    start = time.monotonic()
+    tries = 0
+    while True:
+        if tries:
+            gc.collect()
+        fresh = new_fds(fds_before)
+        memfds = {fd: t for fd, t in fresh.items() if t.startswith(MEMFD)}
+        plain = {fd: t for fd, t in fresh.items() if not t.startswith(MEMFD)}
+        maps = {ino: n for ino, n in memfd_mappings().items() if ino not in maps_before}
+        now = time.monotonic()
+        settled = not memfds and not maps and (
+            not plain or now >= start + min(settle_s, PLAIN_SETTLE_S))
+        if settled or now >= start + settle_s:
+            break
+        if tries:
+            time.sleep(0.05)
+        tries += 1
+    failures, warns = [], []
+    if memfds:
+        failures.append(f"memfd descriptors left open by the test process: {memfds}")
+    if maps:
+        failures.append(f"memfd segments still mapped by the test process: "
+                        f"{sorted(maps.values())}")
+    if len(plain) > FD_ALLOWANCE:
+        failures.append(f"{len(plain)} new descriptors left open by the test process "
+                        f"(more than {FD_ALLOWANCE}): {plain}")
+    elif plain:
+        warns.append(f"new descriptors left open by the test process: {plain}")
+    return failures, warns
 
 
 def is_gone(proc):

@@ -1,0 +1,198 @@
+"""What a Group and a Communicator leave behind in the processes that held them (DESIGN.md
+section 5, lifetime): the segment is a memfd, so a leak shows as an open descriptor or a mapping
+of the process, never in /dev/shm; and joining pins the process, which closing must undo.
+
+- the leak check of conftest (procutil.fd_and_map_problems) itself sees a memfd descriptor and a
+  memfd mapping left behind, and nothing once they are gone;
+- a Group unpickled in another process (spawn), or in this one (multiprocessing's pickler, the
+  descriptor passed by the resource sharer), and dropped without close(): no memfd descriptor and
+  no mapping remain after gc;
+- in the test process: Group(2).join(0) and Group(1).join(0) then close(): the CPU affinity is
+  what it was, no memfd descriptor and no mapping remain; a joined Group(1) dropped without
+  close() once its Communicator is closed: no memfd descriptor and no mapping remain after gc.
+
+These tests check and undo what they find (close the leaked descriptors, restore the affinity)
+so that one failure is reported once, by the test, and does not poison the next test.
+"""
+import gc
+import mmap
+import multiprocessing as mp
+import os
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import shmtree
+from procutil import MEMFD, fd_and_map_problems, memfd_mappings, open_fds, stop_processes
+
+
+def memfd_fds():
+    """{fd: target} of this process's memfd descriptors."""
+    return {fd: t for fd, t in open_fds().items() if t.startswith(MEMFD)}
+
+
+def leaked_since(fds_before, maps_before):
+    """(memfd descriptors, memfd segment names mapped) new since the snapshots, after gc."""
+    gc.collect()
+    fds = {fd: t for fd, t in memfd_fds().items() if fds_before.get(fd) != t}
+    maps = sorted(n for ino, n in memfd_mappings().items() if ino not in maps_before)
+    return fds, maps
+
+
+def close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the leak check itself
+
+def test_leak_check_sees_a_memfd_descriptor_and_mapping():
+    gc.collect()
+    fds_before, maps_before = open_fds(), memfd_mappings()
+    fd = os.memfd_create("shmtree-leakcheck")
+    os.ftruncate(fd, mmap.PAGESIZE)
+    m = mmap.mmap(fd, mmap.PAGESIZE)
+    try:
+        failures, _ = fd_and_map_problems(fds_before, maps_before, settle_s=0.1)
+        text = "\n".join(failures)
+        assert "memfd descriptors left open" in text and "shmtree-leakcheck" in text, failures
+        assert "memfd segments still mapped" in text, failures
+    finally:
+        m.close()
+        os.close(fd)
+    failures, _ = fd_and_map_problems(fds_before, maps_before, settle_s=0.1)
+    assert not failures, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) an unpickled copy of a Group, dropped without close()
+
+def drop_copy_in_child(holder, close, conn):
+    """Runs in a spawned child; holder = [group] (the Process keeps its args: the list is
+    emptied so that the group's last reference is dropped here)."""
+    try:
+        group = holder.pop()
+        before = sorted(t for t in memfd_fds().values())
+        if close:
+            group.close()
+        del group
+        gc.collect()
+        conn.send((before, memfd_fds(), sorted(memfd_mappings().values())))
+    except BaseException as e:  # noqa: B036
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "dropped"])
+def test_group_copy_in_spawned_child_leaves_no_memfd(close):
+    """The spawned child holds the group's memfd (one descriptor, one mapping) while it has the
+    group; none of them once the group is closed, or dropped without close()."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    with shmtree.Group(2) as group:
+        p = ctx.Process(target=drop_copy_in_child, args=([group], close, send))
+        try:
+            p.start()
+            send.close()
+            assert recv.poll(45), "the spawned child did not report"
+            report = recv.recv()
+            p.join(10)
+        finally:
+            stop_processes([p])
+            recv.close()
+            if p.exitcode is not None:
+                p.close()                     # its pipes, even if a failure keeps `p` alive
+    assert not isinstance(report, str), f"the child failed: {report}"
+    held, fds, maps = report
+    assert len(held) == 1 and "shmtree" in held[0], f"the child's group held {held}"
+    how = "closed" if close else "dropped without close()"
+    assert not fds, f"the child's group copy, {how}, left its memfd open: {fds}"
+    assert not maps, f"the child's group copy, {how}, left its segment mapped: {maps}"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "dropped"])
+def test_group_copy_unpickled_in_process_leaves_no_memfd(close):
+    """multiprocessing's pickler outside a process start passes the descriptor through the
+    resource sharer (a thread of this process): the copy gets a descriptor of its own."""
+    with shmtree.Group(2) as group:
+        gc.collect()
+        fds_before, maps_before = memfd_fds(), memfd_mappings()
+        copy = ForkingPickler.loads(ForkingPickler.dumps(group))
+        fds, _ = leaked_since(fds_before, maps_before)
+        assert len(fds) == 1, f"the copy should hold a memfd descriptor of its own: {fds}"
+        if close:
+            copy.close()
+        del copy
+        fds, maps = leaked_since(fds_before, maps_before)
+        close_fds(fds)                                        # undo: do not poison what follows
+    how = "closed" if close else "dropped without close()"
+    assert not fds, f"the unpickled group copy, {how}, left its memfd open: {fds}"
+    assert not maps, f"the unpickled group copy, {how}, left its segment mapped: {maps}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) joining in the test process
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", [1, 2])
+def test_join_and_close_in_test_process_restores_affinity(size):
+    """Group(size).join(0) in this process (pinned when the group pins), then close(): the CPU
+    affinity is the original one, no memfd descriptor and no mapping remain."""
+    gc.collect()
+    affinity = os.sched_getaffinity(0)
+    fds_before, maps_before = memfd_fds(), memfd_mappings()
+    try:
+        g = shmtree.Group(size)
+        cpu = g.cpu_of[0]
+        pinned = g.pin and cpu is not None
+        c = g.join(0)
+        joined_affinity = os.sched_getaffinity(0)
+        if size == 1:
+            assert float(c.allreduce(np.ones(3))[0]) == 1.0
+        c.close()
+        g.close()
+        after = os.sched_getaffinity(0)
+        del c, g
+        fds, maps = leaked_since(fds_before, maps_before)
+        close_fds(fds)
+    finally:
+        os.sched_setaffinity(0, affinity)                     # undo: do not poison what follows
+    # else the test would prove nothing: a group that fits the usable CPUs pins its members
+    assert pinned or size > len(affinity), f"Group({size}) does not pin on {sorted(affinity)}"
+    if pinned:
+        assert joined_affinity == {cpu}, f"join(0) pinned to {sorted(joined_affinity)}, not {cpu}"
+    assert after == affinity, (f"Group({size}): after join(0) (affinity {sorted(joined_affinity)}"
+                               f"{', pinned' if pinned else ''}) and close(), this process's "
+                               f"affinity is {sorted(after)}, was {sorted(affinity)}")
+    assert not fds, f"Group({size}) joined and closed left memfd descriptors open: {fds}"
+    assert not maps, f"Group({size}) joined and closed left its segment mapped: {maps}"
+
+
+@pytest.mark.timeout(30)
+def test_joined_group_dropped_without_close_leaves_no_memfd():
+    """A Group(1) joined in this process, its Communicator closed, the Group dropped without
+    close(): gc frees the descriptor and the mapping.  (A Communicator that is not closed stays
+    reachable as shmtree.current(), and keeps its group: that is not a leak.)"""
+    gc.collect()
+    affinity = os.sched_getaffinity(0)
+    fds_before, maps_before = memfd_fds(), memfd_mappings()
+    try:
+        g = shmtree.Group(1)
+        c = g.join(0)
+        assert float(c.allreduce(np.ones(2))[0]) == 1.0
+        c.close()
+        del c, g
+        fds, maps = leaked_since(fds_before, maps_before)
+        close_fds(fds)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    assert not fds, f"a joined Group dropped without close() left its memfd open: {fds}"
+    assert not maps, f"a joined Group dropped without close() left its segment mapped: {maps}"
