@@ -7,7 +7,12 @@
 - a member that returns without closing its communicator, a Group garbage-collected without
   close(), the interpreter exiting with a Group, a Communicator or a Pool still open: clean;
 - Ctrl-C (SIGINT) delivered to a worker blocked in allreduce while another rank never calls: that
-  worker raises KeyboardInterrupt promptly (< 2 s), the others PeerLostError.
+  worker raises KeyboardInterrupt promptly (< 2 s), the others PeerLostError;
+- KeyboardInterrupt at random moments of a loop of small (fast-path) allreduce calls, hundreds of
+  times: after each one the group is either usable (the next calls give the right result on
+  every rank) or cleanly aborted (every rank raises PeerLostError, promptly); never wedged (a
+  call that waits for a peer forever, "another thread of this rank is inside a collective") nor
+  corrupted ("a ring holds data of another call").
 
 Jobs run as separate scripts (start_new_session=True) so that their signals and their exit are
 their own; every test kills what is left of the job's session in its `finally`.
@@ -15,6 +20,7 @@ their own; every test kills what is left of the job's session in its `finally`.
 import gc
 import multiprocessing as mp
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -26,7 +32,7 @@ import psutil
 import pytest
 
 import shmtree
-from procutil import shm_listing, new_shm_entries, is_gone, session_processes
+from procutil import shm_listing, new_shm_entries, is_gone, session_processes, stop_processes
 
 DETECT_S = 5.0
 EXIT_S = 15.0             # a signalled job must be gone within this
@@ -231,6 +237,150 @@ def test_ctrl_c_to_worker_blocked_in_allreduce(n):
     assert "rank 0" in msg, f"rank 2's error does not say rank 0 failed: {msg}"
     name, msg, took = reports[1]
     assert name == "PeerLostError" and took < 1.0, f"rank 1 (late caller): {reports[1]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# KeyboardInterrupt at random early moments of fast-path calls
+
+FAST_SIZES = (1, 8, 64, 512)      # float64 items: 8 B .. 4 KiB, the inline fast path
+FAST_TARGET = 500                 # interrupts to deliver in all (if FAST_BUDGET_S allows)
+FAST_MIN = 100                    # fewer than this, and the test proved too little
+FAST_PER_ROUND = 25               # interrupts per group, at most (an abort ends a group sooner)
+FAST_MAX_DELAY_S = 0.003          # each interrupt comes 10 us .. 3 ms after the previous one
+FAST_BUDGET_S = 12.0              # no new group after this (the test must stay short)
+FAST_CALL_TIMEOUT_S = 3.0         # every call: a wedge shows as CollectiveTimeoutError
+FAST_PROMPT_S = 2.0               # PeerLostError within this of the start of the call
+STOP_VOTE = 10.0                  # the victim adds this to its input to end the loop
+
+
+def fastpath_member(group, rank, victim, n, interrupts, seed, conn):
+    """Both ranks loop on allreduce(x) with x = rank + 1 (the sum is 3 everywhere).  The victim
+    arms a one-shot timer of a random 10 us .. 3 ms whose SIGALRM runs SIGINT's handler
+    (KeyboardInterrupt), catches the interrupt, re-arms, and after `interrupts` of them adds
+    STOP_VOTE to its input: the call that sums to 13 ends the loop on every rank at once.  Every
+    call has a timeout, so a wedged group ends as an error, not a hang.  Reports a dict."""
+    rep = {"rank": rank, "calls": 0, "caught": 0, "end": None, "msg": "", "took": 0.0}
+    try:
+        comm = group.join(rank)
+        x = np.full(n, rank + 1.0)
+        last = x + STOP_VOTE
+        rng = random.Random(seed)
+        me = rank == victim
+        if me:
+            signal.signal(signal.SIGALRM, signal.default_int_handler)
+        armed = False
+        # the interrupt may come at any bytecode, also at the jump back of a loop: the inner
+        # loop runs inside the try; the outer one goes round only after an interrupt was handled
+        # (no alarm pending then)
+        while rep["end"] is None:
+            try:
+                while rep["end"] is None:
+                    t0 = time.monotonic()
+                    try:
+                        stop = me and rep["caught"] >= interrupts
+                        if me and not stop and not armed:
+                            armed = True
+                            signal.setitimer(signal.ITIMER_REAL,
+                                             rng.uniform(1e-5, FAST_MAX_DELAY_S))
+                        y = comm.allreduce(last if stop else x, timeout=FAST_CALL_TIMEOUT_S)
+                        rep["calls"] += 1
+                        if np.all(y == 3.0 + STOP_VOTE):
+                            rep["end"] = "stopped"
+                        elif not np.all(y == 3.0):
+                            rep["end"], rep["msg"] = "wrong result", f"{y[:4]} (expected 3.0)"
+                    except KeyboardInterrupt:
+                        raise
+                    except BaseException as e:  # noqa: B036
+                        rep["end"], rep["msg"] = type(e).__name__, str(e)
+                        rep["took"] = time.monotonic() - t0
+            except KeyboardInterrupt as e:
+                armed = False
+                rep["caught"] += 1
+                cause = e.__context__       # an interrupt in the handler of another error
+                if rep["end"] is None and cause is not None and \
+                        not isinstance(cause, KeyboardInterrupt):
+                    rep["end"], rep["msg"] = type(cause).__name__, str(cause)
+                    rep["took"] = time.monotonic() - t0
+    except BaseException as e:  # noqa: B036
+        if rep["end"] is None:
+            rep["end"], rep["msg"] = "setup " + type(e).__name__, str(e)
+    finally:
+        for _ in range(5):            # a last pending alarm may interrupt this too
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, signal.SIG_IGN)
+                break
+            except KeyboardInterrupt:
+                pass
+        conn.send(rep)
+        conn.close()
+
+
+def fastpath_round(ctx, rnd, n, victim, interrupts):
+    """One group of 2: the reports of both ranks ({rank: dict}, missing ones absent)."""
+    reports, procs, conns = {}, [], []
+    deadline = time.monotonic() + interrupts * FAST_MAX_DELAY_S + 2 * FAST_CALL_TIMEOUT_S + 5
+    with shmtree.Group(2) as group:
+        try:
+            for rank in range(2):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=fastpath_member,
+                                args=(group, rank, victim, n, interrupts, rnd * 7919 + rank,
+                                      send))
+                p.start()
+                send.close()
+                procs.append(p)
+                conns.append(recv)
+            for rank, c in enumerate(conns):
+                if c.poll(max(0.0, deadline - time.monotonic())):
+                    try:
+                        reports[rank] = c.recv()
+                    except EOFError:
+                        pass
+        finally:
+            stop_processes(procs)
+            for c in conns:
+                c.close()
+    return reports
+
+
+def fastpath_verdict(reports, victim):
+    """'' when the round kept the contract, else what went wrong."""
+    if sorted(reports) != [0, 1]:
+        return f"no report from rank(s) {sorted({0, 1} - set(reports))} (wedged or died)"
+    ends = {r: reports[r]["end"] for r in (0, 1)}
+    if set(ends.values()) == {"stopped"}:
+        return ""                                   # usable after every interrupt
+    if set(ends.values()) == {"PeerLostError"}:     # cleanly aborted
+        slow = [r for r in (0, 1) if reports[r]["took"] > FAST_PROMPT_S]
+        return f"PeerLostError not prompt on rank(s) {slow}" if slow else ""
+    return "; ".join(f"rank {r}{' (interrupted)' if r == victim else ''}: {rep['end']}: "
+                     f"{rep['msg']} (after {rep['calls']} calls, {rep['caught']} interrupts, "
+                     f"{rep['took']:.2f} s in the call)" for r, rep in sorted(reports.items()))
+
+
+@pytest.mark.timeout(60)
+def test_interrupts_at_random_moments_of_fast_path_calls():
+    ctx = mp.get_context("fork")
+    t0 = time.monotonic()
+    delivered, rounds, aborted, failures = 0, 0, 0, []
+    while delivered < FAST_TARGET and time.monotonic() - t0 < FAST_BUDGET_S and not failures:
+        n = FAST_SIZES[rounds % len(FAST_SIZES)]
+        victim = (rounds // len(FAST_SIZES)) % 2
+        reports = fastpath_round(ctx, rounds, n, victim, min(FAST_PER_ROUND,
+                                                             FAST_TARGET - delivered))
+        rounds += 1
+        delivered += reports.get(victim, {}).get("caught", 0)
+        aborted += all(r["end"] == "PeerLostError" for r in reports.values())
+        verdict = fastpath_verdict(reports, victim)
+        if verdict:
+            failures.append(f"round {rounds} ({8 * n} B, rank {victim} interrupted): {verdict}")
+    took = time.monotonic() - t0
+    assert not failures, (f"{failures[0]}\n({delivered} interrupts in {rounds} groups, "
+                          f"{aborted} cleanly aborted, {took:.1f} s)")
+    # else the test proved too little (each abort costs a new group: a slow machine may not
+    # reach FAST_TARGET within the budget)
+    assert delivered >= FAST_MIN, f"only {delivered} interrupts in {rounds} groups ({took:.1f} s)"
 
 
 # ---------------------------------------------------------------------------------------------
