@@ -3,7 +3,9 @@
 # A kernel computes, in one fused pass, dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i]
 # for i < n, in that fixed order (so the same inputs always give the same bits).  dst may be the same
 # pointer as srcs[0] (accumulate in place) but never partially overlaps any source.  nsrc >= 1
-# (nsrc == 1 is a copy).  n counts items, not bytes.  Kernels never touch the GIL.
+# (nsrc == 1 is a copy).  n counts items, not bytes.  Kernels never touch the GIL.  Float min/max
+# order -0.0 below +0.0 (IEEE 754-2019 minimum/maximum), so their result on a -0.0/+0.0 tie does
+# not depend on the order in which operands meet.
 
 ctypedef void (*reduce_fn)(void *dst, const void **srcs, int nsrc, Py_ssize_t n) noexcept nogil
 
@@ -13,7 +15,10 @@ cdef enum:
     OP_PROD = 1
     OP_MIN = 2
     OP_MAX = 3
-    N_OPS = 4
+    OP_BAND = 4     # bitwise and, or, xor: integer and bool dtypes only
+    OP_BOR = 5
+    OP_BXOR = 6
+    N_OPS = 7
 
 # dtype codes
 cdef enum:
@@ -33,5 +38,6 @@ cdef enum:
     DT_C16 = 13
     N_DTYPES = 14
 
-# The kernel for (op, dtype), or NULL where the pair is not supported (min/max of complex).
+# The kernel for (op, dtype), or NULL where the pair is not supported (min/max of complex,
+# band/bor/bxor of float and complex).
 cdef reduce_fn get_kernel(int op, int dtype) noexcept nogil

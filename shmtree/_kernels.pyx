@@ -8,15 +8,24 @@ four layers, each built only on the one above it:
 
 1. Point functions (inline, nogil): one op on two elements, e.g. `_add`, `_max`, and `_combine`,
    which picks the op from a tag type at compile time.  They define the semantics, which are
-   numpy's (`ufunc.reduce(np.stack(srcs), axis=0, dtype=dtype)`):
+   numpy's (`ufunc.reduce(np.stack(srcs), axis=0, dtype=dtype)`) except for the sign
+   of zero in float min/max:
    - integers wrap modulo 2**bits, computed in uint64 so that no C signed overflow (undefined
      behaviour) or int promotion (uint16 * uint16 is an int multiply in C) is involved;
-   - floats: min/max propagate NaN, and on ties return the operand numpy returns;
-   - complex: add and numpy's multiply, (a*c - b*d) + (a*d + b*c)i; no min/max;
-   - bool (0/1 bytes): sum and max are logical or, prod and min logical and, which on 0/1 are
-     exactly uint8 max and min, so bool uses the uint8 min/max kernels;
-   - float16: every input widened to float32, reduced in float32, rounded to half once (round to
-     nearest even); the conversions are in _csrc/half.h.
+     band/bor/bxor are C's & | ^ (np.bitwise_and/or/xor);
+   - floats: min/max propagate NaN (a NaN in either operand gives a NaN) and order -0.0 below
+     +0.0, as IEEE 754-2019 minimum/maximum do: min(-0.0, +0.0) is -0.0 and max(-0.0, +0.0) is
+     +0.0 in either operand order.  numpy instead returns one of the operands on such a tie, so
+     its result would depend on the order in which operands meet, which differs between
+     reduction trees; ours is the same whatever the tree.  Computed as the ordinary min/max
+     followed by a fix of the sign bit (`_fix_min_sign`, `_fix_max_sign`), which keeps the
+     loops vectorizable.  No bitwise ops;
+   - complex: add and numpy's multiply, (a*c - b*d) + (a*d + b*c)i; no min/max (no order), no
+     bitwise ops;
+   - bool (0/1 bytes): sum, max and bor are logical or, prod, min and band logical and, bxor
+     logical xor, which on 0/1 are exactly uint8 max, min and ^, so bool uses uint8 kernels;
+   - float16: every input widened to float32, reduced in float32 (min/max with the rule above),
+     rounded to half once (round to nearest even); the conversions are in _csrc/half.h.
 2. Fused loops: `_reduce[Elem, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
    arrays into blocks of BLOCK_BYTES and, per block, computes dst = s0 op s1, then
    dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
@@ -25,10 +34,12 @@ four layers, each built only on the one above it:
    Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
    and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
    compile time and costs nothing at run time).
-3. The table: `_k_sum`, `_k_prod`, `_k_min`, `_k_max` have the shape of `reduce_fn`; their
-   instantiations fill `_TABLE[op][dtype]` once at import, NULL where unsupported; `get_kernel`
-   is a bounds-checked lookup.
-4. Python helpers: DTYPE_CODES / dtype_code, OP_CODES / op_code, supported, and reduce_into, which
+3. The table: `_k_sum`, `_k_prod`, `_k_min`, `_k_max`, `_k_band`, `_k_bor`, `_k_bxor` have the
+   shape of `reduce_fn`; their instantiations fill `_TABLE[op][dtype]` once at import, NULL
+   where unsupported (min/max of complex, bitwise ops of float and complex); `get_kernel` is a
+   bounds-checked lookup.
+4. Python helpers: DTYPE_CODES / dtype_code, OP_CODES and UFUNC_CODES (the one op table: names
+   and numpy ufuncs -> OP_* codes) / op_code / op_name, supported, and reduce_into, which
    validates numpy arrays, takes their buffers and runs a kernel with the GIL released.
 """
 
@@ -106,11 +117,33 @@ ctypedef struct OpMin:
 ctypedef struct OpMax:
     char unused
 
+ctypedef struct OpBand:
+    char unused
+
+ctypedef struct OpBor:
+    char unused
+
+ctypedef struct OpBxor:
+    char unused
+
 ctypedef fused Op:
     OpSum
     OpProd
     OpMin
     OpMax
+    OpBand
+    OpBor
+    OpBxor
+
+# A float's bits, to set or clear its sign bit with integer ops (which vectorize like the float
+# ops around them).  Reading the member not last written is defined in C (GNU C and C99 TC3).
+ctypedef union f32_bits:
+    float f
+    uint32_t u
+
+ctypedef union f64_bits:
+    double f
+    uint64_t u
 
 cdef enum:
     # Bytes of dst per block: dst's block is re-read once per source, so it must stay in L1.
@@ -158,20 +191,65 @@ cdef inline Num _mul(Num a, Num b) noexcept nogil:
         return a * b
 
 
+cdef inline Real _fix_min_sign(Real r, Real a) noexcept nogil:
+    """r, the ordinary min of a and b (a if a < b or a is NaN, else b), with a's sign bit ORed in:
+    the IEEE minimum, -0.0 below +0.0.  If r is a, nothing changes.  If r is b, then a >= b or b
+    is NaN: a NaN stays a NaN; a with its sign bit set means b <= a <= -0.0, so b's sign bit is
+    set already unless b is +0.0 and a is -0.0, the tie, which gives -0.0.  So for a and b not
+    NaN the result's sign bit is a's OR b's, in either operand order.  Branch-free: one AND with
+    a constant and one OR, which vectorize like the compare and blend before them."""
+    cdef f32_bits r32, a32
+    cdef f64_bits r64, a64
+    if Real is float:
+        r32.f = r
+        a32.f = a
+        r32.u = r32.u | (a32.u & 0x80000000U)
+        return r32.f
+    elif Real is double:
+        r64.f = r
+        a64.f = a
+        r64.u = r64.u | (a64.u & 0x8000000000000000ULL)
+        return r64.f
+    else:
+        return r
+
+
+cdef inline Real _fix_max_sign(Real r, Real a) noexcept nogil:
+    """r, the ordinary max of a and b (a if a > b or a is NaN, else b), with its sign bit cleared
+    unless a's is set: the IEEE maximum, +0.0 above -0.0.  As in _fix_min_sign, only r = b = -0.0
+    with a = +0.0 changes (to +0.0); the result's sign bit is a's AND b's, in either order."""
+    cdef f32_bits r32, a32
+    cdef f64_bits r64, a64
+    if Real is float:
+        r32.f = r
+        a32.f = a
+        r32.u = r32.u & (a32.u | 0x7fffffffU)
+        return r32.f
+    elif Real is double:
+        r64.f = r
+        a64.f = a
+        r64.u = r64.u & (a64.u | 0x7fffffffffffffffULL)
+        return r64.f
+    else:
+        return r
+
+
 cdef inline Real _min(Real a, Real b) noexcept nogil:
-    # np.minimum: a NaN in either operand wins (a != a only for NaN); on ties (-0.0 vs 0.0)
-    # numpy returns the second operand for float32/float64, and so do we.
+    # A NaN in either operand wins (a != a only for NaN; a NaN b fails a < b and is returned);
+    # -0.0 is below +0.0 whatever the operand order (the sign fix), unlike np.minimum, which on
+    # that tie returns one of the operands.
     if Real in Integer:
         return a if a < b else b
     else:
-        return a if (a < b) | (a != a) else b
+        return _fix_min_sign(a if (a < b) | (a != a) else b, a)
 
 
 cdef inline Real _max(Real a, Real b) noexcept nogil:
+    # As _min: NaN wins; +0.0 is above -0.0 in either order.
     if Real in Integer:
         return a if a > b else b
     else:
-        return a if (a > b) | (a != a) else b
+        return _fix_max_sign(a if (a > b) | (a != a) else b, a)
 
 
 cdef inline Num _combine(Num a, Num b, Op *op) noexcept nogil:
@@ -180,10 +258,21 @@ cdef inline Num _combine(Num a, Num b, Op *op) noexcept nogil:
         return _add(a, b)
     elif Op is OpProd:
         return _mul(a, b)
+    elif Op is OpBand or Op is OpBor or Op is OpBxor:
+        if Num in Integer:
+            if Op is OpBand:
+                return a & b
+            elif Op is OpBor:
+                return a | b
+            else:
+                return a ^ b
+        else:
+            # Cython instantiates every (type, op) pair, so bitwise ops of float and complex
+            # need a body; no kernel uses it: the table holds NULL there, and reduce_into and
+            # the API layer raise TypeError.
+            return a
     elif Num in Cplx:
-        # Cython instantiates every (type, op) pair, so complex min/max needs a body; no kernel
-        # uses it: the table holds NULL there, and the API layer raises TypeError.
-        return a
+        return a    # min/max of complex: likewise never used
     elif Op is OpMin:
         return _min(a, b)
     else:
@@ -216,11 +305,12 @@ cdef inline void _widen_half(float *acc, const half_t *s, Py_ssize_t m) noexcept
 
 cdef inline void _accumulate_half(float *acc, const half_t *s, Py_ssize_t m,
                                   Op *op) noexcept nogil:
-    # Operands swapped on purpose: numpy's float16 minimum/maximum keep the earlier operand on
-    # ties, float32's keep the later one; + and * are commutative, bit for bit.
+    # acc op s, the same operand order as _accumulate.  (The operands were once swapped to copy
+    # numpy's float16 choice of operand on -0.0/+0.0 ties in min/max; the sign rule of _min and
+    # _max makes those ties independent of operand order, so no swap is needed.)
     cdef Py_ssize_t i
     for i in range(m):
-        acc[i] = _combine(shmt_half_to_float(s[i].bits), acc[i], op)
+        acc[i] = _combine(acc[i], shmt_half_to_float(s[i].bits), op)
 
 
 cdef inline void _narrow_half(half_t *d, const float *acc, Py_ssize_t m) noexcept nogil:
@@ -297,6 +387,18 @@ cdef void _k_max(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept 
     _reduce(dst, srcs, nsrc, n, <OpMax *>NULL)
 
 
+cdef void _k_band(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpBand *>NULL)
+
+
+cdef void _k_bor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpBor *>NULL)
+
+
+cdef void _k_bxor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+    _reduce(dst, srcs, nsrc, n, <OpBxor *>NULL)
+
+
 cdef reduce_fn _TABLE[N_OPS][N_DTYPES]
 
 
@@ -310,6 +412,14 @@ cdef void _set_row(int dtype, Elem *type_tag) noexcept:
     else:
         _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Elem]
         _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Elem]
+    if Elem in Integer:
+        _TABLE[OP_BAND][dtype] = <reduce_fn>_k_band[Elem]
+        _TABLE[OP_BOR][dtype] = <reduce_fn>_k_bor[Elem]
+        _TABLE[OP_BXOR][dtype] = <reduce_fn>_k_bxor[Elem]
+    else:
+        _TABLE[OP_BAND][dtype] = NULL
+        _TABLE[OP_BOR][dtype] = NULL
+        _TABLE[OP_BXOR][dtype] = NULL
 
 
 cdef void _build_table() noexcept:
@@ -326,11 +436,15 @@ cdef void _build_table() noexcept:
     _set_row(DT_F8, <double *>NULL)
     _set_row(DT_C8, <c8_t *>NULL)
     _set_row(DT_C16, <c16_t *>NULL)
-    # bool holds 0/1 bytes: or (sum, max) is uint8 max, and (prod, min) is uint8 min.
+    # bool holds 0/1 bytes: or (sum, max, bor) is uint8 max, and (prod, min, band) is uint8
+    # min, xor is uint8 ^ (0/1 in, 0/1 out).
     _TABLE[OP_SUM][DT_BOOL] = <reduce_fn>_k_max[uint8_t]
     _TABLE[OP_PROD][DT_BOOL] = <reduce_fn>_k_min[uint8_t]
     _TABLE[OP_MIN][DT_BOOL] = <reduce_fn>_k_min[uint8_t]
     _TABLE[OP_MAX][DT_BOOL] = <reduce_fn>_k_max[uint8_t]
+    _TABLE[OP_BAND][DT_BOOL] = <reduce_fn>_k_band[uint8_t]
+    _TABLE[OP_BOR][DT_BOOL] = <reduce_fn>_k_bor[uint8_t]
+    _TABLE[OP_BXOR][DT_BOOL] = <reduce_fn>_k_bxor[uint8_t]
 
 
 _build_table()
@@ -355,11 +469,18 @@ DTYPE_CODES = {
     'c8': DT_C8, 'c16': DT_C16,
 }
 
-OP_CODES = {'sum': OP_SUM, 'prod': OP_PROD, 'min': OP_MIN, 'max': OP_MAX}
+# The one op table, by name and by numpy ufunc -> OP_* code; everything else about ops derives
+# from these two.
+OP_CODES = {'sum': OP_SUM, 'prod': OP_PROD, 'min': OP_MIN, 'max': OP_MAX,
+            'band': OP_BAND, 'bor': OP_BOR, 'bxor': OP_BXOR}
+UFUNC_CODES = {np.add: OP_SUM, np.multiply: OP_PROD, np.minimum: OP_MIN, np.maximum: OP_MAX,
+               np.bitwise_and: OP_BAND, np.bitwise_or: OP_BOR, np.bitwise_xor: OP_BXOR}
 
 _OP_NAMES = {code: name for name, code in OP_CODES.items()}
-_UFUNC_OPS = ((np.add, OP_SUM), (np.multiply, OP_PROD), (np.minimum, OP_MIN),
-              (np.maximum, OP_MAX))
+assert sorted(_OP_NAMES) == sorted(UFUNC_CODES.values()) == list(range(N_OPS))
+_OPS_TEXT = (", ".join(repr(name) for name in OP_CODES) + " or "
+             + ", ".join(f"np.{ufunc.__name__}" for ufunc in UFUNC_CODES))
+_BITWISE_OPS = (OP_BAND, OP_BOR, OP_BXOR)
 _SUPPORTED_DTYPES = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, "
                      "float16, float32, float64, complex64, complex128 (native byte order)")
 
@@ -384,17 +505,34 @@ def dtype_code(dtype):
 
 
 def op_code(op):
-    """The OP_* code of `op`: 'sum', 'prod', 'min', 'max' or np.add, np.multiply, np.minimum,
-    np.maximum; ValueError for anything else."""
+    """The OP_* code of `op`: a name in OP_CODES ('sum', 'prod', 'min', 'max', 'band', 'bor',
+    'bxor') or a ufunc in UFUNC_CODES (np.add, np.multiply, np.minimum, np.maximum,
+    np.bitwise_and, np.bitwise_or, np.bitwise_xor); ValueError for anything else."""
     if isinstance(op, str):
         if op in OP_CODES:
             return OP_CODES[op]
     else:
-        for ufunc, code in _UFUNC_OPS:
+        for ufunc, code in UFUNC_CODES.items():    # by identity: op may be unhashable
             if op is ufunc:
                 return code
-    raise ValueError(f"unknown reduction op {op!r}: expected 'sum', 'prod', 'min', 'max' "
-                     f"or np.add, np.multiply, np.minimum, np.maximum")
+    raise ValueError(f"unknown reduction op {op!r}: expected {_OPS_TEXT}")
+
+
+def op_name(int code):
+    """The name in OP_CODES of the OP_* code `code` (e.g. 'sum'); ValueError if there is none."""
+    try:
+        return _OP_NAMES[code]
+    except KeyError:
+        raise ValueError(f"unknown op code {code}: expected 0..{N_OPS - 1}") from None
+
+
+def _unsupported_reason(int opc, dt):
+    """Why (op code, dtype) has no kernel, for error messages."""
+    if opc in _BITWISE_OPS:
+        return "bitwise ops need an integer or bool dtype"
+    if dt.kind == 'c':
+        return "complex numbers have no order"
+    return "no kernel for this pair"
 
 
 def supported(int op_code, int dtype_code):
@@ -434,7 +572,8 @@ def reduce_into(dst, srcs, op):
     dst: writable, aligned, C-contiguous numpy array; srcs: non-empty sequence of aligned,
     C-contiguous arrays of dst's dtype and size (shapes may differ).  dst may be srcs[0] (in
     place) but may not otherwise overlap a source.
-    op: as for op_code.  TypeError for an unsupported dtype or (op, dtype) pair.
+    op: as for op_code.  TypeError for an unsupported dtype or (op, dtype) pair: min/max of
+    complex, band/bor/bxor of float or complex.
     """
     cdef int opc = op_code(op)
     srcs = tuple(srcs)
@@ -442,8 +581,8 @@ def reduce_into(dst, srcs, op):
     cdef int dtc = dtype_code(dst.dtype)
     cdef reduce_fn fn = get_kernel(opc, dtc)
     if fn == NULL:
-        raise TypeError(f"op {_OP_NAMES[opc]!r} is not supported for dtype {dst.dtype} "
-                        f"(complex numbers have no order)")
+        raise TypeError(f"op {op_name(opc)!r} is not supported for dtype {dst.dtype} "
+                        f"({_unsupported_reason(opc, dst.dtype)})")
     cdef int nsrc = len(srcs)
     cdef Py_ssize_t n = dst.size
     # views[0] is dst, views[1 + j] is srcs[j]

@@ -2,17 +2,23 @@
 
 The contract: reduce_into(dst, srcs, op) leaves in dst what
 `ufunc.reduce(np.stack(srcs), axis=0, dtype=dtype)` computes, for every supported dtype and op,
-in place (dst is srcs[0]) and out of place.  Integers, bool and min/max must match exactly;
-float sums and products up to rounding (float16 is accumulated in float32 and rounded once,
-which the float16 tests below pin down bit for bit).
+in place (dst is srcs[0]) and out of place.  Integers, bool, min/max and the bitwise ops must match
+exactly; float sums and products up to rounding (float16 is accumulated in float32 and rounded
+once, which the float16 tests below pin down bit for bit).  One deliberate difference: float
+min/max order -0.0 below +0.0 (IEEE 754-2019 minimum/maximum) whatever the operand order, where
+numpy returns one of the tied operands; test_signed_zero_rule pins that down.
 """
+import itertools
+
 import numpy as np
 import pytest
 
 from shmtree import _kernels as K
 
 DTYPES = ['b1', 'i1', 'i2', 'i4', 'i8', 'u1', 'u2', 'u4', 'u8', 'f2', 'f4', 'f8', 'c8', 'c16']
-UFUNCS = {'sum': np.add, 'prod': np.multiply, 'min': np.minimum, 'max': np.maximum}
+UFUNCS = {'sum': np.add, 'prod': np.multiply, 'min': np.minimum, 'max': np.maximum,
+          'band': np.bitwise_and, 'bor': np.bitwise_or, 'bxor': np.bitwise_xor}
+BITWISE = ('band', 'bor', 'bxor')
 SIZES = [0, 1, 7, 4099, 65537]
 NSRCS = [1, 2, 3, 8]
 RTOL = {'f': {2: 1e-2, 4: 1e-5, 8: 1e-12}, 'c': {8: 1e-5, 16: 1e-12}}
@@ -54,12 +60,24 @@ def assert_matches(got, expected, op):
         np.testing.assert_array_equal(got, expected)   # NaN equals NaN here
 
 
+def is_supported(dtype, op):
+    """The kernels' table: min/max need an order (not complex), bitwise ops integers or bool."""
+    if op in BITWISE:
+        return dtype[0] in 'biu'
+    if op in ('min', 'max'):
+        return dtype[0] != 'c'
+    return True
+
+
 def grid():
     for dtype in DTYPES:
         for op in UFUNCS:
-            if dtype[0] == 'c' and op in ('min', 'max'):
-                continue
-            yield dtype, op
+            if is_supported(dtype, op):
+                yield dtype, op
+
+
+def unsupported():
+    return [(dtype, op) for dtype in DTYPES for op in UFUNCS if not is_supported(dtype, op)]
 
 
 @pytest.mark.parametrize('inplace', [False, True], ids=['out', 'inplace'])
@@ -94,17 +112,85 @@ def test_nan_propagates_in_min_max(dtype, op, nsrc):
     np.testing.assert_array_equal(dst, expected)
 
 
+def signed_zero_reference(op, srcs):
+    """The rule: NaN if any operand is NaN; else numpy's value, with the sign bit of the IEEE
+    minimum (set if any operand's is: -0.0 is below +0.0) or maximum (set only if every
+    operand's is)."""
+    stack = np.stack(srcs)
+    value = numpy_reduce(op, srcs)
+    sign = np.signbit(stack).any(axis=0) if op == 'min' else np.signbit(stack).all(axis=0)
+    nan = np.isnan(stack).any(axis=0)
+    return value, sign, nan
+
+
+def check_signed_zero_rule(dst, op, srcs):
+    value, sign, nan = signed_zero_reference(op, srcs)
+    np.testing.assert_array_equal(np.isnan(dst), nan)
+    ok = ~nan
+    np.testing.assert_array_equal(dst[ok], value[ok])      # == does not see the sign of zero
+    np.testing.assert_array_equal(np.signbit(dst[ok]), sign[ok])
+
+
 @pytest.mark.parametrize('dtype', ['f2', 'f4', 'f8'])
 @pytest.mark.parametrize('op', ['min', 'max'])
-def test_signed_zero_ties_like_numpy(dtype, op):
-    # On ties numpy's minimum/maximum return a particular operand; -0.0 vs 0.0 shows which.
-    a = np.array([-0.0, 0.0, -0.0, 0.0] * 5, dtype)
-    b = np.array([0.0, -0.0, -0.0, 0.0] * 5, dtype)
-    for srcs in ([a, b], [b, a], [a, b, a], [b, a, b]):
-        expected = numpy_reduce(op, srcs)
+@pytest.mark.parametrize('nsrc', [2, 3, 4, 5])
+def test_signed_zero_rule(dtype, op, nsrc):
+    # Every sequence of nsrc values from {-0.0, +0.0, NaN, -1, 1} is one column (3125 columns
+    # for nsrc = 5: odd, and beyond any vector width and block), so every order and mix of
+    # signed zeros, with and without NaN and non-zero values, meets both loops and the tail.
+    values = np.array([-0.0, 0.0, np.nan, -1.0, 1.0], dtype)
+    columns = np.array(list(itertools.product(range(len(values)), repeat=nsrc))).T
+    srcs = [np.ascontiguousarray(values[c]) for c in columns]
+    # Permuting the sources must not change a single bit (NaNs aside, which only need to stay
+    # NaN): the result is independent of the order in which operands meet.
+    perms = list(itertools.permutations(range(nsrc)))
+    perms = perms if len(perms) <= 24 else perms[::7]
+    first = None
+    for perm in perms:
+        ordered = [srcs[j] for j in perm]
+        for inplace in (False, True):
+            copies = [s.copy() for s in ordered]
+            dst = copies[0] if inplace else np.empty_like(copies[0])
+            K.reduce_into(dst, copies, op)
+            check_signed_zero_rule(dst, op, ordered)
+            bits = dst.view(f'u{dst.itemsize}')
+            if first is None:
+                first = bits.copy()
+            nan = np.isnan(dst)
+            np.testing.assert_array_equal(bits[~nan], first[~nan])
+
+
+@pytest.mark.parametrize('dtype', ['f2', 'f4', 'f8'])
+@pytest.mark.parametrize('op', ['min', 'max'])
+def test_signed_zero_ties_either_order(dtype, op):
+    # The rule at its simplest, against the literal values: min(-0, +0) = min(+0, -0) = -0 and
+    # max(-0, +0) = max(+0, -0) = +0, out of place and in place, for a long array (both the
+    # vector loop and its tail).
+    n = 1001
+    neg, pos = np.full(n, -0.0, dtype), np.full(n, 0.0, dtype)
+    want_sign = op == 'min'
+    for srcs in ([neg, pos], [pos, neg], [pos, neg, pos], [neg, pos, neg], [pos, pos, neg, pos]):
+        for inplace in (False, True):
+            copies = [s.copy() for s in srcs]
+            dst = copies[0] if inplace else np.empty_like(copies[0])
+            K.reduce_into(dst, copies, op)
+            assert (dst == 0).all()
+            assert (np.signbit(dst) == want_sign).all(), (op, [np.signbit(s[0]) for s in srcs])
+
+
+@pytest.mark.parametrize('dtype', ['f4', 'f8'])
+@pytest.mark.parametrize('op', ['min', 'max'])
+def test_min_max_specials_pairwise(dtype, op):
+    # Every pair of special values in both orders (zeros, subnormals, extremes, infinities,
+    # NaNs with either sign): the value is numpy's, the sign the IEEE rule's.
+    info = np.finfo(dtype)
+    base = [0.0, info.smallest_subnormal, info.tiny, 1.0, info.max, np.inf, np.nan]
+    values = np.array(base + [-v for v in base], dtype)
+    a, b = (np.ascontiguousarray(x.ravel()) for x in np.meshgrid(values, values))
+    for srcs in ([a, b], [b, a]):
         dst = np.empty_like(a)
         K.reduce_into(dst, srcs, op)
-        np.testing.assert_array_equal(np.signbit(dst), np.signbit(expected))
+        check_signed_zero_rule(dst, op, srcs)
 
 
 WRAP_CASES = [
@@ -138,8 +224,9 @@ def test_integer_wraparound(dtype, op, values, result):
 
 
 @pytest.mark.parametrize('op,truth', [
-    ('sum', [0, 1, 1, 1]), ('max', [0, 1, 1, 1]),    # logical or
-    ('prod', [0, 0, 0, 1]), ('min', [0, 0, 0, 1]),   # logical and
+    ('sum', [0, 1, 1, 1]), ('max', [0, 1, 1, 1]), ('bor', [0, 1, 1, 1]),     # logical or
+    ('prod', [0, 0, 0, 1]), ('min', [0, 0, 0, 1]), ('band', [0, 0, 0, 1]),   # logical and
+    ('bxor', [0, 1, 1, 0]),                                                  # logical xor
 ])
 def test_bool_ops(op, truth):
     a = np.array([0, 0, 1, 1] * 9, bool)
@@ -210,21 +297,27 @@ def test_float16_rounds_once():
     np.testing.assert_array_equal(dst[:3], np.array([0, 2 * 2**-24, 2**-15], np.float16))
 
 
-@pytest.mark.parametrize('dtype', ['c8', 'c16'])
-@pytest.mark.parametrize('op', ['min', 'max', np.minimum, np.maximum])
-def test_complex_min_max_unsupported(dtype, op):
-    a = np.ones(4, dtype)
-    with pytest.raises(TypeError, match='not supported'):
-        K.reduce_into(np.empty_like(a), [a, a], op)
+@pytest.mark.parametrize('byname', [True, False], ids=['name', 'ufunc'])
+@pytest.mark.parametrize('dtype,op', unsupported())
+def test_unsupported_pairs(dtype, op, byname):
+    # min/max of complex (no order) and bitwise ops of float or complex raise TypeError, saying
+    # why, and leave dst alone.
+    a = np.ones(5, dtype)
+    dst = np.zeros_like(a)
+    why = 'bitwise ops need an integer or bool dtype' if op in BITWISE else 'no order'
+    with pytest.raises(TypeError, match=f"op '{op}' is not supported for dtype .*{why}"):
+        K.reduce_into(dst, [a, a], op if byname else UFUNCS[op])
+    assert (dst == 0).all()
     assert not K.supported(K.op_code(op), K.dtype_code(dtype))
 
 
 def test_supported_table():
+    assert len(unsupported()) == 2 * 2 + 3 * 5      # complex min/max; float, complex bitwise
     for dtype, code in K.DTYPE_CODES.items():
         for op, opc in K.OP_CODES.items():
-            assert K.supported(opc, code) == (dtype[0] != 'c' or op in ('sum', 'prod'))
+            assert K.supported(opc, code) == is_supported(dtype, op), (dtype, op)
     assert not K.supported(-1, 0)
-    assert not K.supported(4, 0)
+    assert not K.supported(len(K.OP_CODES), 0)
     assert not K.supported(0, -1)
     assert not K.supported(0, len(K.DTYPE_CODES))
 
@@ -256,16 +349,32 @@ def test_dtype_code_rejects(dtype):
 
 
 def test_op_code():
-    assert K.OP_CODES == {'sum': 0, 'prod': 1, 'min': 2, 'max': 3}
+    assert K.OP_CODES == {'sum': 0, 'prod': 1, 'min': 2, 'max': 3,
+                          'band': 4, 'bor': 5, 'bxor': 6}
+    assert K.UFUNC_CODES == {np.add: 0, np.multiply: 1, np.minimum: 2, np.maximum: 3,
+                             np.bitwise_and: 4, np.bitwise_or: 5, np.bitwise_xor: 6}
+    assert list(UFUNCS) == list(K.OP_CODES)
     for name, ufunc in UFUNCS.items():
         assert K.op_code(name) == K.OP_CODES[name]
         assert K.op_code(ufunc) == K.OP_CODES[name]
+        assert K.op_name(K.OP_CODES[name]) == name
 
 
-@pytest.mark.parametrize('op', ['mean', 'SUM', '', np.subtract, np.logical_or, None, 0, [], sum])
+@pytest.mark.parametrize('code', [-1, 7, 100])
+def test_op_name_rejects(code):
+    with pytest.raises(ValueError, match='unknown op code'):
+        K.op_name(code)
+
+
+@pytest.mark.parametrize('op', ['mean', 'SUM', '', 'and', np.subtract, np.logical_or,
+                                np.logical_xor, np.invert, None, 0, [], {}, sum])
 def test_op_code_rejects(op):
-    with pytest.raises(ValueError, match='unknown reduction op'):
+    # The message lists every op, by name and by ufunc.
+    every = ("'sum', 'prod', 'min', 'max', 'band', 'bor', 'bxor' or np.add, np.multiply, "
+             "np.minimum, np.maximum, np.bitwise_and, np.bitwise_or, np.bitwise_xor")
+    with pytest.raises(ValueError, match='unknown reduction op') as exc:
         K.op_code(op)
+    assert exc.value.args[0].endswith('expected ' + every)
     with pytest.raises(ValueError, match='unknown reduction op'):
         K.reduce_into(np.zeros(2), [np.zeros(2)], op)
 
