@@ -135,7 +135,7 @@ for _ch in np.typecodes["All"]:
             _TYPENUM_CODE[_dt.num] = _kernels.dtype_code(_dt)
     except (TypeError, ValueError):
         pass
-_OP_CODE_OF = {**_kernels.OP_CODES, **getattr(_kernels, "UFUNC_CODES", {np.add: 0, np.multiply: 1, np.minimum: 2, np.maximum: 3})}
+_OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}     # the kernels' one op table
 
 
 cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):

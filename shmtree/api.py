@@ -69,9 +69,11 @@ STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / time
 SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
 RUN_GRACE_S = 5.0           # run(): after a failure, how long the other workers get to report
+RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
+                            # the members waiting for it in a collective give up
 
 # the one op table: names and ufuncs -> kernel op codes
-_OPS = {**_kernels.OP_CODES, **getattr(_kernels, "UFUNC_CODES", {})}
+_OPS = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}
 _OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
 _SUPPORTED = [[_kernels.supported(o, d) for d in range(len(_kernels.DTYPE_CODES))]
               for o in range(len(_kernels.OP_CODES))]
@@ -615,7 +617,9 @@ class Communicator:
 
     def _check_stall(self, seq, absent):
         """A Pool member waits in call seq while members that have not made it are idle (no
-        task): once that has lasted stall_timeout, fail (they will never arrive)."""
+        task): once that has lasted stall_timeout, fail (they will never arrive).  When an idle
+        member's last task raised, its round of collectives is broken: fail after a short grace
+        (the time a worker takes to pick up a queued task) instead."""
         timeout = self.group.plan.stall_timeout
         idle = [r for r, st in absent if st == ST_IDLE]
         if timeout is None or not idle:
@@ -625,10 +629,11 @@ class Communicator:
         if self._stall is None or self._stall[0] != seq:
             self._stall = (seq, now)
             return
+        raised = [note for r in idle for note in [self._seg.note(r)] if note]
+        if raised:
+            timeout = min(timeout, RAISED_GRACE_S)
         if now - self._stall[1] < timeout:
             return
-        raised = [f"rank {r}'s last task raised {n}" for r in idle
-                  for n in [self._seg.note(r)] if n]
         self._fail(ABORT_STALL, ShmtreeError,
                    f"shmtree.Pool: {self._call_name(seq)} cannot complete: "
                    f"{self._waiting_text(seq)} waited in it for {now - self._stall[1]:.1f} s "
@@ -1110,6 +1115,8 @@ def _run_as_task(fn, args, kwargs):
         return fn(*args, **kwargs)
     seg, r = comm._seg, comm.rank
     seg.set_state(r, ST_BUSY)
+    if not seg.abort_state()[0]:
+        seg.set_note(r, b"")                  # this rank's last task has not raised (yet)
     try:
         return fn(*args, **kwargs)
     except BaseException as exc:

@@ -209,6 +209,40 @@ def test_signed_zero_ties_resolved_one_way_whatever_the_tree(tree):
             assert signs == expect, f"{tree} {op} {dt}: {signs} != {expect}"
 
 
+def bitwise_worker(comm):
+    rng = np.random.default_rng(comm.rank)
+    out = {}
+    for dt in (np.int8, np.uint16, np.int32, np.uint64, np.bool_):
+        x = rng.integers(0, 255, size=1001).astype(dt)
+        for op in ("band", "bor", "bxor", np.bitwise_and, np.bitwise_or, np.bitwise_xor):
+            name = op if isinstance(op, str) else op.__name__
+            out[np.dtype(dt).name, name] = (x, comm.allreduce(x, op=op),
+                                            comm.allreduce(x[::2], op=op))
+    try:
+        comm.allreduce(np.ones(3), op="bxor")
+        out["float"] = None
+    except TypeError as exc:
+        out["float"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_bitwise_ops_match_numpy():
+    outs = run_ok(bitwise_worker, 3)
+    ufunc = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
+             "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or,
+             "bitwise_xor": np.bitwise_xor}
+    for key in outs[0]:
+        if key == "float":
+            assert all("bitwise" in o["float"] for o in outs)
+            continue
+        inputs = np.stack([o[key][0] for o in outs])
+        want = ufunc[key[1]].reduce(inputs, axis=0)
+        for o in outs:
+            np.testing.assert_array_equal(o[key][1], want, err_msg=str(key))
+            np.testing.assert_array_equal(o[key][2], want[::2], err_msg=str(key))
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. a dropped Group copy closes its descriptor
 
