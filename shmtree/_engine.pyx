@@ -434,7 +434,9 @@ cdef class Engine:
     cdef uint64_t ncalls
     cdef uint64_t next_seq            # seq of the next call (the engine numbers the calls)
     cdef uint64_t cur_seq             # seq of the call begun last
-    cdef int64_t slice_end            # monotonic ns at which the running slice ends
+    cdef int64_t slice_end            # monotonic ns at which the running slice ends (0: the
+    cdef int64_t slice_ns             # clock was not read yet: a call that finishes at once
+                                      # never reads it)
     cdef unsigned long owner          # the thread that began the call in progress
     cdef uint64_t n_yields, n_sleeps, n_timeouts
     cdef public uint64_t nt_bytes     # messages of at least this size write their output with
@@ -682,7 +684,8 @@ cdef class Engine:
         cdef int rc
         cdef char *me = self.seg.rank_block(self.rank)
         with nogil:
-            self.slice_end = shm_now_ns() + budget_ns
+            self.slice_end = 0
+            self.slice_ns = budget_ns
             rc = self._run_call()
             if rc != RC_STALLED and self.nt:
                 shm_store_fence()             # the output's streaming stores are complete
@@ -954,7 +957,14 @@ cdef class Engine:
     cdef inline bint _slice_over(self, int *steps) noexcept nogil:
         """After a step: has the time slice ended?  (The clock is read every 8th step.)"""
         steps[0] += 1
-        return (steps[0] & 7) == 0 and shm_now_ns() >= self.slice_end
+        return (steps[0] & 7) == 0 and self._now_past_slice(shm_now_ns())
+
+    cdef inline bint _now_past_slice(self, int64_t now) noexcept nogil:
+        """Is `now` past the end of the slice?  The slice is timed from the first look at the
+        clock (at most 8 steps or one idle turn after its start)."""
+        if self.slice_end == 0:
+            self.slice_end = now + self.slice_ns
+        return now >= self.slice_end
 
     cdef int _run(self) noexcept nogil:
         cdef Chan *c = &self.chans[self.call.ch]
@@ -1009,7 +1019,7 @@ cdef class Engine:
             shm_cpu_relax()
             return RC_DONE
         now = shm_now_ns()
-        if now >= self.slice_end:
+        if self._now_past_slice(now):
             return RC_STALLED
         idle = now - idle_since[0]
         if idle < self.spin_ns:
