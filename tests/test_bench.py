@@ -91,6 +91,18 @@ def test_default_command_is_the_allreduce_sweep():
         parse(["allreduce", "--op", "mean"])
 
 
+def test_bench_op_table_is_shmtrees():
+    """The bench's ops (units.OPS, measure.UFUNCS) are shmtree's, by name and by ufunc, and every
+    dtype the bench parses by its usual name is one shmtree reduces."""
+    from shmtree import _kernels as K
+    from shmtree.bench import measure
+    assert units.OPS == tuple(measure.UFUNCS)
+    for name, ufunc in measure.UFUNCS.items():
+        assert K.OP_CODES[name] == K.UFUNC_CODES[ufunc], name
+    for name in ("bool", "int8", "uint64", "float16", "float32", "float64", "complex128"):
+        assert units.parse_dtype(name).str[1:] in K.DTYPE_CODES, name
+
+
 @timeout
 def test_console_script_entry_point():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
