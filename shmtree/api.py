@@ -1,13 +1,16 @@
 """The public API in one place: Group, Communicator, run, Pool and the module-level calls.
 
-Each lives in a module of its own (README.md, "How it works"); the imports point one way:
+Each lives in a module of its own (README.md, "How it works"); imports point one way, down:
 
-    pool (Pool)  ->  launch (run)  ->  communicator (Communicator, current, allreduce,
-    barrier, rank, size)  ->  group (Group)  ->  plan, transport, liveness  ->  schedule,
-    topology, codes, errors
+    pool          Pool (and its multiprocessing.pool overrides)
+    launch        run                                   (pool uses its start checks)
+    communicator  Communicator; current, allreduce, barrier, rank, size
+    group         Group
+    plan, transport, liveness
+    schedule, topology
+    codes, errors (leaves: any module may import them)
 
-(pool takes launch's start-method and pickling checks; launch needs only group.  The one call
-upward: Group.join imports communicator when it runs, to hand out the Communicator.)
+The one call upward: Group.join imports communicator when it runs, to hand out a Communicator.
 
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +58,19 @@ def no_leftovers():
     yield
     assert multiprocessing.active_children() == []
     assert _segments() - before == set()
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """main() makes SIGTERM raise KeyboardInterrupt in the process that runs it (the test
+    process here): give the test process its handlers back.  A Python-level SIGTERM handler left
+    behind is inherited by the pool workers later tests fork, and multiprocessing's terminate()
+    (SIGTERM) can then hang on a worker whose main thread never runs the handler."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _json(tmp_path, argv):
