@@ -53,6 +53,19 @@ def test_public_names():
         assert hasattr(shmtree, name), name
 
 
+
+def test_api_module_reexports():
+    """shmtree.api is the public face of the split modules: the same objects, and
+    _rebuild_group, which Group pickles of older versions name as shmtree.api._rebuild_group."""
+    from shmtree import api, communicator, group, launch, pool
+    assert api.Group is shmtree.Group is group.Group
+    assert api.Communicator is shmtree.Communicator is communicator.Communicator
+    assert api.run is shmtree.run is launch.run and api.Pool is shmtree.Pool is pool.Pool
+    for name in ("allreduce", "barrier", "rank", "size", "current"):
+        assert getattr(api, name) is getattr(shmtree, name) is getattr(communicator, name), name
+    assert api._rebuild_group is group._rebuild_group
+
+
 # ---------------------------------------------------------------------------------------------
 # shmtree.run
 

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +60,19 @@ def no_leftovers():
     assert _segments() - before == set()
 
 
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """main() makes SIGTERM raise KeyboardInterrupt in the process that runs it (the test
+    process here): give the test process its handlers back.  A Python-level SIGTERM handler left
+    behind is inherited by the pool workers later tests fork, and multiprocessing's terminate()
+    (SIGTERM) can then hang on a worker whose main thread never runs the handler."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 def _json(tmp_path, argv):
     path = tmp_path / "out.json"
     assert main(argv + ["--json", str(path)]) == 0
@@ -89,6 +103,18 @@ def test_default_command_is_the_allreduce_sweep():
     assert parse(["--sizes", "1K"]).command == "allreduce"
     with pytest.raises(SystemExit):
         parse(["allreduce", "--op", "mean"])
+
+
+def test_bench_op_table_is_shmtrees():
+    """The bench's ops (units.OPS, measure.UFUNCS) are shmtree's, by name and by ufunc, and every
+    dtype the bench parses by its usual name is one shmtree reduces."""
+    from shmtree import _kernels as K
+    from shmtree.bench import measure
+    assert units.OPS == tuple(measure.UFUNCS)
+    for name, ufunc in measure.UFUNCS.items():
+        assert K.OP_CODES[name] == K.UFUNC_CODES[ufunc], name
+    for name in ("bool", "int8", "uint64", "float16", "float32", "float64", "complex128"):
+        assert units.parse_dtype(name).str[1:] in K.DTYPE_CODES, name
 
 
 @timeout

@@ -1,4 +1,4 @@
-"""Engine.stats(): per-rank counters of completed calls and of waiting.
+"""Communicator.stats() (the engine's counters): per-rank counters of completed calls and of waiting.
 
 The counters are unsigned, so "delta >= 0" says nothing; these tests make them move:
 - every completed call counts exactly once, on every path (inline fast path, pipelined general
@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+import shmtree
 from procutil import run_ok
 
 LATE_S = 0.05               # how late the late rank enters each call
@@ -32,13 +33,13 @@ def calls_worker(comm, rounds):
     large = np.full(100_000, comm.rank + 1.0)                # 800 kB: several chunks
     strided = np.full(64, comm.rank + 1.0)[::2]
     comm.barrier()                                           # every rank is up
-    before = comm._engine.stats()
+    before = comm.stats()
     for _ in range(rounds):
         for x in (small, large, strided):
             y = comm.allreduce(x)
             assert np.all(y == P * (P + 1) / 2), y[:4]
         comm.barrier()
-    return delta(before, comm._engine.stats())
+    return delta(before, comm.stats())
 
 
 @pytest.mark.timeout(60)
@@ -56,14 +57,14 @@ def late_worker(comm, late_rank, calls, late_s):
     """Every call: `late_rank` sleeps late_s before entering it, the others enter at once and
     wait for it."""
     comm.barrier()
-    before = comm._engine.stats()
+    before = comm.stats()
     x = np.full(8, comm.rank + 1.0)
     for _ in range(calls):
         if comm.rank == late_rank:
             time.sleep(late_s)
         y = comm.allreduce(x)
         assert np.all(y == comm.size * (comm.size + 1) / 2), y
-    return delta(before, comm._engine.stats())
+    return delta(before, comm.stats())
 
 
 @pytest.mark.timeout(60)
@@ -81,3 +82,21 @@ def test_stats_count_waiting(P):
         assert d["yields"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
         assert d["sleeps"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
         assert d["sleep_timeouts"] > 0, f"rank {rank} waited {LATE_CALLS} x {LATE_S} s: {d}"
+
+
+def closed_stats(comm):
+    """stats() of a live communicator, then of the same one closed."""
+    keys = sorted(comm.stats())
+    comm.close()
+    try:
+        comm.stats()
+    except shmtree.ShmtreeError as exc:
+        return keys, str(exc)
+    return keys, None
+
+
+@pytest.mark.timeout(30)
+def test_stats_public_and_closed():
+    ((keys, err),) = run_ok(closed_stats, 1)
+    assert keys == sorted(["calls", *WAIT_KEYS])
+    assert err is not None and "closed" in err

@@ -38,6 +38,8 @@ PROBE_S = 1e-3
 PROBE_CALLS = 5
 PAGE = 4096
 
+# the bench's op table (units.OPS are its names): a subset of shmtree's, spelled the same way
+# (shmtree._kernels.OP_CODES / UFUNC_CODES, not imported here: see above)
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 

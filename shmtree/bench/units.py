@@ -10,11 +10,17 @@ import re
 
 import numpy as np
 
+from .measure import UFUNCS
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
-OPS = ("sum", "prod", "min", "max")
-UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+# the ops the bench measures: the names of measure.UFUNCS, the bench's one op table (names as in
+# shmtree._kernels.OP_CODES, ufuncs as in its UFUNC_CODES; tests/test_bench.py checks that they
+# agree).  Not imported from shmtree._kernels: the bench parses, and runs its baselines, without
+# shmtree's compiled parts (shmtree/bench/__init__.py).  The arithmetic ops only: every column
+# (MPI, gloo, numpy) has them.
+OPS = tuple(UFUNCS)
 
 
 def parse_size(text):
@@ -89,7 +95,7 @@ def parse_dtype(name):
 
 
 def parse_op(name):
-    """"sum" | "prod" | "min" | "max" (case-insensitive) -> the canonical name."""
+    """One of OPS: "sum" | "prod" | "min" | "max" (case-insensitive) -> the canonical name."""
     op = name.lower()
     if op not in OPS:
         raise ValueError(f"unknown op {name!r}: choose one of {', '.join(OPS)}")

@@ -1,0 +1,43 @@
+"""The words members of a group exchange through the segment: call kinds (in a call's
+descriptor), abort reasons (the header's abort word), member states (each rank block's state
+word), and how each is said in an error message.
+
+Plain constants and text helpers: every other module of the library may import this one, and it
+imports nothing of shmtree's.
+"""
+
+# call kinds in the descriptor
+KIND_ALLREDUCE = 1
+KIND_BARRIER = 2
+KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier"}
+
+# abort reasons (the header's abort word); the ones marked (note) are explained in the words of
+# the rank that aborted, kept in its rank block
+ABORT_DIED = 1         # rank = the member found dead
+ABORT_TIMEOUT = 2      # rank = the member whose timeout ran out (note)
+ABORT_FAILED = 3       # rank = the member that raised or was interrupted (note)
+ABORT_CLOSED = 4       # the group was closed by its creator
+ABORT_CORRUPT = 5      # rank = the member that found a corrupted ring
+ABORT_MEMBERSHIP = 6   # a process tried to join a full group (e.g. a replaced Pool worker)
+ABORT_STALL = 7        # rank = a Pool member that waited on idle members (note)
+ABORT_LEFT = 8         # rank = a member that waited on one that left the group for good (note)
+ABORT_TASK = 9         # rank = a Pool member whose task raised while others waited for it (note)
+ABORT_INIT = 10        # rank = a Pool member whose initializer raised (note)
+NOTED = (ABORT_TIMEOUT, ABORT_FAILED, ABORT_STALL, ABORT_LEFT, ABORT_TASK, ABORT_INIT)
+
+# what a member is doing (its rank block's state word): a Pool worker is idle between tasks;
+# a member that closed its communicator (returned from run's fn) has left for good
+ST_NONE, ST_BUSY, ST_IDLE, ST_LEFT = 0, 1, 2, 3
+STATE_NAMES = {ST_NONE: "not joined yet", ST_BUSY: "busy outside the collective",
+               ST_IDLE: "idle, no task", ST_LEFT: "left the group"}
+
+
+def ranks_text(ranks):
+    """'rank 2' or 'ranks 0,1,3'."""
+    ranks = list(ranks)
+    return f"rank{'s' if len(ranks) != 1 else ''} {','.join(map(str, ranks))}"
+
+
+def states_text(absent):
+    """'rank 1: idle, no task; rank 3: left the group' for (rank, state) pairs."""
+    return "; ".join(f"rank {r}: {STATE_NAMES.get(st, st)}" for r, st in absent)

@@ -1,0 +1,481 @@
+"""Communicator: one rank's calls (docs/design.md, "One call"), and the module-level calls.
+
+Python validates and allocates; the engine (Cython, GIL released) only moves chunks.  Every
+collective has the same three steps:
+  1. turn the arguments into a message: dtype and op codes, a contiguous source, a contiguous
+     destination, a call descriptor (kind, op, dtype, shape; the engine numbers the calls);  local
+     errors are raised here, before any communication, so they leave the group usable;
+  2. one round on channel 0 (the latency channel) that carries the descriptor, checked against the
+     children's at every parent, and the whole message when it fits a small slot; larger messages
+     then flow through channel 1 (the bandwidth channel), pipelined chunk by chunk;
+  3. drive the engine in time slices: between slices, check the abort word, the peers (dead, gone
+     for good, idle in a Pool), the timeout and signals; turn a failure into an exception (and
+     abort the group: a half-done collective cannot be resumed).  An interrupt at any point of a
+     call either lets it finish or aborts the group: never a call left half-begun.
+
+This module also owns the process's membership state, read through it (never copied by
+`from ... import`): `_current` (this process's communicator), `_fork_gen` (the fork generation:
+a forked child sees another one, and does not inherit communicators) and `_pool_group` (set in a
+Pool worker).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+
+import numpy as np
+
+from . import _engine, _kernels, plan as _plan
+from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
+                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, ST_IDLE, ST_LEFT,
+                    ranks_text, states_text)
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .group import Group
+
+__all__ = ["Communicator", "current", "allreduce", "barrier", "rank", "size"]
+
+STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
+SLICE_NS = int(STALL_SLICE_S * 1e9)
+FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
+RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
+                            # the members waiting for it in a collective give up
+
+
+# the one op table: names and ufuncs -> kernel op codes
+_OPS = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}
+_OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
+_SUPPORTED = [[_kernels.supported(o, d) for d in range(len(_kernels.DTYPE_CODES))]
+              for o in range(len(_kernels.OP_CODES))]
+_DTYPES: dict = {}                          # dtype -> code, filled as dtypes are seen
+_DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
+
+
+def _dtype_code(dtype) -> int:
+    code = _DTYPES.get(dtype)
+    if code is None:
+        code = _DTYPES[dtype] = _kernels.dtype_code(dtype)     # TypeError if unsupported
+    return code
+
+
+def _op_code(op) -> int:
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        return _kernels.op_code(op)                 # raises ValueError with the details
+
+
+# ---------------------------------------------------------------------------------------------
+# the communicator
+
+
+class Communicator:
+    """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
+
+    def __init__(self, group: Group, rank: int):
+        self.group = group
+        self.rank = int(rank)
+        self.size = int(group.size)
+        self._pid = os.getpid()
+        self._gen = _fork_gen                 # a forked child sees another generation
+        self._lock = threading.Lock()
+        self._closed = False
+        specs = [group.layout.engine_spec(ch, rank) for ch in range(2)]
+        self._seg = group._seg
+        self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.plan.spin_ns,
+                                      nt_bytes=group.plan.nt_bytes)
+        self._small_bytes = group.plan.small_bytes
+        # the ranks this one waits for (tree parent and children; ring predecessor, successor)
+        self._neighbours = sorted({r for spec in specs for r in [spec["parent"], *spec["children"]]
+                                   if r >= 0})
+        self._next_full_scan = 0.0
+        self._stall = None                    # (seq, since): idle members seen since
+
+    def __reduce__(self):
+        raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
+                        "rank's membership); send the Group instead and call group.join(rank) "
+                        "in the worker, or use shmtree.run / shmtree.Pool")
+
+    # ---- public calls ----
+
+    def allreduce(self, array, op="sum", *, out=None, timeout=None):
+        """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
+        eng = self._engine
+        if self._gen == _fork_gen and not (self._closed or self.group._closed):
+            # the fast path (engine.quick declines a call when another thread of this rank is
+            # inside one: that call then fails on the general path)
+            t0 = 0.0 if timeout is None else time.monotonic()
+            try:
+                r = eng.quick(array, op, out, self._small_bytes, SLICE_NS, timeout)
+                if r is not None:
+                    if r[0] != _engine.DONE:
+                        self._drive(eng.seq, None if timeout is None else t0 + timeout, r[0])
+                    return r[1]
+            except BaseException:
+                self._interrupted(eng)
+                raise
+        opc = _op_code(op)
+        if isinstance(array, np.ma.MaskedArray) or isinstance(out, np.ma.MaskedArray):
+            raise TypeError("shmtree: masked arrays are not supported (the mask would be "
+                            "dropped); reduce array.filled(...) or the mask separately")
+        a = array if type(array) is np.ndarray else np.asarray(array)
+        dtc = _dtype_code(a.dtype)
+        if not _SUPPORTED[opc][dtc]:
+            raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}"
+                            + (" (complex numbers have no order)" if a.dtype.kind == "c" else
+                               " (bitwise ops need an integer or bool dtype)"))
+        flags = a.flags
+        src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
+        result, dst, copy_back = _destination(a, out)
+        if src is not dst and _overlaps(src, dst):
+            src = src.copy()                  # out overlaps the input without being it
+        self._collective(KIND_ALLREDUCE, opc, dtc, src, dst, a.shape, timeout)
+        if copy_back is not None:
+            copy_back[...] = dst.reshape(copy_back.shape)
+        return result
+
+    def stats(self) -> dict:
+        """Counters of this rank's engine since it joined: calls (collectives completed), yields
+        (sched_yield calls), sleeps (futex sleeps) and sleep_timeouts (sleeps nobody cut short)."""
+        if self._closed:
+            raise ShmtreeError("shmtree: this communicator is closed")
+        return self._engine.stats()
+
+    def ring_placement(self):
+        """Group.ring_placement of the rings this rank produces (all their pages are mapped
+        here): where the NUMA policy put them."""
+        return self.group.ring_placement([self.rank])
+
+    def barrier(self, timeout=None):
+        """Return once every rank has entered the barrier."""
+        self._collective(KIND_BARRIER, _OPS["max"], _kernels.DTYPE_CODES["u1"], None, None, (),
+                         timeout)
+
+    def close(self):
+        """Leave the group (local, not a collective): later calls raise, peers that wait for
+        this rank in a collective it never made fail at once, and the process gets back the CPU
+        mask it had before it joined."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid == os.getpid() and self._gen == _fork_gen:
+            try:
+                if not self.group._closed:
+                    self._seg.set_state(self.rank, ST_LEFT)
+            except ShmtreeError:
+                pass
+            _plan.unpin()
+        self._engine = None
+        global _current
+        if _current is self:
+            _current = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<shmtree.Communicator rank={self.rank} size={self.size}>"
+
+    # ---- one collective ----
+
+    def _collective(self, kind, opc, dtc, src, dst, shape, timeout):
+        if self._closed or self._gen != _fork_gen or self.group._closed:
+            self._check_usable()
+        deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
+        eng = self._engine
+        if eng.in_call or not self._lock.acquire(False):
+            raise ShmtreeError(_CONCURRENT)
+        try:
+            itemsize = src.itemsize if src is not None else 1
+            try:
+                rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape, self._small_bytes)
+            except RuntimeError as exc:      # another thread's fast path got in first
+                raise ShmtreeError(_CONCURRENT) from exc
+            self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)
+        except BaseException:
+            self._interrupted(eng)           # (only a call this thread began)
+            raise
+        finally:
+            self._lock.release()
+
+    def _interrupted(self, eng):
+        """An exception (an interrupt, an error) left this thread's call half-done: forget it and
+        abort the group, which is the only clean way out of a half-done collective."""
+        if eng is not None and eng.owns_call():
+            eng.cancel()
+            self.group.abort(ABORT_FAILED, self.rank,
+                             note=f"interrupted inside {self._call_name(eng.seq)}")
+
+    def _drive(self, seq, deadline, rc=None):
+        """Run the engine to the end of call `seq` (rc: the result of a slice already run), and
+        between time slices check the group, the peers and the deadline."""
+        eng = self._engine
+        while True:
+            if rc is None:
+                budget = STALL_SLICE_S
+                if deadline is not None:
+                    budget = max(0.0005, min(budget, deadline - time.monotonic()))
+                rc = eng.progress(int(budget * 1e9))
+            if rc == _engine.DONE:
+                return
+            if rc == _engine.STALLED:
+                self._check_peers(seq, deadline)
+                rc = None
+                continue
+            if rc == _engine.ABORTED:
+                raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+            if rc == _engine.MISMATCH:
+                raise CollectiveMismatchError(self._mismatch_message(seq))
+            self.group.abort(ABORT_CORRUPT, self.rank)
+            raise ShmtreeError(f"shmtree: rank {self.rank}: a ring holds data of another call "
+                               "(corrupted shared memory); the group is aborted")
+
+    # ---- checks ----
+
+    def _check_peers(self, seq, deadline):
+        """Between two slices of call `seq`: raise if it cannot complete (the group is aborted,
+        a peer died or left for good, this rank's deadline passed, or Pool members idle)."""
+        group = self.group
+        if group.aborted():                   # say the first cause, not a consequence
+            raise PeerLostError(f"shmtree: rank {self.rank}: {group.describe_abort()}")
+        absent = self._absent(seq)
+        left = [r for r, st in absent if st == ST_LEFT]        # (said before it exits)
+        if left:
+            self._fail(ABORT_LEFT, ShmtreeError,
+                       f"{ranks_text(left)} left the group (closed its communicator or "
+                       f"returned from its function) after {self._seg.completed(left[0])} "
+                       f"collective(s), while {self._waiting_text(seq)} waited in "
+                       f"{self._call_name(seq)}")
+        dead = self._find_dead(seq)
+        if dead is not None:
+            r, how = dead
+            group.abort(ABORT_DIED, r)
+            raise PeerLostError(f"shmtree: rank {self.rank}: rank {r} died ({how}); the group "
+                                "is aborted")
+        if deadline is not None and time.monotonic() >= deadline:
+            self._fail(ABORT_TIMEOUT, CollectiveTimeoutError,
+                       f"rank {self.rank} timed out in {self._call_name(seq)}; "
+                       f"{ranks_text([r for r, _ in absent]) if absent else 'no rank'} had "
+                       f"not arrived" + (f" ({states_text(absent)})" if absent else ""))
+        self._check_stall(seq, absent)
+
+    def _check_stall(self, seq, absent):
+        """A Pool member waits in call seq while members that have not made it are idle (no
+        task): once that has lasted stall_timeout, fail (they will never arrive).  When an idle
+        member's last task raised, its round of collectives is broken: fail after a short grace
+        (the time a worker takes to pick up a queued task) instead."""
+        timeout = self.group.plan.stall_timeout
+        idle = [r for r, st in absent if st == ST_IDLE]
+        if timeout is None or not idle:
+            self._stall = None
+            return
+        now = time.monotonic()
+        if self._stall is None or self._stall[0] != seq:
+            self._stall = (seq, now)
+            return
+        raised = [note for r in idle for note in [self._seg.note(r)] if note]
+        if raised:
+            timeout = min(timeout, RAISED_GRACE_S)
+        if now - self._stall[1] < timeout:
+            return
+        self._fail(ABORT_STALL, ShmtreeError,
+                   f"shmtree.Pool: {self._call_name(seq)} cannot complete: "
+                   f"{self._waiting_text(seq)} waited in it for {now - self._stall[1]:.1f} s "
+                   f"while {ranks_text(idle)} {'was' if len(idle) == 1 else 'were'} idle (no "
+                   f"task, or finished their task without making it)"
+                   + (f"; {'; '.join(raised)}" if raised else "")
+                   + "; every task must make the same collectives on every worker: give the "
+                   "pool a multiple of its size in tasks (map deals them one at a time), or use "
+                   "pool.run(fn)")
+
+    def _fail(self, reason, exc_type, text):
+        self.group.abort(reason, self.rank, note=text)
+        raise exc_type(f"shmtree: rank {self.rank}: {text}; the group is aborted")
+
+    def _absent(self, seq):
+        """(rank, state) of the members that have neither completed call seq nor entered it."""
+        seg = self._seg
+        return [(r, seg.state(r)) for r in range(self.size)
+                if r != self.rank and seg.completed(r) <= seq and seg.call_of(r) != seq + 1]
+
+    def _waiting_text(self, seq):
+        seg = self._seg
+        return ranks_text([r for r in range(self.size)
+                            if r == self.rank or seg.call_of(r) == seq + 1])
+
+    def _call_name(self, seq):
+        """'allreduce #3': the kind of call seq (from this rank's descriptor) and its number,
+        counted from 1 in the order the group's calls were made."""
+        kind = self._seg.descriptor(self.rank, seq)[2]
+        return f"{KIND_NAMES.get(kind, 'collective')} #{seq + 1}"
+
+    def _check_usable(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: this communicator is closed")
+        if self._gen != _fork_gen or os.getpid() != self._pid:
+            raise ShmtreeError(f"shmtree: this communicator belongs to process {self._pid} (rank "
+                               f"{self.rank}); a forked child cannot use it")
+        if self.group.closed:
+            raise ShmtreeError("shmtree: the group is closed")
+        if self.group.aborted():
+            raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+
+    def _find_dead(self, seq):
+        """(rank, how) of a member that died (gone, a zombie, or its pid reused) before finishing
+        its part of call `seq`, else None.  (A member that completed the call and exited is no
+        loss to it.)  Tree neighbours every slice, every member once a second."""
+        ranks = self._neighbours
+        now = time.monotonic()
+        if now >= self._next_full_scan:
+            ranks = range(self.size)
+            self._next_full_scan = now + FULL_SCAN_S
+        seg = self._seg
+        for r in ranks:
+            if r != self.rank and seg.completed(r) <= seq:
+                how = self.group.death_of(r)
+                if how and seg.completed(r) <= seq:
+                    return r, how
+        return None
+
+    def _mismatch_message(self, seq) -> str:
+        seen = {}
+        for r in range(self.size):
+            dseq, nbytes, kind, opc, dtc, shape = self._seg.descriptor(r, seq)
+            if dseq != seq:
+                what = "a different call"
+            elif kind == KIND_BARRIER:
+                what = "barrier"
+            else:
+                what = (f"allreduce(shape={shape}, dtype={_dtype_name(dtc)}, "
+                        f"op={_OP_NAMES.get(opc, opc)!r})")
+            seen.setdefault(what, []).append(r)
+        parts = "; ".join(f"{ranks_text(rs)}: {what}" for what, rs in seen.items())
+        return f"shmtree: ranks disagree on the collective call: {parts}"
+
+
+def _dtype_name(code):
+    return str(np.dtype(_DT_NAMES.get(code, "u1").replace("b1", "?")))
+
+
+def _timeout_s(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _destination(a, out):
+    """(result to return, aligned C-contiguous array the engine writes, array to copy it back
+    into or None)."""
+    if out is None:
+        result = np.empty(a.shape, dtype=a.dtype)
+        return result, result, None
+    o = out if isinstance(out, np.ndarray) else _as_flat_buffer(out)
+    if o.dtype != a.dtype:
+        raise ValueError(f"shmtree: out has dtype {o.dtype}, the input has {a.dtype}")
+    if isinstance(out, np.ndarray):
+        if o.shape != a.shape:
+            raise ValueError(f"shmtree: out has shape {o.shape}, the input has {a.shape}")
+    elif o.size != a.size:
+        raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
+    if not o.flags.writeable:
+        raise ValueError("shmtree: out is read-only")
+    if o.flags.c_contiguous and o.flags.aligned:
+        return out, o, None
+    tmp = np.empty(a.shape, dtype=a.dtype)
+    return out, tmp, o
+
+
+def _as_flat_buffer(out):
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise ValueError(f"shmtree: out must be a numpy array or a writable buffer, got "
+                         f"{type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("shmtree: out is read-only")
+    return np.asarray(view).reshape(-1)
+
+
+def _overlaps(a, b) -> bool:
+    """Do two contiguous arrays share memory without being the very same bytes?"""
+    if not np.may_share_memory(a, b):
+        return False
+    same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.nbytes == b.nbytes)
+    return not same
+
+
+# ---------------------------------------------------------------------------------------------
+# module-level calls, in a process that joined a group
+
+_current: Communicator | None = None
+_pool_group = None      # (group, fork generation) in a Pool worker, even one without a rank
+_fork_gen = 0           # incremented in every forked child: communicators are not inherited
+_CONCURRENT = ("shmtree: another thread of this rank is inside a collective on the same "
+               "communicator; collectives of one rank must not overlap")
+
+
+def _after_fork_in_child():
+    global _fork_gen
+    _fork_gen += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _warn_if_member_elsewhere(group, rank):
+    """Group.join: warn when this process is already a live member of another group (the
+    module-level calls move to the new one)."""
+    other = _current if (_current is not None and not _current._closed
+                         and _current._gen == _fork_gen) else None
+    if other is not None and other.group is not group:
+        warnings.warn(f"shmtree: this process is rank {other.rank} of another group and now "
+                      f"joins a second one as rank {rank}; shmtree.current() and the "
+                      f"module-level calls use the new group from here on", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _set_current(comm):
+    global _current
+    _current = comm
+
+
+def _set_pool_group(group):
+    """In a Pool worker: the pool's group, for current() to explain a worker without a rank."""
+    global _pool_group
+    _pool_group = (group, _fork_gen)
+
+
+def current() -> Communicator:
+    """This process's communicator (set by Group.join, Pool and run)."""
+    if _current is None or _current._closed or _current._gen != _fork_gen:
+        if _pool_group is not None and _pool_group[1] == _fork_gen:
+            group = _pool_group[0]
+            raise PeerLostError("shmtree.Pool: this worker has no rank in the pool's group ("
+                                + (group.describe_abort() if not group.closed else
+                                   "the pool is closed") + ")")
+        raise ShmtreeError("shmtree: this process has not joined a group (use shmtree.run, "
+                           "shmtree.Pool or Group.join)")
+    return _current
+
+
+def allreduce(array, op="sum", *, out=None, timeout=None):
+    return current().allreduce(array, op, out=out, timeout=timeout)
+
+
+def barrier(timeout=None):
+    return current().barrier(timeout=timeout)
+
+
+def rank() -> int:
+    return current().rank
+
+
+def size() -> int:
+    return current().size
+
+

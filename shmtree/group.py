@@ -1,0 +1,337 @@
+"""Group: a group of ranks, its plan and its shared memory (docs/design.md).
+
+A Group is created in one process (its creator) and handed to the members: inherited by fork,
+pickled for spawn and forkserver (`__reduce__` / `_rebuild_group`: the plan and the memfd
+travel, nobody plans again).  It holds what every member shares and what one member does to it:
+the plan (trees, geometry), the segment (header, rank blocks, rings), joining as a rank (pinning,
+NUMA placement of the rings this rank produces), the liveness of members, aborting and saying
+why, and this process's mapping (close, drop).
+
+Group.join hands out the Communicator (shmtree.communicator) that makes the calls: the one place
+this module reaches upward, with an import at call time.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from multiprocessing import reduction
+
+from . import _engine, plan as _plan
+from .codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
+                    ABORT_TIMEOUT, NOTED, ST_BUSY)
+from .errors import PeerLostError, ShmtreeError
+from .liveness import how_gone, identity
+from .plan import SMALL_SLOTS, Plan, plan_group
+from .transport import ChannelPlan, Layout, create_memfd, new_nonce
+
+__all__ = ["Group"]
+
+MPOL_PREFERRED = 1
+MPOL_INTERLEAVE = 3
+
+
+def _plan_property(name, doc):
+    return property(lambda self: getattr(self.plan, name), doc=doc)
+
+
+class Group:
+    """A group of `size` ranks: its plan (trees, geometry), its shared memory, its ring layout.
+
+    Create it in the parent; hand it to the workers (inherited by fork, pickled for spawn and
+    forkserver, with its plan: a spawned member never plans again); each worker calls
+    `group.join(rank)` once.  `close()` (or leaving the `with` block) frees this process's
+    mapping and descriptor; in the creator it also marks the group closed.
+
+    Options (see shmtree.plan): topology (Topology, spec string like "2x4", JSON path, or None to
+    detect), tree ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes
+    (bytes per pipelined chunk), pin (pin each rank to its core while it is a member; None: when
+    ranks fit the usable cores of a detected topology), slots (ring slots per edge), placement
+    ("compact" or "spread"), numa ("auto", "consumer", "producer", "interleave" or None: where
+    ring pages live), small_bytes (largest message carried inline in the latency round), spin_us
+    (busy-wait before yielding), nt_bytes (streaming stores from this size), stall_timeout
+    (seconds a member waits on members that are idle in a Pool before failing; None: never).
+    """
+
+    def __init__(self, size, *, topology=None, tree=None, chunk_bytes=None, pin=None, slots=None,
+                 placement="compact", numa="auto", small_bytes=None, spin_us=None,
+                 nt_bytes=None, stall_timeout=None):
+        self._closed = True                 # until the segment exists
+        self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
+                               pin=pin, slots=slots, placement=placement, numa=numa,
+                               small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
+                               stall_timeout=stall_timeout))
+        self._nonce = new_nonce()
+        self._creator = os.getpid()
+        self._fd = create_memfd(self.layout.total)
+        try:
+            self._seg = _engine.Segment(self._fd, self.layout.total, self.size)
+            self._seg.init_header(self._nonce, self.plan.digest())
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._closed = False
+
+    def _adopt(self, plan: Plan):
+        """Take a plan: the layout of the segment follows from it."""
+        self.plan = plan
+        self.size = plan.size
+        self.layout = Layout(plan.size, [
+            ChannelPlan(plan.small_tree, SMALL_SLOTS, max(plan.small_bytes, 64)),
+            ChannelPlan(plan.large_tree, plan.slots, plan.chunk_bytes,
+                        ring=plan.large_schedule == "ring")])
+        self.numa_errno = None
+        self._comm = None               # weak reference to this process's member, once joined
+        self._procs = {}                # psutil handles of the members, by (rank, pid)
+
+    topology = _plan_property("topology", "The machine the trees are laid on.")
+    tree_kind = _plan_property("tree_kind", "The tree option as given (parsed).")
+    placement = _plan_property("placement", "'compact' or 'spread'.")
+    chunk_bytes = _plan_property("chunk_bytes", "Bytes per pipelined chunk.")
+    slots = _plan_property("slots", "Ring slots per edge of the bandwidth channel.")
+    small_bytes = _plan_property("small_bytes", "The largest message carried inline.")
+    nt_bytes = _plan_property("nt_bytes", "Streaming stores for messages from this size.")
+    spin_ns = _plan_property("spin_ns", "Busy-wait before yielding, in ns.")
+    pin = _plan_property("pin", "Whether members are pinned to their cores.")
+    cpu_of = _plan_property("cpu_of", "The core of each rank (None: not pinned).")
+    node_of = _plan_property("node_of", "The NUMA node of each rank.")
+    numa = _plan_property("numa", "The NUMA placement policy of ring pages (None: first touch).")
+    large_schedule = _plan_property("large_schedule", "'tree' or 'ring' (bandwidth channel).")
+    stall_timeout = _plan_property("stall_timeout", "Seconds before a Pool stall fails.")
+
+    @property
+    def trees(self):
+        """(latency tree, bandwidth tree)."""
+        return self.plan.small_tree, self.plan.large_tree
+
+    # ---- pickling for spawn / forkserver: the plan and the memfd (as a descriptor) travel ----
+
+    def __reduce__(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: a closed group cannot be sent to another process")
+        return _rebuild_group, (self.plan, reduction.DupFd(self._fd), self._nonce,
+                                self.layout.total)
+
+    def _attach(self, fd, nonce, total):
+        """Map the segment in a spawned process, after checking that it is this group's (the
+        caller closes fd if this raises)."""
+        if os.fstat(fd).st_size != total or total != self.layout.total:
+            raise ShmtreeError("shmtree: the group segment has the wrong size")
+        self._nonce = nonce
+        self._creator = None
+        self._seg = _engine.Segment(fd, total, self.size)
+        try:
+            self._verify_header()
+        except ShmtreeError:
+            self._seg.unmap()
+            raise
+        self._fd = fd
+        self._closed = False
+
+    def _verify_header(self):
+        """Refuse a segment whose header is not this group's (magic, version, ranks, size,
+        nonce, plan digest): another group's memory, a corrupted one, or a member that planned
+        the group differently."""
+        magic, version, nranks, total, nonce, digest = self._seg.header()
+        problems = [what for what, ok in (
+            ("magic", magic == _engine.MAGIC), ("version", version == _engine.VERSION),
+            ("rank count", nranks == self.size), ("size", total == self.layout.total),
+            ("nonce", nonce == self._nonce), ("plan digest", digest == self.plan.digest()))
+            if not ok]
+        if problems:
+            raise ShmtreeError(f"shmtree: the shared segment is not this group's or is corrupted "
+                               f"(wrong {', '.join(problems)}); refusing to use it")
+
+    # ---- membership ----
+
+    def join(self, rank):
+        """Join as `rank` (once per rank, in the worker process); returns its Communicator."""
+        self._check_open()
+        if isinstance(rank, bool) or not hasattr(rank, "__index__") \
+                or not 0 <= rank.__index__() < self.size:
+            raise ValueError(f"shmtree: rank must be an int in [0, {self.size}), got {rank!r}")
+        rank = rank.__index__()
+        self._verify_header()
+        reason, _ = self._seg.abort_state()
+        if reason:
+            raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
+        from . import communicator          # the one import upward: join makes a Communicator
+
+        pid, ctime = identity()
+        if not self._seg.mark_joined(rank, pid, ctime):
+            raise ShmtreeError(f"shmtree: rank {rank} has already joined this group")
+        self._seg.set_state(rank, ST_BUSY)
+        communicator._warn_if_member_elsewhere(self, rank)
+        cpu = self.plan.cpu_of[rank]
+        if self.plan.pin and cpu is not None:
+            try:
+                _plan.pin_to(cpu)
+            except OSError:
+                pass
+        self._place_rings(rank)
+        comm = communicator.Communicator(self, rank)
+        self._comm = weakref.ref(comm)
+        communicator._set_current(comm)
+        return comm
+
+    def _place_rings(self, rank):
+        """Bind the rings this rank produces to the NUMA node(s) the policy names, then touch
+        them (after pinning): their pages are allocated now, where they belong."""
+        for off, length, consumers in self.layout.produced_rings(rank):
+            nodes = self._ring_nodes(rank, consumers)
+            if nodes:
+                mode = MPOL_INTERLEAVE if len(nodes) > 1 else MPOL_PREFERRED
+                self.numa_errno = self._seg.bind(off, length, mode, sorted(nodes)) or None
+            self._seg.touch(off, length)
+
+    def _ring_nodes(self, producer, consumers):
+        """The NUMA nodes for a ring under the group's policy (empty: first touch decides)."""
+        numa, node_of = self.plan.numa, self.plan.node_of
+        if numa is None:
+            return set()
+        if numa == "interleave":
+            return set(node_of)
+        if numa == "producer" or not consumers:
+            return {node_of[producer]}
+        votes = [node_of[c] for c in consumers]           # consumer: where most readers are
+        best = max(set(votes), key=lambda n: (votes.count(n), n == node_of[producer]))
+        return {best}
+
+    def ring_placement(self, ranks=None):
+        """Where the pages of the rings produced by `ranks` (default: all) are: a list of dicts
+        (producer, consumers, offset, bytes, pages per NUMA node).  None where the kernel refuses
+        the query.  The query (move_pages) sees the pages this process has mapped: a producer
+        sees all of its rings' pages (it touched them at join); elsewhere a page this process
+        has not accessed yet counts under node -2.  For the bench and tests."""
+        self._check_open()
+        out = []
+        for rank in (range(self.size) if ranks is None else ranks):
+            for off, length, consumers in self.layout.produced_rings(rank):
+                nodes = self._seg.page_nodes(off, length)
+                if nodes is None:
+                    return None
+                counts = {}
+                for n in nodes:
+                    counts[n] = counts.get(n, 0) + 1
+                out.append({"producer": rank, "consumers": consumers, "offset": off,
+                            "bytes": length, "pages": counts})
+        return out
+
+    def death_of(self, r) -> str:
+        """'' while rank r's process lives (or has not joined yet); else how it is gone: exited,
+        a zombie nobody has reaped yet, or its pid now used by another process."""
+        joined, pid, ctime = self._seg.member(r)
+        if not joined:
+            return ""                    # not started yet: nothing to say
+        procs = self.__dict__.setdefault("_procs", {})      # psutil handles, per process
+        return how_gone(procs, (r, pid), pid, ctime)
+
+    def claim_rank(self) -> int:
+        """The next unclaimed rank (Pool workers); >= size once every rank has been handed out."""
+        self._check_open()
+        return self._seg.claim_rank()
+
+    def abort(self, reason=ABORT_FAILED, rank=-1, note=None):
+        """Abort the group: every rank waiting in (or later entering) a collective raises.  A
+        member aborting in its own name (rank = its rank) may say why in `note`; the first
+        abort wins, so a note is only written while the group is healthy."""
+        if self._closed:
+            return
+        if note is not None and rank >= 0 and not self._seg.abort_state()[0]:
+            self._seg.set_note(rank, note.encode("utf-8", "replace"))
+        self._seg.set_abort(reason, rank)
+
+    def aborted(self) -> bool:
+        return (not self._closed) and self._seg.abort_state()[0] != 0
+
+    def describe_abort(self) -> str:
+        reason, who = self._seg.abort_state()
+        note = self._seg.note(who) if reason in NOTED and who >= 0 else ""
+        if note and reason != ABORT_FAILED:
+            return f"{note}; the group is aborted"
+        return {
+            0: "the group is healthy",
+            ABORT_DIED: f"rank {who} died",
+            ABORT_TIMEOUT: f"rank {who} timed out in a collective",
+            ABORT_FAILED: f"rank {who} failed ({note or 'raised or was interrupted'})",
+            ABORT_CLOSED: "the group was closed",
+            ABORT_CORRUPT: f"rank {who} found corrupted shared memory",
+            ABORT_MEMBERSHIP: "a process tried to join a full group (a worker was replaced?)",
+        }.get(reason, f"aborted (reason {reason}, rank {who})") + "; the group is aborted"
+
+    def member(self, rank):
+        return self._seg.member(rank)
+
+    # ---- lifetime ----
+
+    def _check_open(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: the group is closed")
+
+    def close(self):
+        """Free this process's mapping and descriptor, and leave the group if this process
+        joined it (its CPU mask is restored).  In the process that created the group this also
+        marks the group closed, so members still inside a collective raise PeerLostError."""
+        if self._closed:
+            return
+        comm = self._comm() if self._comm is not None else None
+        if comm is not None and comm._pid == os.getpid():
+            comm.close()
+        if self._creator == os.getpid():
+            self._seg.set_abort(ABORT_CLOSED, -1)
+        self._closed = True
+        self._seg = _ClosedSegment()
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # every copy (the creator's, a forked child's, an unpickled one) holds a descriptor of
+        # its own: dropping the copy closes it (the mapping goes with the last Segment user)
+        try:
+            if not self._closed:
+                self._closed = True
+                os.close(self._fd)
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return (f"<shmtree.Group size={self.size} tree={self.plan.tree_kind!r} "
+                f"chunk_bytes={self.plan.chunk_bytes} {state}>")
+
+
+class _ClosedSegment:
+    """Stands in for the unmapped segment of a closed group (Engine objects keep the real one
+    alive until they go)."""
+
+    def abort_state(self):
+        return ABORT_CLOSED, -1
+
+    def __getattr__(self, name):
+        raise ShmtreeError("shmtree: the group is closed")
+
+
+def _rebuild_group(plan, dupfd, nonce, total):
+    """Unpickle a group: its creator's plan, and the segment's descriptor (closed again here
+    if anything is wrong with it)."""
+    fd = dupfd.detach()
+    try:
+        group = Group.__new__(Group)
+        group._closed = True            # until attached
+        group._adopt(plan)
+        group._attach(fd, nonce, total)
+    except BaseException:
+        os.close(fd)
+        raise
+    return group

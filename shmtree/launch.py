@@ -1,0 +1,179 @@
+"""run: call a function on every rank of a new group, in new processes (SPMD).
+
+run(fn, nprocs) creates the Group, starts one process per rank (fork, spawn or forkserver), each
+joins and calls fn(comm, ...), and gathers their results by rank.  A worker that raises or dies
+aborts the group; the others are stopped and WorkerError names the root cause.  Workers die with
+the process that called run (shmtree.liveness).
+
+The start-method and pickling checks here (`_context`, `_check_picklable`) serve Pool as well.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+import traceback
+from multiprocessing import reduction
+
+from .codes import ABORT_FAILED
+from .errors import PeerLostError, WorkerError
+from .group import Group
+from .liveness import die_with_parent, identity, start_parent_watch
+
+__all__ = ["run"]
+
+RUN_GRACE_S = 5.0           # after a failure, how long the other workers get to report
+
+
+def _context(context=None):
+    """A multiprocessing context from None (fork where the platform has it), a start-method name
+    ("fork", "spawn", "forkserver") or a context object."""
+    if context is None:
+        methods = multiprocessing.get_all_start_methods()
+        context = "fork" if "fork" in methods else methods[0]
+    if isinstance(context, str):
+        return multiprocessing.get_context(context)       # ValueError names the valid methods
+    if not hasattr(context, "get_start_method"):
+        raise TypeError(f"shmtree: context must be a start method name or a multiprocessing "
+                        f"context, got {context!r}")
+    return context
+
+
+def _check_picklable(who, ctx, **things):
+    """Under spawn and forkserver everything a worker gets is pickled (ctx None: pickled whatever
+    the start method, as pool tasks are): say so clearly, with the remedy, before any process
+    starts (pickle's own error surfaces late and says neither)."""
+    method = None if ctx is None else ctx.get_start_method()
+    if method == "fork":
+        return
+    for name, value in things.items():
+        try:
+            reduction.ForkingPickler.dumps(value)
+        except Exception as exc:
+            how = ("pool tasks are pickled whatever the start method" if method is None else
+                   f"under {method!r} everything a worker gets is pickled")
+            raise TypeError(f"{who}: cannot send {name} to the workers ({exc}); {how}: functions "
+                            f"must be defined at module level (not a lambda or a local function) "
+                            f"and arguments picklable"
+                            + ("" if method is None else "; or use the 'fork' start method")
+                            ) from exc
+
+
+def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
+    die_with_parent()
+    if parent is not None:
+        start_parent_watch(parent)
+    comm = None
+    try:
+        comm = group.join(rank)
+        result = fn(comm, *args, **kwargs)
+        conn.send((True, result))
+    except BaseException as exc:
+        report = (type(exc).__name__, str(exc), traceback.format_exc(),
+                  isinstance(exc, PeerLostError))
+        if not group.closed and not group.aborted():
+            group.abort(ABORT_FAILED, rank, note=f"fn raised {type(exc).__name__}: {exc}")
+        try:
+            conn.send((False, report))
+        except Exception:
+            pass
+    finally:
+        if comm is not None:
+            comm.close()
+        conn.close()
+
+
+def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options):
+    """Call fn(comm, *args, **kwargs) in `nprocs` new processes; their return values by rank.
+
+    If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
+    (rank, remote_traceback) is raised for the rank that failed first."""
+    ctx = _context(start_method)
+    kwargs = dict(kwargs or {})
+    _check_picklable("shmtree.run", ctx, fn=fn, args=args, kwargs=kwargs)
+    me = identity()
+    with Group(nprocs, **group_options) as group:
+        procs, conns = [], []
+        try:
+            for r in range(group.size):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_run_worker,
+                                args=(group, r, fn, args, kwargs, send, me),
+                                name=f"shmtree-rank-{r}")
+                p.start()
+                send.close()
+                procs.append(p)
+                conns.append(recv)
+            return _collect(group, procs, conns)
+        finally:
+            _stop(procs)
+            for c in conns:
+                c.close()
+
+
+def _collect(group, procs, conns):
+    """Wait for every worker's report; raise WorkerError for the first root-cause failure (an
+    exception other than PeerLostError, or a death), else for the first failure seen."""
+    from multiprocessing.connection import wait
+
+    n = len(procs)
+    results, failures = [None] * n, []
+    listening = set(range(n))           # ranks whose pipe may still bring a report
+    reported = [False] * n
+    running = set(range(n))
+    failed_at = None
+    while running:
+        waitables = [conns[r] for r in listening] + [procs[r].sentinel for r in running]
+        ready = wait(waitables, timeout=0.2)
+        for r in list(listening):
+            if conns[r] in ready:
+                listening.discard(r)
+                try:
+                    ok, payload = conns[r].recv()
+                except (EOFError, OSError):
+                    continue                     # closed without a report: see its exit
+                reported[r] = True
+                if ok:
+                    results[r] = payload
+                else:
+                    name, text, tb, lost = payload
+                    failures.append((lost, r, f"{name}: {text}", tb))
+        for r in list(running):
+            if procs[r].sentinel in ready and r not in listening:
+                procs[r].join()
+                running.discard(r)
+                if not reported[r]:
+                    failures.append((False, r, _death(procs[r].exitcode), ""))
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+            group.abort(ABORT_FAILED, failures[0][1])
+        if failed_at is not None and time.monotonic() > failed_at + RUN_GRACE_S:
+            break                                # the rest are stopped by run's finally
+    if failures:
+        lost, r, text, tb = sorted(failures, key=lambda f: f[0])[0]   # root causes first
+        raise WorkerError(r, text, tb or text)
+    return results
+
+
+def _death(exitcode):
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"died from {name} (exit code {exitcode})"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def _stop(procs):
+    """Terminate workers that are still alive, then kill the ones that ignore it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+

@@ -1,0 +1,364 @@
+"""Pool: a multiprocessing.pool.Pool whose workers form one shmtree group.
+
+Each worker joins once, with its own rank, as it starts (`_pool_worker_init`), then runs tasks
+that use the module-level calls.  Around that:
+  - tasks: every task is wrapped (`_Task`, `_run_as_task`) so the member is marked busy while it
+    runs and idle between tasks (what the stall check of shmtree.communicator looks for), and a
+    task that raises while other members wait for it in a collective aborts the group in its
+    words; map and friends deal tasks one at a time; `pool.run` is SPMD on the workers;
+  - the watch thread (parent side): once the group is aborted, every outstanding job fails with
+    PeerLostError naming the cause (multiprocessing does not notice a dead worker);
+  - the multiprocessing.pool internals this needs, in one section of their own (below).
+"""
+from __future__ import annotations
+
+import multiprocessing.pool
+import threading
+import time
+import traceback
+import weakref
+
+from . import communicator, plan as _plan
+from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_NAMES, ST_BUSY,
+                    ST_IDLE, ranks_text)
+from .errors import PeerLostError, ShmtreeError, WorkerError
+from .group import Group
+from .launch import _check_picklable, _context
+from .liveness import identity, start_parent_watch
+from .plan import OPTIONS as GROUP_OPTIONS, usable_cpus
+
+__all__ = ["Pool"]
+
+POOL_WATCH_S = 0.05         # how often the parent's watch thread looks at the group
+POOL_LOCK_S = 5.0           # terminate(): how long to wait for the task queue's read lock
+POOL_START_S = 60.0         # how long Pool() waits for its workers to join before it returns
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent side: the watch thread
+
+
+def _watch_pool(pool_ref, group):
+    """Parent side of a Pool: once the group is aborted (a member died, timed out or failed),
+    fail every outstanding job with PeerLostError naming the cause.  Without this, a job given
+    to a worker that died would never complete (multiprocessing.Pool does not notice)."""
+    while True:
+        time.sleep(POOL_WATCH_S)
+        pool = pool_ref()
+        if pool is None or group.closed:
+            return
+        if group.aborted():
+            _fail_jobs(pool, PeerLostError(f"shmtree.Pool: {_pool_failure(group)}"))
+        del pool
+
+
+def _pool_failure(group) -> str:
+    for r in range(group.size):
+        how = group.death_of(r)
+        if how:
+            return f"rank {r} failed: died ({how}); the group is aborted"
+    return group.describe_abort()
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side: joining, tasks
+
+
+def _pool_worker_init(group, initializer, initargs, parent):
+    """A Pool worker's start: take the next rank, join, run the user's initializer.  A worker
+    whose initializer raises aborts the group in its own words and stays alive (one that exited
+    would be replaced, and its replacement fail the same way, over and over)."""
+    # (no PDEATHSIG here: it follows the *thread* that forked the worker, and the pool forks
+    # replacements from a handler thread that exits at terminate(), which would kill a worker
+    # holding the task queue's lock; the watch thread follows the pool's process instead)
+    start_parent_watch(parent)
+    communicator._set_pool_group(group)
+    rank = group.claim_rank()
+    if rank >= group.size:
+        # a replacement for a worker that died: the group lost a member for good
+        dead = [r for r in range(group.size) if group.death_of(r)]
+        if dead:
+            group.abort(ABORT_DIED, dead[0])
+        else:
+            group.abort(ABORT_MEMBERSHIP, -1)
+        return
+    group.join(rank)
+    if initializer is not None:
+        try:
+            initializer(*initargs)
+        except BaseException as exc:
+            group.abort(ABORT_INIT, rank, note=f"the Pool's initializer raised on rank {rank}: "
+                                               f"{type(exc).__name__}: {exc}")
+            return
+    group._seg.set_state(rank, ST_IDLE)
+
+
+def _run_as_task(fn, args, kwargs):
+    """Run one pool task in a worker: the member is busy while it runs (idle members are what
+    the stall detector looks for), and a task that raises while other members wait for this one
+    in a collective aborts the group, saying why, instead of leaving them waiting."""
+    comm = communicator._current
+    if comm is None or comm._closed or comm.group.closed or comm._gen != communicator._fork_gen:
+        return fn(*args, **kwargs)
+    seg, r = comm._seg, comm.rank
+    seg.set_state(r, ST_BUSY)
+    if not seg.abort_state()[0]:
+        seg.set_note(r, b"")                  # this rank's last task has not raised (yet)
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        _task_raised(comm, exc)
+        raise
+    finally:
+        if not comm.group.closed:
+            seg.set_state(r, ST_IDLE)
+
+
+def _task_raised(comm, exc):
+    group, seg, r = comm.group, comm._seg, comm.rank
+    if group.closed or group.aborted():
+        return
+    text = f"rank {r}'s task raised {type(exc).__name__}: {exc}"
+    seg.set_note(r, text.encode("utf-8", "replace"))    # for a stall report, if one comes
+    mine = seg.completed(r)
+    waiting = [s for s in range(comm.size) if s != r and seg.call_of(s) > mine]
+    if waiting:
+        seq = seg.call_of(waiting[0]) - 1
+        kind = KIND_NAMES.get(seg.descriptor(waiting[0], seq)[2], "collective")
+        group.abort(ABORT_TASK, r, note=f"{text}, while {ranks_text(waiting)} waited for it "
+                                        f"in {kind} #{seq + 1}")
+
+
+class _Task:
+    """A user's task function as the pool sends it (see _run_as_task)."""
+
+    def __init__(self, fn):
+        _check_picklable("shmtree.Pool", None, task=fn)
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return _run_as_task(self.fn, args, kwargs)
+
+
+def _spmd_task(fn, args, kwargs):
+    """One worker's part of Pool.run: a barrier first (a worker that took its task cannot take
+    another before every worker has one), then fn(comm, ...).  Returns (rank, ok, payload)."""
+    comm = communicator.current()
+    try:
+        comm.barrier()
+        return comm.rank, True, _run_as_task(fn, (comm,) + tuple(args), kwargs)
+    except BaseException as exc:
+        return comm.rank, False, (type(exc).__name__, str(exc), traceback.format_exc(),
+                                  isinstance(exc, PeerLostError))
+
+
+# =============================================================================================
+# multiprocessing.pool internals.  Everything in this section (and nothing else in shmtree)
+# relies on private members of multiprocessing.pool; checked against CPython 3.9 to 3.13
+# (pyproject.toml: requires-python >= 3.9).  Check this list against a new Python's
+# multiprocessing/pool.py before claiming support for it:
+#   Pool._state = INIT           Pool.__del__ reads it, even when __init__ failed early
+#   Pool._pool                   the worker processes (workers that die while the pool starts)
+#   Pool._cache                  outstanding jobs by id: ApplyResult / MapResult (_success,
+#                                _value, _event, MapResult._number_left) and IMapIterator
+#                                (_cond, _items), completed with an error by _fail_jobs
+#   Pool._map_async(func, iterable, mapper, chunksize, callback, error_callback)
+#                                where map, map_async, starmap and starmap_async all go
+#   Pool._help_stuff_finish(inqueue, task_handler, size)   (static; inqueue._rlock, ._reader)
+#                                called by terminate() to drain the task queue
+
+
+def _fail_jobs(pool, exc):
+    """Complete the pool's outstanding jobs with `exc` (late results of those jobs are dropped
+    by the pool's result handler, which ignores jobs no longer in its cache)."""
+    from multiprocessing.pool import ApplyResult, IMapIterator, MapResult
+
+    for job_id, job in list(pool._cache.items()):
+        if isinstance(job, ApplyResult):              # MapResult too
+            job._success, job._value = False, exc
+            if isinstance(job, MapResult):
+                job._number_left = 0
+            pool._cache.pop(job_id, None)
+            job._event.set()
+        elif isinstance(job, IMapIterator):
+            with job._cond:
+                job._items.append((False, exc))
+                pool._cache.pop(job_id, None)
+                job._cond.notify()
+
+
+class _PoolInternals(multiprocessing.pool.Pool):
+    """The overrides of multiprocessing.pool.Pool's private members (see above).  Subclasses
+    provide _shm_task(func): the task the pool sends for a user's function."""
+
+    def _mark_starting(self):
+        self._state = multiprocessing.pool.INIT       # multiprocessing's __del__ reads it
+
+    def _worker_processes(self):
+        return list(self._pool)
+
+    def _map_async(self, func, iterable, mapper, chunksize=None, callback=None,
+                   error_callback=None):
+        # map, map_async, starmap and starmap_async all come here: one task at a time
+        return super()._map_async(self._shm_task(func), iterable, mapper,
+                                  1 if chunksize is None else chunksize, callback,
+                                  error_callback)
+
+    @staticmethod
+    def _help_stuff_finish(inqueue, task_handler, size):
+        """multiprocessing's, except that a worker killed while it held the task queue's read
+        lock (idle, waiting for a task) cannot make terminate() hang: give up draining."""
+        if not inqueue._rlock.acquire(timeout=POOL_LOCK_S):
+            return
+        while task_handler.is_alive() and inqueue._reader.poll():
+            inqueue._reader.recv()
+            time.sleep(0)
+
+
+# end of the multiprocessing.pool internals
+# =============================================================================================
+# Pool
+
+
+class Pool(_PoolInternals):
+    """A multiprocessing Pool whose `processes` workers form one shmtree group; each joins once,
+    with its own rank, at start.
+
+    Tasks use the module-level calls (shmtree.allreduce, shmtree.rank...).  map/starmap/imap and
+    their async forms deal tasks one at a time (chunksize 1 unless given), so any multiple of
+    `processes` tasks that each make the same collectives works; `pool.run(fn, *args)` calls
+    fn(comm, *args) once on every worker and returns the results by rank.  A collective that
+    cannot complete because members are idle (no task) fails on the waiting members after
+    `stall_timeout` seconds; a task that raises while others wait for it makes them fail at once,
+    with its exception in the message; either way the pool is then broken (PeerLostError).
+    `context`: a multiprocessing context or a start method name ("fork", "spawn",
+    "forkserver")."""
+
+    def __init__(self, processes=None, *, initializer=None, initargs=(), context=None,
+                 stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
+        self._mark_starting()
+        self._shm_group = None
+        bad = sorted(set(group_options) - set(GROUP_OPTIONS))
+        if "maxtasksperchild" in bad:
+            raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker is a "
+                            "rank of the group for the pool's whole life (a worker that exits "
+                            "takes its rank with it)")
+        if bad:
+            raise TypeError(f"shmtree.Pool: unknown option(s) {', '.join(bad)}; Pool takes "
+                            f"processes, initializer, initargs, context and the Group options "
+                            f"{', '.join(GROUP_OPTIONS)}")
+        if initializer is not None and not callable(initializer):
+            raise TypeError(f"shmtree.Pool: initializer must be callable, got {initializer!r}")
+        ctx = _context(context)
+        _check_picklable("shmtree.Pool", ctx, initializer=initializer, initargs=initargs)
+        self._shm_group = Group(len(usable_cpus()) if processes is None else processes,
+                                stall_timeout=stall_timeout, **group_options)
+        try:
+            parent = identity()
+            super().__init__(self._shm_group.size, _pool_worker_init,
+                             (self._shm_group, initializer, tuple(initargs), parent), context=ctx)
+        except BaseException:
+            self._shm_group.close()
+            raise
+        weakref.finalize(self, Group.close, self._shm_group)
+        self._shm_watch = threading.Thread(target=_watch_pool,
+                                           args=(weakref.ref(self), self._shm_group),
+                                           name="shmtree-pool-watch", daemon=True)
+        self._shm_watch.start()
+        try:
+            self._await_workers()
+        except BaseException:
+            self.terminate()
+            raise
+
+    def _await_workers(self):
+        """Return once every worker has joined and run the initializer; raise if one failed (the
+        initializer's exception, once), or if workers die while starting (each replacement
+        would die the same way)."""
+        group = self._shm_group
+        seg, n = group._seg, group.size
+        seen, deadline = set(), time.monotonic() + POOL_START_S
+        while True:
+            reason, who = seg.abort_state()
+            if reason == ABORT_INIT:
+                note = seg.note(who)
+                raise WorkerError(who, note.split(": ", 1)[-1], note)
+            if reason:
+                raise PeerLostError(f"shmtree.Pool: a worker failed while the pool started: "
+                                    f"{_pool_failure(group)}")
+            if all(seg.state(r) == ST_IDLE for r in range(n)) or time.monotonic() > deadline:
+                return
+            procs = self._worker_processes()
+            seen.update(p.pid for p in procs)
+            if len(seen) > n:
+                codes = sorted({p.exitcode for p in procs if p.exitcode is not None} or {"?"})
+                raise ShmtreeError(f"shmtree.Pool: workers die while starting ({len(seen)} "
+                                   f"processes started for {n} ranks; exit codes "
+                                   f"{', '.join(map(str, codes))}): see their output above")
+            time.sleep(0.005)
+
+    @property
+    def group(self) -> Group:
+        return self._shm_group
+
+    def _check_group(self):
+        if self._shm_group is not None and self._shm_group.aborted():
+            raise PeerLostError(f"shmtree.Pool: the pool is broken: "
+                                f"{_pool_failure(self._shm_group)}")
+
+    # ---- tasks: dealt one at a time, each marked busy while it runs ----
+
+    # (map, map_async, starmap and starmap_async: see _PoolInternals._map_async)
+
+    def _shm_task(self, func):
+        """The pool's task for a user's function (refused once the pool is broken)."""
+        self._check_group()
+        return _Task(func)
+
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):
+        return super().apply_async(self._shm_task(func), args, kwds, callback, error_callback)
+
+    def imap(self, func, iterable, chunksize=1):
+        return super().imap(self._shm_task(func), iterable, chunksize)
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        return super().imap_unordered(self._shm_task(func), iterable, chunksize)
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """Call fn(comm, *args, **kwargs) once on every worker (SPMD, as shmtree.run does on new
+        processes) and return the results by rank.  If fn raises on some rank, WorkerError
+        names the root cause (as shmtree.run's)."""
+        self._check_group()
+        n = self._shm_group.size
+        jobs = [super(Pool, self).apply_async(_spmd_task, (fn, args, kwargs)) for _ in range(n)]
+        results, failures = [None] * n, []
+        for job in jobs:
+            try:
+                r, ok, payload = job.get()
+            except PeerLostError:
+                continue                     # failed by the watch thread: the abort says why
+            if ok:
+                results[r] = payload
+            else:
+                name, text, tb, lost = payload
+                failures.append((lost, r, f"{name}: {text}", tb))
+        roots = [f for f in failures if not f[0]]
+        if roots:
+            lost, r, text, tb = roots[0]
+            raise WorkerError(r, text, tb)
+        self._check_group()                  # every failure was a consequence: say its cause
+        if failures:
+            lost, r, text, tb = failures[0]
+            raise WorkerError(r, text, tb)
+        return results
+
+    def terminate(self):
+        try:
+            super().terminate()
+        finally:
+            if self._shm_group is not None:
+                self._shm_group.close()
+
+    def join(self):
+        super().join()
+        self._shm_group.close()
