@@ -13,6 +13,7 @@ that use the module-level calls.  Around that:
 from __future__ import annotations
 
 import multiprocessing.pool
+import signal
 import threading
 import time
 import traceback
@@ -71,6 +72,11 @@ def _pool_worker_init(group, initializer, initargs, parent):
     # (no PDEATHSIG here: it follows the *thread* that forked the worker, and the pool forks
     # replacements from a handler thread that exits at terminate(), which would kill a worker
     # holding the task queue's lock; the watch thread follows the pool's process instead)
+    # Pool.terminate() stops workers with SIGTERM and waits for them: a Python-level SIGTERM
+    # handler inherited from the parent runs only in the main thread, which may sit blocked on
+    # the task queue while the signal lands in the watch thread, and terminate() then waits for
+    # ever.  A worker dies on SIGTERM, as multiprocessing's own workers do.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     start_parent_watch(parent)
     communicator._set_pool_group(group)
     rank = group.claim_rank()

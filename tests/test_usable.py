@@ -362,6 +362,21 @@ def test_pool_rejects_bad_options_cleanly(kwargs, match):
     assert not seen, [str(u.exc_value) for u in seen]
 
 
+@pytest.mark.timeout(120)
+def test_pool_terminate_with_a_python_sigterm_handler_in_the_parent():
+    """Workers inherit the parent's Python SIGTERM handler, which only the main thread can run:
+    terminate() hung when the signal landed in a worker's watch thread."""
+    import signal
+
+    old = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        for _ in range(40):
+            with shmtree.Pool(2) as pool:
+                assert sorted(pool.map(one_allreduce, range(2))) == [(2.0, 0), (2.0, 1)]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def spmd(comm, scale, offset=0):
     return float(comm.allreduce(np.array([comm.rank * scale + offset]))[0]), comm.rank
 
