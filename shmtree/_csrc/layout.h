@@ -1,11 +1,11 @@
 /* The byte layout of a group's shared segment (one memfd), as C structs.
  *
- * One definition: the engine (_engine.pyx and shmtree/engine/ .pxi files, through `cdef extern`) uses
- * these types, and exports the sizes transport.py needs (HEADER_BYTES, RANK_BLOCK_BYTES,
- * SLOT_HDR_BYTES, LINE_BYTES, PAGE_BYTES).  Every padding byte is explicit: the compiler inserts
- * none (every field sits at a multiple of its own size), and the static assertions below pin the
- * offsets that other processes (and tests/test_security.py, which pokes the header at 0, 8, 12,
- * 16 and 48) rely on.  Changing any of it is a VERSION change.
+ * One definition: the engine (_engine.pyx and the shmtree/engine/ .pxi files, through
+ * `cdef extern`) uses these types, and exports the sizes transport.py needs (HEADER_BYTES,
+ * RANK_BLOCK_BYTES, SLOT_HDR_BYTES, LINE_BYTES, PAGE_BYTES).  Every padding byte is explicit:
+ * the compiler inserts none (every field sits at a multiple of its own size), and the static
+ * assertions below pin the offsets that other processes (and tests/test_security.py, which pokes
+ * the header at 0, 8, 12, 16 and 48) rely on.  Changing any of it is a VERSION change.
  *
  *     0                header (4096): magic, version, nranks, size, nonce, plan digest |
  *                      abort word (own line) | rank claims (own line)
@@ -61,7 +61,8 @@ typedef struct shm_seg_hdr {
     uint64_t total;             /*  16 segment bytes */
     uint8_t nonce[16];          /*  24 per-group random */
     uint8_t pad0[8];            /*  40 */
-    uint8_t digest[16];         /*  48 digest of the group's plan (trees, geometry): join checks it */
+    uint8_t digest[16];         /*  48 digest of the group's plan (trees, geometry): join
+                                       checks it */
     uint8_t pad1[64];           /*  64 */
     uint32_t abort_reason;      /* 128 own line: 0 while the group is healthy */
     int32_t abort_rank;         /* 132 */

@@ -21,10 +21,10 @@ cdef inline uint64_t chunk_for(Chan *c, uint64_t nbytes, uint64_t item) noexcept
     """Bytes per chunk for a message on a tree channel: the slot payload, or less so that a
     mid-sized message is still cut into PIPE_CHUNKS chunks that overlap in the pipeline (never
     below MIN_CHUNK).  A function of (nbytes, itemsize, payload) alone: every rank cuts the
-    message the same way."""
+    message the same way.  (A ring-schedule channel of one rank runs here too: whole slots.)"""
     cdef uint64_t chunk = c.payload // item * item
     cdef uint64_t want = (nbytes + PIPE_CHUNKS - 1) // PIPE_CHUNKS
-    if want >= chunk:
+    if c.ring or want >= chunk:
         return chunk
     if want < MIN_CHUNK:
         want = MIN_CHUNK

@@ -105,8 +105,8 @@ cdef inline uint64_t piece(Call *k, uint64_t lo) noexcept nogil:
 #
 # One generic operation (NCCL's genericOp): receive item rj from each ring of `ins` (checked:
 # it must carry this call's seq and index rj), combine it with the own input `src` (may be NULL)
-# into the slot of item sj of ring `out` (or straight into `dst` when out is NULL), copy the
-# result to the output `dst` too when out is not NULL and dst is, then release the consumed
+# into the slot of item sj of ring `dst_ring` (or straight into `dst` when dst_ring is NULL), copy
+# the result from that slot to the output `dst` too when copy_out, then release the consumed
 # slots (tails) and publish the new one (head), fence, and wake whoever may wait on either.
 # n == 0 (nothing of the message in this item, or a mismatch) still stamps and publishes: the
 # item carries the descriptor and flags.  The named primitives below fix the shape.
@@ -117,9 +117,10 @@ cdef inline uint64_t piece(Call *k, uint64_t lo) noexcept nogil:
 # FLAG_MISMATCH (someone below saw a difference) always sets the call's mismatch, after which no
 # data moves and every slot carries the flag on.
 
-cdef int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj, Conn *dst_ring,
-                    uint64_t sj, const char *src, char *dst, uint64_t n, bint own_first,
-                    bint check) noexcept nogil:
+cdef inline int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj,
+                           Conn *dst_ring, uint64_t sj, const char *src, char *dst,
+                           uint64_t n, bint own_first, bint check,
+                           bint copy_out) noexcept nogil:
     cdef const void **sv = k.srcs
     cdef int i, nsrc = 0
     cdef shm_slot_hdr *slot
@@ -146,7 +147,7 @@ cdef int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj, C
         target = payload(mine)
     else:
         target = dst
-    if n and not k.mismatch:
+    if n and not k.mismatch and target != NULL:      # (target: NULL only when n is 0)
         if nsrc == 1:
             if target == <char *>sv[0]:
                 pass                                  # in place (own input is the output)
@@ -156,7 +157,7 @@ cdef int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj, C
                 memcpy(target, sv[0], n)
         else:
             k.fn(target, sv, nsrc, n // k.itemsize)
-        if dst_ring != NULL and dst != NULL:
+        if copy_out:
             out(e, dst, target, n)                    # keep our own copy of a final result
     if mine != NULL:
         stamp(mine, k, sj)
@@ -184,27 +185,27 @@ cdef int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj, C
 cdef inline int send(Eng *e, Chan *c, Call *k, Conn *to, uint64_t sj, const char *src,
                      uint64_t n) noexcept nogil:
     """Own input -> item sj of ring `to`."""
-    return generic_op(e, c, k, NULL, 0, 0, to, sj, src, NULL, n, True, False)
+    return generic_op(e, c, k, NULL, 0, 0, to, sj, src, NULL, n, True, False, False)
 
 
 cdef inline int recv(Eng *e, Chan *c, Call *k, Conn *frm, uint64_t rj, char *dst,
                      uint64_t n) noexcept nogil:
     """Item rj of ring `frm` -> the output."""
-    return generic_op(e, c, k, frm, 1, rj, NULL, 0, NULL, dst, n, True, False)
+    return generic_op(e, c, k, frm, 1, rj, NULL, 0, NULL, dst, n, True, False, False)
 
 
 cdef inline int recv_reduce_send(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj,
                                  Conn *to, uint64_t sj, const char *src, uint64_t n,
                                  bint own_first, bint check) noexcept nogil:
     """Items rj of rings `ins` (op) own input -> item sj of ring `to`."""
-    return generic_op(e, c, k, ins, nin, rj, to, sj, src, NULL, n, own_first, check)
+    return generic_op(e, c, k, ins, nin, rj, to, sj, src, NULL, n, own_first, check, False)
 
 
 cdef inline int recv_reduce_copy(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj,
                                  const char *src, char *dst, uint64_t n, bint own_first,
                                  bint check) noexcept nogil:
     """Items rj of rings `ins` (op) own input -> the output."""
-    return generic_op(e, c, k, ins, nin, rj, NULL, 0, src, dst, n, own_first, check)
+    return generic_op(e, c, k, ins, nin, rj, NULL, 0, src, dst, n, own_first, check, False)
 
 
 cdef inline int recv_reduce_copy_send(Eng *e, Chan *c, Call *k, Conn *ins, int nin,
@@ -213,14 +214,14 @@ cdef inline int recv_reduce_copy_send(Eng *e, Chan *c, Call *k, Conn *ins, int n
                                       bint check) noexcept nogil:
     """Items rj of rings `ins` (op) own input -> item sj of ring `to` and the output (a result
     completed here)."""
-    return generic_op(e, c, k, ins, nin, rj, to, sj, src, dst, n, own_first, check)
+    return generic_op(e, c, k, ins, nin, rj, to, sj, src, dst, n, own_first, check, True)
 
 
 cdef inline int recv_copy_send(Eng *e, Chan *c, Call *k, Conn *frm, uint64_t rj, Conn *to,
                                uint64_t sj, char *dst, uint64_t n) noexcept nogil:
     """Item rj of ring `frm` -> item sj of ring `to` and the output (a final result passed on;
     the output is copied from our own slot, hot in cache)."""
-    return generic_op(e, c, k, frm, 1, rj, to, sj, NULL, dst, n, True, False)
+    return generic_op(e, c, k, frm, 1, rj, to, sj, NULL, dst, n, True, False, True)
 
 
 cdef inline int local_copy(Call *k, const char *src, char *dst, uint64_t n) noexcept nogil:

@@ -117,7 +117,7 @@ cdef struct Call:
     int ch
     const char *src
     char *dst
-    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunk (tree) or item (ring) count
+    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunks (tree) / items (ring)
     uint64_t block, nc            # ring: bytes per block, chunks per block
     int itemsize
     reduce_fn fn
