@@ -432,7 +432,7 @@ cdef class Engine:
             raise ValueError("shmtree: ring offset outside the segment")
         return self.seg.base + off
 
-    cdef _conn(self, Conn *r, int64_t off, int ntails, uint64_t span, Chan *c):
+    cdef _conn(self, Conn *r, int64_t off, int ntails, uint64_t span):
         """A ring end at segment offset off (-1: none) with ntails consumers."""
         r.hdr = ring_hdr_bytes(ntails)
         r.ring = self._ptr(off, r.hdr + span)
@@ -458,15 +458,15 @@ cdef class Engine:
             raise MemoryError()
         for i in range(c.nchild):
             c.children[i] = children[i]
-        self._conn(&c.up, spec["up"], 1, span, c)
+        self._conn(&c.up, spec["up"], 1, span)
         c.up.peers = &c.parent                    # the parent (ring: the successor) consumes it
-        self._conn(&c.down, spec["down"], c.nchild, span, c)
+        self._conn(&c.down, spec["down"], c.nchild, span)
         c.down.peers = c.children
-        self._conn(&c.pdown, spec["parent_down"], spec["parent_nchild"], span, c)
+        self._conn(&c.pdown, spec["parent_down"], spec["parent_nchild"], span)
         c.pdown.tail = c.index
         c.pdown.peer = c.parent
         for i in range(c.nchild):
-            self._conn(&c.cup[i], spec["child_up"][i], 1, span, c)
+            self._conn(&c.cup[i], spec["child_up"][i], 1, span)
             c.cup[i].tail = 0
             c.cup[i].peer = c.children[i]
         if c.ring:
