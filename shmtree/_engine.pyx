@@ -633,7 +633,8 @@ cdef class Engine:
         cdef int rc
         cdef shm_rank_block *me = self.seg.block(self.e.rank)
         with nogil:
-            self.e.slice_end = shm_now_ns() + budget_ns
+            self.e.slice_end = 0
+            self.e.slice_ns = budget_ns
             rc = self._run_call()
             if rc != RC_STALLED and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete

@@ -1,7 +1,7 @@
 """Shared fixtures of the multi-process test suite.
 
 Every test runs under one autouse fixture, ``no_leaks``, that enforces the lifetime rules of the
-contract (DESIGN.md section 5) from the outside:
+contract (docs/design.md, "Lifetime and security") from the outside:
 
 - ``/dev/shm`` holds no new entry after the test.  multiprocessing creates and unlinks ``sem.*``
   entries transiently, so the listing is given up to ~1.5 s to settle before the test fails.

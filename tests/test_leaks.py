@@ -1,5 +1,5 @@
-"""What a Group and a Communicator leave behind in the processes that held them (DESIGN.md
-section 5, lifetime): the segment is a memfd, so a leak shows as an open descriptor or a mapping
+"""What a Group and a Communicator leave behind in the processes that held them (docs/design.md,
+"Lifetime and security"): the segment is a memfd, so a leak shows as an open descriptor or a mapping
 of the process, never in /dev/shm; and joining pins the process, which closing must undo.
 
 - the leak check of conftest (procutil.fd_and_map_problems) itself sees a memfd descriptor and a

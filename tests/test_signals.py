@@ -1,4 +1,4 @@
-"""Signals and interpreter exit (DESIGN.md section 5: "never hangs or leaks").
+"""Signals and interpreter exit (docs/design.md, "Waiting, aborting, liveness": never hangs or leaks).
 
 - SIGINT (to the parent alone, or to the whole process group as Ctrl-C in a terminal sends it)
   and SIGTERM to the parent of shmtree.run or of a shmtree.Pool, while the workers are busy in

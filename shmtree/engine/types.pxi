@@ -135,7 +135,8 @@ cdef struct Eng:
     int rank, nranks
     uint32_t *abort_word
     int64_t spin_ns, yield_ns, sleep_ns
-    int64_t slice_end             # monotonic ns at which the running slice ends
+    int64_t slice_end             # monotonic ns at which the running slice ends (0: the clock
+    int64_t slice_ns              # was not read yet: a call that finishes at once never reads it)
     bint nt                       # the call in progress writes its output with streaming stores
     uint64_t n_yields, n_sleeps, n_timeouts
     Chan chans[2]

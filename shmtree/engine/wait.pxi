@@ -12,10 +12,18 @@ cdef inline bint aborted(Eng *e) noexcept nogil:
     return shm_load_acquire32(e.abort_word) != 0
 
 
+cdef inline bint now_past_slice(Eng *e, int64_t now) noexcept nogil:
+    """Is `now` past the end of the slice?  The slice is timed from the first look at the
+    clock (at most 8 steps or one idle turn after its start)."""
+    if e.slice_end == 0:
+        e.slice_end = now + e.slice_ns
+    return now >= e.slice_end
+
+
 cdef inline bint slice_over(Eng *e, int *steps) noexcept nogil:
     """After a step: has the time slice ended?  (The clock is read every 8th step.)"""
     steps[0] += 1
-    return (steps[0] & 7) == 0 and shm_now_ns() >= e.slice_end
+    return (steps[0] & 7) == 0 and now_past_slice(e, shm_now_ns())
 
 
 cdef int idle(Eng *e, Idle *w, const Alg *alg, Chan *c, Call *k) noexcept nogil:
@@ -35,7 +43,7 @@ cdef int idle(Eng *e, Idle *w, const Alg *alg, Chan *c, Call *k) noexcept nogil:
         shm_cpu_relax()
         return RC_DONE
     now = shm_now_ns()
-    if now >= e.slice_end:
+    if now_past_slice(e, now):
         return RC_STALLED
     spent = now - w.since
     if spent < e.spin_ns:
