@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from .errors import ShmtreeError
 
-# the layout constants are the engine's (one definition, in _engine.pyx)
+# the layout constants are the engine's (one definition: _csrc/layout.h, exported by _engine)
 from ._engine import (HEADER_BYTES as HDR_BYTES, LINE_BYTES as LINE, PAGE_BYTES as PAGE,
                       RANK_BLOCK_BYTES as RANK_BLOCK, SLOT_HDR_BYTES as SLOT_HDR)
 

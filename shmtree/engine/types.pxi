@@ -1,0 +1,161 @@
+# The engine's C types, included first by _engine.pyx: the segment layout (layout.h), the
+# synchronisation primitives (shm_sync.h), and the state every primitive, the waiting code and the
+# algorithms work on (Conn, Chan, Call, Eng) plus the algorithm interface (Alg).
+#
+# Vocabulary: chunk (a piece of the message of at most `payload` bytes), slot (a place in a ring),
+# step (a counter value: the k-th chunk a ring has carried since the group began), edge (child ->
+# parent), up (towards the root, being reduced), down (from the root, the result), item (the ring
+# schedule's unit: one chunk of one block at one step of the schedule).
+
+cdef extern from "sched.h" nogil:
+    int sched_yield()
+
+cdef extern from "_csrc/shm_sync.h" nogil:
+    uint64_t shm_load_acquire64(const uint64_t *p)
+    uint64_t shm_load_relaxed64(const uint64_t *p)
+    void shm_store_release64(uint64_t *p, uint64_t v)
+    uint32_t shm_load_acquire32(const uint32_t *p)
+    void shm_store_seqcst32(uint32_t *p, uint32_t v)
+    uint32_t shm_load_seqcst32(const uint32_t *p)
+    uint32_t shm_fetch_add32(uint32_t *p, uint32_t v)
+    int shm_cas32(uint32_t *p, uint32_t expected, uint32_t desired)
+    void shm_fence()
+    void shm_cpu_relax()
+    int64_t shm_now_ns()
+    int shm_futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+    void shm_futex_wake_all(uint32_t *addr)
+    void shm_copy_nt(void *dst, const void *src, size_t n)
+    void shm_store_fence()
+
+# the segment layout: one definition, in layout.h (see there for the offsets)
+cdef extern from "_csrc/layout.h" nogil:
+    enum:
+        SHM_LINE
+        SHM_PAGE
+        SHM_MAX_DIMS
+        SHM_FLAG_MISMATCH
+        SHM_NOTE_MAX
+    ctypedef struct shm_desc_head:
+        uint64_t seq
+        uint64_t nbytes
+        uint64_t shape
+        uint16_t kind
+        uint8_t op
+        uint8_t dtype
+        uint32_t ndim
+    ctypedef struct shm_desc:
+        shm_desc_head head
+        int64_t dims[SHM_MAX_DIMS]
+    ctypedef struct shm_slot_hdr:
+        shm_desc_head desc
+        uint64_t chunk
+        uint32_t flags
+    ctypedef struct shm_seg_hdr:
+        uint64_t magic
+        uint32_t version
+        uint32_t nranks
+        uint64_t total
+        uint8_t nonce[16]
+        uint8_t digest[16]
+        uint32_t abort_reason
+        int32_t abort_rank
+        uint32_t claim
+    ctypedef struct shm_rank_block:
+        uint32_t bell
+        uint32_t sleepers
+        uint32_t joined
+        uint32_t pid
+        double ctime
+        uint64_t done
+        uint32_t state
+        uint64_t call
+        shm_desc desc[2]
+        uint32_t note_len
+        char note[508]
+
+
+# progress() results (also what every primitive, algorithm step and wait returns: RC_DONE is
+# 'go on')
+cdef enum:
+    RC_DONE = 0
+    RC_STALLED = 1
+    RC_ABORTED = 2
+    RC_MISMATCH = 3
+    RC_CORRUPT = 4
+
+
+cdef struct Conn:
+    # One ring end this rank uses: a ring it consumes (recv) or produces (send).  A ring is a
+    # page-aligned region of the segment holding a head counter (written only by the producer),
+    # one tail counter per consumer (each written only by its consumer), every counter on its own
+    # 128-byte line, then nslots slots of a 64-byte slot header followed by the chunk payload.
+    # Counters only grow; step k lives in slot k mod nslots.
+    char *ring            # NULL: no such ring
+    uint64_t hdr          # bytes before slot 0 (the counter lines, rounded to a page)
+    uint64_t base         # send: the head, recv: this rank's tail, when the call began
+    int tail              # recv: this rank's tail in the ring
+    int ntails            # send: how many consumers (tails) the ring has
+    int peer              # recv: the producer (woken when a slot frees)
+    int *peers            # send: the consumers (woken when an item is published)
+
+
+cdef struct Chan:
+    int ring              # 1: the ring schedule (parent = successor, the one child = predecessor)
+    int ring_pos          # this rank's position on the ring
+    int parent            # -1 at the root
+    int index             # this rank's index among the parent's children (its tail there)
+    int nchild
+    int *children
+    uint64_t nslots, stride, payload
+    Conn up               # send: the ring towards the parent (ring NULL at the root)
+    Conn down             # send: this rank's results, read by its children (NULL at a leaf)
+    Conn pdown            # recv: the parent's result ring (NULL at the root)
+    Conn *cup             # recv: the children's up rings [nchild]
+
+
+cdef struct Call:
+    int ch
+    const char *src
+    char *dst
+    uint64_t nbytes, chunk, m     # payload bytes, bytes per chunk, chunks (tree) / items (ring)
+    uint64_t block, nc            # ring: bytes per block, chunks per block
+    int itemsize
+    reduce_fn fn
+    uint64_t j_up, j_down         # progress counters (their meaning is the algorithm's)
+    shm_desc_head desc            # this rank's descriptor, stamped on every slot of the call
+    int check_desc                # compare descriptors (the channel-0 round)
+    int mismatch
+    const void **srcs             # scratch: the operands of one fused reduction (nchild + 1)
+
+
+cdef struct Eng:
+    # What the nogil code of one rank sees: the segment, the waiting policy and counters, the
+    # channels, and the call in progress.
+    char *base
+    int rank, nranks
+    uint32_t *abort_word
+    int64_t spin_ns, yield_ns, sleep_ns
+    int64_t slice_end             # monotonic ns at which the running slice ends (0: the clock
+    int64_t slice_ns              # was not read yet: a call that finishes at once never reads it)
+    bint nt                       # the call in progress writes its output with streaming stores
+    uint64_t n_yields, n_sleeps, n_timeouts
+    Chan chans[2]
+    Call call
+
+
+# An algorithm runs one channel of a call in steps.  ready() says which step can run now without
+# blocking (0: none), step() runs it; the waiting code calls ready() once more before sleeping.
+ctypedef void (*alg_setup_fn)(Eng *e, Chan *c, Call *k) noexcept nogil
+ctypedef int (*alg_ready_fn)(Eng *e, Chan *c, Call *k) noexcept nogil
+ctypedef int (*alg_step_fn)(Eng *e, Chan *c, Call *k, int action) noexcept nogil
+ctypedef bint (*alg_done_fn)(Eng *e, Chan *c, Call *k) noexcept nogil
+
+cdef struct Alg:
+    alg_setup_fn setup            # after the call state is reset: chunking, item count m, checks
+    alg_ready_fn ready
+    alg_step_fn step
+    alg_done_fn done
+
+
+cdef inline shm_rank_block *rank_block(char *base, int r) noexcept nogil:
+    return <shm_rank_block *>(base + sizeof(shm_seg_hdr) + <uint64_t>r * sizeof(shm_rank_block))
