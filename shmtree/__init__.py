@@ -14,12 +14,14 @@ from ._version import __version__
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
                      WorkerError)
 from .topology import Topology
-from .api import (Communicator, Group, Pool, allreduce, barrier, current, rank, run, size)
+from .api import (Communicator, Group, Pool, allgather, allreduce, barrier, broadcast, current,
+                  rank, reduce, reduce_scatter, run, size)
 
 __all__ = [
     "__version__",
     "Group", "Communicator", "Pool", "run",
-    "allreduce", "barrier", "rank", "size", "current",
+    "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier", "rank", "size",
+    "current",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
     "WorkerError",

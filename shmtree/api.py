@@ -4,7 +4,9 @@ Each lives in a module of its own (README.md, "How it works"); imports point one
 
     pool          Pool (and its multiprocessing.pool overrides)
     launch        run                                   (pool uses its start checks)
-    communicator  Communicator; current, allreduce, barrier, rank, size
+    communicator  Communicator; current, allreduce, broadcast, reduce, allgather,
+                  reduce_scatter, barrier, rank, size
+    collectives   broadcast, reduce, allgather, reduce_scatter (Communicator's methods)
     group         Group
     plan, transport, liveness
     schedule, topology
@@ -15,10 +17,11 @@ The one call upward: Group.join imports communicator when it runs, to hand out a
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.
 """
-from .communicator import Communicator, allreduce, barrier, current, rank, size
+from .communicator import (Communicator, allgather, allreduce, barrier, broadcast, current, rank,
+                           reduce, reduce_scatter, size)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from .launch import run
 from .pool import Pool
 
-__all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "barrier", "rank", "size",
-           "current"]
+__all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "broadcast", "reduce",
+           "allgather", "reduce_scatter", "barrier", "rank", "size", "current"]

@@ -6,10 +6,27 @@ Plain constants and text helpers: every other module of the library may import t
 imports nothing of shmtree's.
 """
 
-# call kinds in the descriptor
+# call kinds in the descriptor; a rooted collective adds KIND_ROOT_STEP * root (the descriptor's
+# kind is 16 bits: roots up to 4095), so ranks that disagree on the root disagree on the kind
 KIND_ALLREDUCE = 1
 KIND_BARRIER = 2
-KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier"}
+KIND_BROADCAST = 3
+KIND_REDUCE = 4
+KIND_ALLGATHER = 5
+KIND_REDUCE_SCATTER = 6
+KIND_ALLGATHER_LENGTHS = 7     # allgather(axis=0)'s first round: every rank's length
+KIND_ROOT_STEP = 16
+KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier", KIND_BROADCAST: "broadcast",
+              KIND_REDUCE: "reduce", KIND_ALLGATHER: "allgather",
+              KIND_REDUCE_SCATTER: "reduce_scatter", KIND_ALLGATHER_LENGTHS: "allgather"}
+ROOTED = (KIND_BROADCAST, KIND_REDUCE)
+
+
+def kind_name(kind) -> str:
+    """'allreduce', 'broadcast(root=2)': a descriptor's kind for people."""
+    base, root = kind % KIND_ROOT_STEP, kind // KIND_ROOT_STEP
+    name = KIND_NAMES.get(base, "collective")
+    return f"{name}(root={root})" if base in ROOTED else name
 
 # abort reasons (the header's abort word); the ones marked (note) are explained in the words of
 # the rank that aborted, kept in its rank block

@@ -29,9 +29,11 @@ import numpy as np
 
 from . import _engine, _kernels, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, ST_IDLE, ST_LEFT,
+                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP, ST_IDLE,
+                    ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .collectives import Collectives
 from .group import Group
 
 __all__ = ["Communicator", "current", "allreduce", "barrier", "rank", "size"]
@@ -70,7 +72,7 @@ def _op_code(op) -> int:
 # the communicator
 
 
-class Communicator:
+class Communicator(Collectives):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     def __init__(self, group: Group, rank: int):
@@ -115,6 +117,11 @@ class Communicator:
             except BaseException:
                 self._interrupted(eng)
                 raise
+        return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
+
+    def _reducing(self, array, op, out, timeout, kind):
+        """The general path of a reducing collective (allreduce and the ones built on it): local
+        checks, contiguous source and destination, then the call with descriptor kind `kind`."""
         opc = _op_code(op)
         if isinstance(array, np.ma.MaskedArray) or isinstance(out, np.ma.MaskedArray):
             raise TypeError("shmtree: masked arrays are not supported (the mask would be "
@@ -130,7 +137,7 @@ class Communicator:
         result, dst, copy_back = _destination(a, out)
         if src is not dst and _overlaps(src, dst):
             src = src.copy()                  # out overlaps the input without being it
-        self._collective(KIND_ALLREDUCE, opc, dtc, src, dst, a.shape, timeout)
+        self._collective(kind, opc, dtc, src, dst, a.shape, timeout)
         if copy_back is not None:
             copy_back[...] = dst.reshape(copy_back.shape)
         return result
@@ -311,7 +318,7 @@ class Communicator:
         """'allreduce #3': the kind of call seq (from this rank's descriptor) and its number,
         counted from 1 in the order the group's calls were made."""
         kind = self._seg.descriptor(self.rank, seq)[2]
-        return f"{KIND_NAMES.get(kind, 'collective')} #{seq + 1}"
+        return f"{kind_name(kind)} #{seq + 1}"
 
     def _check_usable(self):
         if self._closed:
@@ -345,16 +352,36 @@ class Communicator:
         seen = {}
         for r in range(self.size):
             dseq, nbytes, kind, opc, dtc, shape = self._seg.descriptor(r, seq)
+            base = kind % KIND_ROOT_STEP
             if dseq != seq:
                 what = "a different call"
-            elif kind == KIND_BARRIER:
+            elif base == KIND_BARRIER:
                 what = "barrier"
+            elif dtc == _U1 and opc == _OPS["bor"] and base not in _REDUCING_KINDS:
+                what = _moved_text(kind, shape, nbytes)   # bytes moved: shape, item size, dtype
             else:
-                what = (f"allreduce(shape={shape}, dtype={_dtype_name(dtc)}, "
-                        f"op={_OP_NAMES.get(opc, opc)!r})")
+                root = f"root={kind // KIND_ROOT_STEP}, " if base != KIND_ALLREDUCE and \
+                    kind >= KIND_ROOT_STEP else ""
+                what = (f"{KIND_NAMES.get(base, 'collective')}({root}shape={shape}, "
+                        f"dtype={_dtype_name(dtc)}, op={_OP_NAMES.get(opc, opc)!r})")
             seen.setdefault(what, []).append(r)
         parts = "; ".join(f"{ranks_text(rs)}: {what}" for what, rs in seen.items())
         return f"shmtree: ranks disagree on the collective call: {parts}"
+
+
+_U1 = _kernels.DTYPE_CODES["u1"]
+_REDUCING_KINDS = (KIND_ALLREDUCE,) + tuple(k for k, n in KIND_NAMES.items()
+                                            if n in ("reduce", "reduce_scatter"))
+
+
+def _moved_text(kind, shape, nbytes):
+    """How a broadcast or allgather round is described: its kind and root, and the shape and
+    dtype digest the rank passed (the descriptor's last two dims: item size, dtype digest)."""
+    name = kind_name(kind)
+    if len(shape) >= 2 and shape[-1] is not Ellipsis and kind_name(kind).startswith("allgather"):
+        return (f"{name}(shape={tuple(shape[:-2])}, {shape[-2]}-byte items of dtype "
+                f"#{shape[-1]:08x})")
+    return f"{name}({nbytes} bytes)"
 
 
 def _dtype_name(code):
@@ -465,6 +492,22 @@ def current() -> Communicator:
 
 def allreduce(array, op="sum", *, out=None, timeout=None):
     return current().allreduce(array, op, out=out, timeout=timeout)
+
+
+def broadcast(array, root=0, *, out=None, timeout=None):
+    return current().broadcast(array, root, out=out, timeout=timeout)
+
+
+def reduce(array, op="sum", root=0, *, out=None, timeout=None):
+    return current().reduce(array, op, root, out=out, timeout=timeout)
+
+
+def allgather(array, *, axis=None, out=None, timeout=None):
+    return current().allgather(array, axis=axis, out=out, timeout=timeout)
+
+
+def reduce_scatter(array, op="sum", *, out=None, timeout=None):
+    return current().reduce_scatter(array, op, out=out, timeout=timeout)
 
 
 def barrier(timeout=None):

@@ -1,0 +1,247 @@
+"""broadcast, reduce, allgather and reduce_scatter (docs/design.md, "Collectives").
+
+Each collective is parsed here (root, dtypes, shapes, out=, the byte layout of the message) and
+then runs as calls of the engine's allreduce with a descriptor of its own kind: the descriptor
+carries the collective's kind and root (kind + KIND_ROOT_STEP * root), so a rank that made a
+different collective, with another root, shape or dtype, makes every rank raise
+CollectiveMismatchError naming what differed, and the group stays usable.
+
+How each one moves its bytes today (docs/algorithms.md, "Collectives"):
+- broadcast: one round carries every rank's claim (a digest of the dtype and shape it passed, or
+  nothing for None), the root's dtype and shape, and the data itself when it fits; larger data
+  follows as a bitwise-or allreduce of bytes in which only the root's are nonzero.  Exact for
+  every dtype that holds no Python objects.
+- allgather: a bitwise-or allreduce of the P blocks laid end to end, each rank's block in place
+  and zeros elsewhere (axis=0 first exchanges the lengths).
+- reduce: the allreduce; ranks other than the root drop the result.
+- reduce_scatter: the allreduce; each rank keeps its np.array_split block.
+So every rank gets the same bits, and reductions follow the allreduce's order and numeric rule.
+Bytes moved are those of an allreduce of the message (about twice the minimum of a pipelined
+broadcast or a ring allgather); dedicated schedules are the next step.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+
+import numpy as np
+
+from . import _kernels
+from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
+from .errors import CollectiveMismatchError
+
+_U1 = _kernels.DTYPE_CODES["u1"]
+_BOR = _kernels.OP_CODES["bor"]
+META_BYTES = 2048            # the root's dtype and shape in a broadcast's first round
+CLAIM_BYTES = 8              # each rank's digest of what it passed to broadcast / allgather
+
+
+def _root(root, size):
+    if isinstance(root, bool) or not hasattr(root, "__index__") \
+            or not 0 <= root.__index__() < size:
+        raise ValueError(f"shmtree: root must be an int in [0, {size}), got {root!r}")
+    return root.__index__()
+
+
+def _movable(a, what):
+    if not isinstance(a, np.ndarray):
+        a = np.asarray(a)
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"shmtree: {what}: masked arrays are not supported (the mask would be "
+                        "dropped)")
+    if a.dtype.hasobject:
+        raise TypeError(f"shmtree: {what}: dtype {a.dtype} holds Python objects, which cannot "
+                        "be sent as bytes; use a numeric, string or structured dtype")
+    return a
+
+
+def _dtype_digest(dtype) -> int:
+    """A 32-bit digest of a dtype, byte order and fields included."""
+    return int.from_bytes(hashlib.sha256(pickle.dumps(np.dtype(dtype))).digest()[:4], "little")
+
+
+def _claim(dtype, shape) -> bytes:
+    """8 nonzero bytes naming (dtype, shape): what a rank passed."""
+    h = hashlib.sha256(pickle.dumps((np.dtype(dtype), tuple(shape)))).digest()[:CLAIM_BYTES]
+    return bytes(b | 1 for b in h[:1]) + h[1:]
+
+
+def _bytes_of(a):
+    """A C-contiguous, aligned uint8 view of a's bytes (a copy when a is not laid out so)."""
+    if not (a.flags.c_contiguous and a.flags.aligned):
+        a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
+
+
+def _out_for(out, shape, dtype, what):
+    """A writable C-contiguous array of (shape, dtype): `out` itself when it is one, else a new
+    array (None) - and the array to copy the result into afterwards, if any."""
+    if out is None:
+        return np.empty(shape, dtype), None
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"shmtree: {what}: out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != dtype or out.shape != tuple(shape):
+        raise ValueError(f"shmtree: {what}: out has shape {out.shape} and dtype {out.dtype}; the "
+                         f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}")
+    if not out.flags.writeable:
+        raise ValueError(f"shmtree: {what}: out is read-only")
+    if out.flags.c_contiguous and out.flags.aligned:
+        return out, None
+    return np.empty(shape, dtype), out
+
+
+def _finish(result, copy_back):
+    if copy_back is None:
+        return result
+    copy_back[...] = result
+    return copy_back
+
+
+class Collectives:
+    """The collectives beyond allreduce and barrier, as methods of Communicator (which provides
+    rank, size, allreduce's local checks and _collective)."""
+
+    # ---- broadcast ----
+
+    def broadcast(self, array, root=0, *, out=None, timeout=None):
+        """Every rank gets the root's array.  Elsewhere `array` is None (the shape and dtype come
+        from the root) or an array of the root's shape and dtype whose values are ignored.
+        Returns a new array on every rank, or `out`."""
+        root = _root(root, self.size)
+        me = self.rank
+        if array is None and me == root:
+            raise ValueError("shmtree: broadcast: the root must pass the array")
+        a = None if array is None else _movable(array, "broadcast")
+        P = self.size
+        inline = max(0, self._small_bytes - P * CLAIM_BYTES - META_BYTES)
+        first = np.zeros(P * CLAIM_BYTES + META_BYTES + inline, np.uint8)
+        if a is not None:
+            first[me * CLAIM_BYTES:(me + 1) * CLAIM_BYTES] = np.frombuffer(
+                _claim(a.dtype, a.shape), np.uint8)
+        if me == root:
+            meta = pickle.dumps((a.dtype, a.shape), protocol=4)
+            if len(meta) + 8 > META_BYTES:
+                raise TypeError(f"shmtree: broadcast: the description of dtype {a.dtype} is too "
+                                f"long ({len(meta)} bytes; at most {META_BYTES - 8})")
+            body = P * CLAIM_BYTES
+            first[body:body + 8] = np.frombuffer(struct.pack("<II", len(meta), 1), np.uint8)
+            first[body + 8:body + 8 + len(meta)] = np.frombuffer(meta, np.uint8)
+            if a.nbytes <= inline:
+                first[body + META_BYTES:body + META_BYTES + a.nbytes] = _bytes_of(a)
+        kind = KIND_BROADCAST + KIND_ROOT_STEP * root
+        self._collective(kind, _BOR, _U1, first, first, first.shape, timeout)
+        body = P * CLAIM_BYTES
+        n = struct.unpack("<I", first[body:body + 4].tobytes())[0]
+        dtype, shape = pickle.loads(first[body + 8:body + 8 + n].tobytes())
+        want = _claim(dtype, shape)
+        wrong = [r for r in range(P)
+                 if first[r * CLAIM_BYTES] and first[r * CLAIM_BYTES:(r + 1) * CLAIM_BYTES]
+                 .tobytes() != want]
+        if wrong:
+            raise CollectiveMismatchError(
+                f"shmtree: ranks disagree on the collective call: broadcast(root={root}): the "
+                f"root passed shape {tuple(shape)} and dtype {dtype}; "
+                f"{'rank' if len(wrong) == 1 else 'ranks'} {','.join(map(str, wrong))} passed "
+                f"another shape or dtype")
+        result, copy_back = _out_for(out, shape, dtype, "broadcast")
+        nbytes = result.nbytes
+        view = _bytes_of(result) if nbytes else None
+        if nbytes <= inline:
+            if nbytes:
+                view[...] = first[body + META_BYTES:body + META_BYTES + nbytes]
+        else:
+            if me == root:
+                src = _bytes_of(a)
+            else:
+                view[...] = 0
+                src = view
+            self._collective(kind, _BOR, _U1, src, view, (nbytes,), timeout)
+        return _finish(result, copy_back)
+
+    # ---- reduce ----
+
+    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+        """The root gets what allreduce would give (a new array, or `out`); the other ranks get
+        None."""
+        root = _root(root, self.size)
+        kind = KIND_REDUCE + KIND_ROOT_STEP * root
+        if self.rank == root:
+            return self._reducing(array, op, out, timeout, kind)
+        self._reducing(array, op, None, timeout, kind)
+        return None
+
+    # ---- allgather ----
+
+    def allgather(self, array, *, axis=None, out=None, timeout=None):
+        """axis=None: the arrays stacked, shape (size, *array.shape), result[r] rank r's array;
+        axis=0: concatenated along axis 0 (the other dimensions agree, lengths may differ)."""
+        if axis is not None and axis != 0:
+            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
+        a = _movable(array, "allgather")
+        P, me = self.size, self.rank
+        if axis is None:
+            shape = (P,) + a.shape
+            lengths = None
+            block = a.nbytes
+            offsets = [r * block for r in range(P + 1)]
+            desc = a.shape + (a.dtype.itemsize, _dtype_digest(a.dtype))
+            kind = KIND_ALLGATHER
+        else:
+            if a.ndim == 0:
+                raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
+            lengths = self._lengths(a)
+            shape = (sum(lengths),) + a.shape[1:]
+            row = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+            offsets = np.concatenate([[0], np.cumsum([n * row for n in lengths])]).tolist()
+            desc = (shape[0],) + a.shape[1:] + (a.dtype.itemsize, _dtype_digest(a.dtype))
+            kind = KIND_ALLGATHER
+        result, copy_back = _out_for(out, shape, a.dtype, "allgather")
+        view = _bytes_of(result)
+        if view.size:
+            view[...] = 0
+            view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
+        self._collective(kind, _BOR, _U1, view, view, desc, timeout)
+        return _finish(result, copy_back)
+
+    def _lengths(self, a):
+        """allgather(axis=0): every rank's length along axis 0, after checking that the other
+        dimensions and the dtype agree (a mismatch raises on every rank)."""
+        P, me = self.size, self.rank
+        table = np.zeros((P, 2), np.uint64)
+        table[me] = (a.shape[0] + 1,
+                     int.from_bytes(_claim(a.dtype, a.shape[1:]), "little") | 1)
+        self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
+                         table.view(np.uint8).reshape(-1), (P, 2), None)
+        groups = {}
+        for r in range(P):
+            groups.setdefault(int(table[r, 1]), []).append(r)
+        if len(groups) > 1:
+            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}"
+                              for rs in groups.values())
+            raise CollectiveMismatchError(
+                "shmtree: ranks disagree on the collective call: allgather(axis=0): the dtype or "
+                f"the dimensions after the first differ between {parts}")
+        return [int(n) - 1 for n in table[:, 0]]
+
+    # ---- reduce_scatter ----
+
+    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+        """Rank r gets np.array_split(the full reduction, size, axis=0)[r]."""
+        a = array if isinstance(array, np.ndarray) else np.asarray(array)
+        if a.ndim == 0:
+            raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
+        n, P, me = a.shape[0], self.size, self.rank
+        lo = me * (n // P) + min(me, n % P)                 # np.array_split's blocks
+        hi = lo + n // P + (1 if me < n % P else 0)
+        shape = (hi - lo,) + a.shape[1:]
+        if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
+                                or out.dtype != a.dtype or not out.flags.writeable):
+            raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
+                             f"{shape} and dtype {a.dtype}")
+        full = self._reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)
+        if out is None:
+            return np.ascontiguousarray(full[lo:hi])
+        out[...] = full[lo:hi]
+        return out

@@ -1,0 +1,357 @@
+"""broadcast, reduce, allgather and reduce_scatter against numpy (docs/design.md, "Collectives").
+
+Every rank's input is rebuilt in the parent from (case, rank), so the expected values are computed
+here without receiving the inputs.  One shmtree.run carries many cases; every rank returns its
+results and the parent checks each against numpy (exact for moves, integers, bool, min/max and
+bitwise ops; within a tolerance for float and complex sum/prod, whose order is the schedule's).
+"""
+import pickle
+import zlib
+
+import numpy as np
+import pytest
+
+import shmtree
+from procutil import run_ok
+
+REDUCING = ["bool", "int8", "uint16", "int32", "uint64", "float16", "float32", "float64",
+            "complex64", "complex128"]
+SIZES = (0, 1, 7, 4099, 70001)           # 70001: a non-multiple of every chunk size used
+
+
+def ops_for(dtype):
+    kind = np.dtype(dtype).kind
+    if kind == "c":
+        return ("sum", "prod")
+    if kind == "f":
+        return ("sum", "prod", "min", "max")
+    return ("sum", "prod", "min", "max", "band", "bor", "bxor")
+
+
+UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+         "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
+def make(dtype, op, n, rank, seed=0):
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(zlib.crc32(repr((dt.str, op, n, rank, seed)).encode()))
+    if dt.kind == "b":
+        return rng.random(n) < 0.5
+    if dt.kind in "iu":
+        if op == "prod":
+            return rng.choice([1, 2, 3], size=n).astype(dt)
+        info = np.iinfo(dt)
+        native = dt.newbyteorder("=")
+        return rng.integers(info.min, info.max, size=n, dtype=native, endpoint=True).astype(dt)
+    if dt.kind == "f":
+        lo, hi = (0.5, 1.5) if op == "prod" else (-1.0, 1.0)
+        return rng.uniform(lo, hi, n).astype(dt)
+    if dt.kind == "c":
+        lo, hi = (0.5, 1.2) if op == "prod" else (-1.0, 1.0)
+        return (rng.uniform(lo, hi, n) + 1j * rng.uniform(lo, hi, n)).astype(dt)
+    if dt.kind in "SUV" or dt.fields is not None or dt.kind in "Mm":
+        raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
+        if dt.kind in "Mm":
+            raw = rng.integers(-10**9, 10**9, size=n).astype(np.int64).view(np.uint8)
+        return raw.view(dt) if n else np.empty(0, dt)
+    return rng.uniform(-1, 1, n).astype(dt)
+
+
+def reference(dtype, op, inputs):
+    dt = np.dtype(dtype)
+    stacked = np.stack(inputs)
+    if dt.kind == "b":
+        rule = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
+                "prod": np.logical_and, "min": np.logical_and, "band": np.logical_and,
+                "bxor": np.logical_xor}[op]
+        return rule.reduce(stacked, axis=0)
+    if dt == np.float16 and op in ("sum", "prod"):
+        return UFUNC[op].reduce(stacked.astype(np.float32), axis=0).astype(np.float16)
+    return UFUNC[op].reduce(stacked, axis=0, dtype=dt)
+
+
+def same_bytes(got, want):
+    """Moved data is exact; longdouble's padding bytes are whatever the producing process left
+    there, so it is compared by value."""
+    if got.dtype.kind == "f" and got.dtype.itemsize > 8:
+        return np.array_equal(got, want)
+    return got.tobytes() == want.tobytes()
+
+
+def check(got, want, dtype, op=None):
+    dt = np.dtype(dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape,
+                                                                  want.dtype, want.shape)
+    if op in ("sum", "prod") and dt.kind in "fc":
+        tol = {2: 2e-2, 4: 1e-4, 8: 1e-10, 16: 1e-10}[dt.itemsize if dt.kind == "f"
+                                                        else dt.itemsize // 2]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    else:
+        assert got.tobytes() == want.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# workers (module level: they pickle for spawn)
+
+
+def wire(a):
+    """An array as it travels back to the test: numpy's pickling of an array drops a
+    non-native byte order, so the dtype, shape and bytes travel separately."""
+    return None if a is None else (pickle.dumps(a.dtype), a.shape, a.tobytes())
+
+
+def unwire(w):
+    if w is None:
+        return None
+    dt, shape, raw = w
+    return np.frombuffer(raw, dtype=pickle.loads(dt)).reshape(shape) if raw else \
+        np.empty(shape, pickle.loads(dt))
+
+
+def bcast_worker(comm, cases):
+    out = []
+    for dtype, n, root, how in cases:
+        x = make(dtype, None, n, root)
+        if comm.rank == root:
+            arg = x
+        elif how == "none":
+            arg = None
+        else:
+            arg = np.zeros_like(x)
+        if how == "out":
+            buf = np.empty_like(x)
+            res = comm.broadcast(arg, root=root, out=buf)
+            assert res is buf
+        elif how == "inplace":
+            res = comm.broadcast(arg, root=root, out=arg) if arg is not None else None
+            if comm.rank != root:
+                assert res is arg
+        else:
+            res = comm.broadcast(arg, root=root)
+        out.append(wire(res))
+    return out
+
+
+def reduce_worker(comm, cases):
+    out = []
+    for dtype, op, n, root in cases:
+        x = make(dtype, op, n, comm.rank)
+        res = comm.reduce(x, op=op, root=root)
+        if comm.rank != root:
+            assert res is None
+        out.append(res)
+    return out
+
+
+def allgather_worker(comm, cases):
+    out = []
+    for dtype, n, axis in cases:
+        m = n + (comm.rank % 3 if axis == 0 else 0)          # uneven lengths along axis 0
+        x = make(dtype, None, m, comm.rank).reshape(-1) if m else np.empty(0, dtype)
+        out.append(wire(comm.allgather(x, axis=axis)))
+    return out
+
+
+def reduce_scatter_worker(comm, cases):
+    out = []
+    for dtype, op, n in cases:
+        out.append(comm.reduce_scatter(make(dtype, op, n, comm.rank), op=op))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# semantics
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_broadcast_every_root(P):
+    dtypes = ["uint8", "float64", "complex128", ">i4", "datetime64[ns]", "S5",
+              [("a", "<i2"), ("b", ">f8")], np.longdouble]
+    cases = [(dt, n, root, how) for root in range(P) for dt in dtypes for n in SIZES[:4]
+             for how in ("new",)]
+    cases += [("float32", n, root, how) for root in range(P) for n in (5, 70001)
+              for how in ("none", "out", "inplace")]
+    outs = run_ok(bcast_worker, P, args=(cases,), chunk_bytes=8192)
+    for i, (dtype, n, root, how) in enumerate(cases):
+        want = make(dtype, None, n, root)
+        for rank, res in enumerate(unwire(o[i]) for o in outs):
+            assert res.dtype == want.dtype and res.shape == want.shape, (dtype, n, root, how)
+            assert same_bytes(res, want), (dtype, n, root, how, rank)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_reduce_every_root_dtype_op(P):
+    cases = [(dt, op, n, root) for dt in REDUCING for op in ops_for(dt) for n in (0, 7, 70001)
+             for root in sorted({0, P - 1})]
+    outs = run_ok(reduce_worker, P, args=(cases,), chunk_bytes=8192)
+    for i, (dtype, op, n, root) in enumerate(cases):
+        want = reference(dtype, op, [make(dtype, op, n, r) for r in range(P)])
+        check(outs[root][i], want, dtype, op)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_allgather_stack_and_uneven_concat(P):
+    cases = [(dt, n, axis) for dt in ("uint8", "int64", "float16", "complex64", "S3", ">f8")
+             for n in SIZES[:4] for axis in (None, 0)]
+    outs = run_ok(allgather_worker, P, args=(cases,), chunk_bytes=8192)
+    for i, (dtype, n, axis) in enumerate(cases):
+        parts = []
+        for r in range(P):
+            m = n + (r % 3 if axis == 0 else 0)
+            parts.append(make(dtype, None, m, r) if m else np.empty(0, dtype))
+        # (numpy's stack/concatenate may hand back native byte order: the contract keeps it)
+        want = (np.stack(parts) if axis is None else np.concatenate(parts)).astype(parts[0].dtype)
+        for res in (unwire(o[i]) for o in outs):
+            assert res.dtype == want.dtype and res.shape == want.shape, (dtype, n, axis)
+            assert same_bytes(res, want), (dtype, n, axis)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_reduce_scatter_array_split_blocks(P):
+    cases = [(dt, op, n) for dt in ("int32", "float64", "bool", "float16") for op in ops_for(dt)
+             for n in (0, 1, 7, 4099, 70001)]
+    outs = run_ok(reduce_scatter_worker, P, args=(cases,), chunk_bytes=8192)
+    for i, (dtype, op, n) in enumerate(cases):
+        full = reference(dtype, op, [make(dtype, op, n, r) for r in range(P)])
+        for rank, o in enumerate(outs):
+            check(o[i], np.array_split(full, P)[rank], dtype, op)
+
+
+# ---------------------------------------------------------------------------------------------
+# every schedule, the module-level forms, spawn
+
+
+def mixed_worker(comm, n):
+    me, P = comm.rank, comm.size
+    x = np.arange(n, dtype=np.float64) + me
+    r = shmtree.reduce(x, op="max", root=1 % P)
+    return (shmtree.broadcast(x if me == P - 1 else None, root=P - 1).tolist(),
+            None if r is None else r.tolist(),
+            shmtree.allgather(np.full(2, me, np.int16)).tolist(),
+            shmtree.reduce_scatter(np.ones((n, 2), np.int32) * (me + 1)).tolist())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tree", ["chain", "binary", "flat", "ring", 3, "topology"])
+@pytest.mark.parametrize("n", [3, 50001])
+def test_every_schedule_and_module_level_forms(tree, n):
+    P = 4
+    outs = run_ok(mixed_worker, P, args=(n,), tree=tree, topology="2x2", chunk_bytes=4096)
+    total = P * (P + 1) // 2
+    for rank, (b, r, g, rs) in enumerate(outs):
+        assert b == (np.arange(n) + P - 1.0).tolist()
+        if rank == 1:
+            assert r == (np.arange(n) + P - 1.0).tolist()
+        assert g == [[q, q] for q in range(P)]
+        assert rs == (np.ones((n, 2), np.int32) * total)[np.array_split(np.arange(n), P)[rank]] \
+            .tolist()
+
+
+@pytest.mark.timeout(120)
+def test_spawned_workers():
+    outs = run_ok(mixed_worker, 3, args=(1001,), start_method="spawn")
+    assert all(o[2] == [[0, 0], [1, 1], [2, 2]] for o in outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# misuse: local errors first, mismatches on every rank, the group usable after
+
+
+def local_errors_worker(comm):
+    errs = []
+    for call in (lambda: comm.broadcast(np.ones(3), root=comm.size),
+                 lambda: comm.reduce(np.ones(3), root=-1),
+                 lambda: comm.broadcast(None, root=comm.rank),
+                 lambda: comm.allgather(np.array([object()])),
+                 lambda: comm.broadcast(np.array([object(), 1])),
+                 lambda: comm.reduce(np.ones(3, complex), op="max"),
+                 lambda: comm.reduce_scatter(np.float64(1.0)),
+                 lambda: comm.allgather(np.ones(2), axis=1),
+                 lambda: comm.reduce_scatter(np.ones(4), out=np.empty(17))):
+        try:
+            call()
+            errs.append(None)
+        except (TypeError, ValueError) as exc:
+            errs.append(type(exc).__name__)
+    ok = comm.allreduce(np.ones(2)).tolist()
+    return errs, ok
+
+
+@pytest.mark.timeout(60)
+def test_local_errors_before_any_communication():
+    for errs, ok in run_ok(local_errors_worker, 3):
+        assert errs == ["ValueError", "ValueError", "ValueError", "TypeError", "TypeError",
+                        "TypeError", "ValueError", "ValueError", "ValueError"]
+        assert ok == [3.0, 3.0]
+
+
+MISMATCHES = {
+    "root": lambda c: c.broadcast(np.ones(3), root=0 if c.rank != 1 else 1),
+    "bcast_shape": lambda c: c.broadcast(np.ones(3 if c.rank != 2 else 4), root=0),
+    "bcast_dtype": lambda c: c.broadcast(np.ones(3, "<f8" if c.rank != 2 else ">f8"), root=0),
+    "reduce_root": lambda c: c.reduce(np.ones(3), root=c.rank % 2),
+    "reduce_op": lambda c: c.reduce(np.ones(3), op="sum" if c.rank else "max"),
+    "reduce_dtype": lambda c: c.reduce(np.ones(3, np.float32 if c.rank else np.float64)),
+    "allgather_shape": lambda c: c.allgather(np.ones(2 if c.rank else 3)),
+    "allgather_dtype": lambda c: c.allgather(np.ones(2, "S8" if c.rank else "<f8")),
+    "allgather_axis0_rest": lambda c: c.allgather(np.ones((2, 3 if c.rank else 4)), axis=0),
+    "allgather_axis": lambda c: c.allgather(np.ones(2), axis=0 if c.rank else None),
+    "rs_shape": lambda c: c.reduce_scatter(np.ones(6 if c.rank else 7)),
+    "kind": lambda c: (c.broadcast(np.ones(3)) if c.rank else c.allreduce(np.ones(3))),
+    "kind2": lambda c: (c.reduce(np.ones(3)) if c.rank else c.reduce_scatter(np.ones(3))),
+}
+
+
+def mismatch_worker(comm, names):
+    out = []
+    for name in names:
+        try:
+            MISMATCHES[name](comm)
+            out.append((name, None, ""))
+        except shmtree.ShmtreeError as exc:
+            out.append((name, type(exc).__name__, str(exc)))
+        out.append(("after " + name, None, str(comm.allreduce(np.ones(1))[0])))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mismatch_of_every_kind_on_every_rank_then_usable():
+    outs = run_ok(mismatch_worker, 3, args=(list(MISMATCHES),), chunk_bytes=8192)
+    for rank, out in enumerate(outs):
+        for name, what, msg in out:
+            if name.startswith("after "):
+                assert msg == "3.0", (rank, name)
+                continue
+            assert what == "CollectiveMismatchError", (rank, name, what, msg)
+            assert "disagree" in msg, (rank, name, msg)
+
+
+def killed_mid_collective(comm, which):
+    import os
+    import signal
+    import time
+
+    calls = {"broadcast": lambda: comm.broadcast(np.ones(1 << 20) if comm.rank == 0 else None),
+             "reduce_scatter": lambda: comm.reduce_scatter(np.ones(1 << 20)),
+             "allgather": lambda: comm.allgather(np.ones(1 << 18))}
+    if comm.rank == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        calls[which]()
+    except shmtree.PeerLostError as exc:
+        return "PeerLostError", time.monotonic() - t0, str(exc)
+    return None, time.monotonic() - t0, ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["broadcast", "reduce_scatter", "allgather"])
+def test_dead_peer_mid_collective(which):
+    with pytest.raises(shmtree.WorkerError) as info:
+        shmtree.run(killed_mid_collective, 3, args=(which,))
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value), info.value
