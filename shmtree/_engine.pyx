@@ -55,6 +55,8 @@ include "engine/wait.pxi"
 include "engine/alg_tree.pxi"
 include "engine/alg_ring.pxi"
 include "engine/alg_inline.pxi"
+include "engine/alg_chain.pxi"
+include "engine/alg_blocks.pxi"
 
 import numpy as np
 from shmtree import _kernels
@@ -98,12 +100,17 @@ CORRUPT = RC_CORRUPT
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
 # or algorithm is a new engine/alg_*.pxi and an entry here.  Every call begins with ALG_INLINE on
 # channel 0; a message larger than small_bytes then runs on channel 1 with ALG_TREE or ALG_RING
-# (the channel's plan says which).  Only the allreduce row exists (a barrier is an allreduce of
-# nothing); broadcast (tree down), reduce (tree up), ring reduce-scatter / allgather will be rows.
+# (the channel's plan says which).  A barrier is an allreduce of nothing.  The other collectives
+# have ring-schedule algorithms (Engine.begin_coll; their channel-0 round is the allreduce's,
+# without data); on a tree channel the Python layer runs them on the allreduce.
 
 cdef enum:
     COLL_ALLREDUCE = 0
-    N_COLL = 1
+    COLL_BROADCAST = 1
+    COLL_REDUCE = 2
+    COLL_REDUCE_SCATTER = 3
+    COLL_ALLGATHER = 4
+    N_COLL = 5
 
 cdef enum:
     ALG_INLINE = 0
@@ -126,6 +133,14 @@ cdef void _register(int coll, int alg, alg_setup_fn setup, alg_ready_fn ready, a
 _register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
+for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
+    _register(_c, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
+_register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
+_register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
+_register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
+_register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
+BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER = (COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER,
+                                                 COLL_ALLGATHER)
 
 
 cdef int drive(Eng *e, const Alg *alg) noexcept nogil:
@@ -360,7 +375,7 @@ cdef class Engine:
     cdef int nchan
     cdef int busy
     # the message of the call in progress (begin): both phases read it
-    cdef object src_ref, dst_ref
+    cdef object src_ref, dst_ref, offs_ref
     cdef const char *src_p
     cdef char *dst_p
     cdef uint64_t msg_nbytes, small_bytes
@@ -519,23 +534,74 @@ cdef class Engine:
         """The seq of the call begun last (calls are numbered 0, 1, ... by the engine)."""
         return self.cur_seq
 
+    def begin_coll(self, int coll, src, dst, uint64_t nbytes, int itemsize, int op, int dtype,
+                   int kind, tuple shape, int root=0, offs=None):
+        """Begin a collective other than allreduce on its ring-schedule algorithm (channel 1
+        must run the ring schedule, with more than one rank): BROADCAST (src: the root's input,
+        dst: every rank's output, the root's already holding the data), REDUCE (src: input, dst:
+        the root's output, None elsewhere), REDUCE_SCATTER (src: the whole input, dst: this
+        rank's block), ALLGATHER (dst: the whole output, this rank's block already in place).
+        nbytes: the whole message; root: the root's ring position; offs: uint64 [lo, hi) of
+        each ring position's block (REDUCE_SCATTER, ALLGATHER).  The channel-0 round carries the
+        descriptor only.  Returns DONE when started, ABORTED if the group is already aborted."""
+        cdef Chan *c = &self.e.chans[1]
+        cdef cnp.ndarray o
+        if self.busy:
+            raise RuntimeError("shmtree: a call is already in progress on this engine")
+        if not (0 < coll < N_COLL) or self.nchan < 2 or not c.ring or c.parent < 0:
+            raise ValueError("shmtree: begin_coll needs a collective and a ring-schedule channel")
+        if not 0 <= root < self.e.nranks or nbytes == 0 or get_kernel(op, dtype) == NULL:
+            raise ValueError("shmtree: begin_coll: bad root, size, op or dtype")
+        if coll == COLL_REDUCE_SCATTER or coll == COLL_ALLGATHER:
+            o = offs
+            if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT64 or cnp.PyArray_SIZE(o) != 2 * self.e.nranks
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(o)):
+                raise ValueError("shmtree: begin_coll: offs must be 2P contiguous uint64")
+            self.e.call.offs = <const uint64_t *>cnp.PyArray_DATA(o)
+        if aborted(&self.e):
+            return RC_ABORTED
+        cdef int64_t dims[MAX_NDIM]
+        cdef int i, nd = len(shape)
+        if nd > MAX_NDIM:
+            raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
+        for i in range(nd):
+            dims[i] = shape[i]
+        self.offs_ref = offs
+        self.e.call.root = root
+        self.e.call.coll_kind = CHAIN_BCAST if coll == COLL_BROADCAST else CHAIN_REDUCE
+        self._begin_call(src, dst,
+                         NULL if src is None else <const char *>cnp.PyArray_DATA(src),
+                         NULL if dst is None else <char *>cnp.PyArray_DATA(dst), nbytes,
+                         itemsize, op, dtype, kind, nd, dims, 0, coll)
+        return RC_DONE
+
     cdef void _begin_c(self, src, dst, int itemsize, int op, int dtype, int kind,
                        int ndim, int64_t *dims, uint64_t small_bytes):
-        """Set up a call whose arguments are checked (see begin and quick): it takes the next
-        seq, and says so in the rank block (call) for peers that explain a stall."""
+        """Set up an allreduce whose arguments are checked (see begin and quick)."""
         cdef uint64_t nbytes = 0
+        cdef const char *src_p = NULL
+        cdef char *dst_p = NULL
+        if src is not None:
+            nbytes = cnp.PyArray_NBYTES(src)
+            if nbytes:
+                src_p = <const char *>cnp.PyArray_DATA(src)
+                dst_p = <char *>cnp.PyArray_DATA(dst)
+        self._begin_call(src, dst, src_p, dst_p, nbytes, itemsize, op, dtype, kind, ndim, dims,
+                         small_bytes, COLL_ALLREDUCE)
+
+    cdef void _begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
+                          int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
+                          uint64_t small_bytes, int coll):
+        """Set up a call: it takes the next seq, and says so in the rank block (call) for peers
+        that explain a stall.  An allreduce of at most small_bytes travels in the channel-0
+        round; everything else runs on channel 1 after it."""
         cdef uint64_t seq = self.next_seq
         self.next_seq = seq + 1
         self.cur_seq = seq
         self.owner = PyThread_get_thread_ident()
         shm_store_release64(&self.seg.block(self.e.rank).call, seq + 1)
-        self.src_p = NULL
-        self.dst_p = NULL
-        if src is not None:
-            nbytes = cnp.PyArray_NBYTES(src)
-            if nbytes:
-                self.src_p = <const char *>cnp.PyArray_DATA(src)
-                self.dst_p = <char *>cnp.PyArray_DATA(dst)
+        self.src_p = src_p
+        self.dst_p = dst_p
         self.src_ref = src
         self.dst_ref = dst
         self.msg_nbytes = nbytes
@@ -544,7 +610,7 @@ cdef class Engine:
         self.msg_op = op
         self.msg_dtype = dtype
         self.small_bytes = small_bytes
-        self.coll = COLL_ALLREDUCE        # every kind so far (a barrier is an allreduce of nothing)
+        self.coll = coll
         self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
         self.phase = 0
         if nbytes <= small_bytes:

@@ -27,7 +27,7 @@ import struct
 
 import numpy as np
 
-from . import _kernels
+from . import _engine, _kernels
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
 from .errors import CollectiveMismatchError
@@ -151,6 +151,11 @@ class Collectives:
         if nbytes <= inline:
             if nbytes:
                 view[...] = first[body + META_BYTES:body + META_BYTES + nbytes]
+        elif self._ring_schedule(nbytes):
+            if me == root and not np.shares_memory(result, a):
+                view[...] = _bytes_of(a)       # the chain starts from the root's output
+            self._collective(kind, _BOR, _U1, None, view, (nbytes,), timeout,
+                             coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
         else:
             if me == root:
                 src = _bytes_of(a)
@@ -167,10 +172,9 @@ class Collectives:
         None."""
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
-        if self.rank == root:
-            return self._reducing(array, op, out, timeout, kind)
-        self._reducing(array, op, None, timeout, kind)
-        return None
+        result = self._reducing(array, op, out if self.rank == root else None, timeout, kind,
+                                root=root)
+        return result if self.rank == root else None
 
     # ---- allgather ----
 
@@ -199,11 +203,22 @@ class Collectives:
             kind = KIND_ALLGATHER
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
         view = _bytes_of(result)
-        if view.size:
-            view[...] = 0
+        if self._ring_schedule(view.size):
             view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
-        self._collective(kind, _BOR, _U1, view, view, desc, timeout)
+            self._collective(kind, _BOR, _U1, None, view, desc, timeout,
+                             coll=(_engine.ALLGATHER, view.size, 0, self._by_position(offsets)))
+        else:
+            if view.size:
+                view[...] = 0
+                view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
+            self._collective(kind, _BOR, _U1, view, view, desc, timeout)
         return _finish(result, copy_back)
+
+    def _by_position(self, offsets):
+        """[lo, hi) of each ring position's block, from the ranks' byte offsets (rank r's block
+        is offsets[r] .. offsets[r+1])."""
+        order = self.group.plan.large_tree.ring
+        return np.array([x for r in order for x in (offsets[r], offsets[r + 1])], np.uint64)
 
     def _lengths(self, a):
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
@@ -240,8 +255,31 @@ class Collectives:
                                 or out.dtype != a.dtype or not out.flags.writeable):
             raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
                              f"{shape} and dtype {a.dtype}")
+        nbytes = a.nbytes
+        if self._ring_schedule(nbytes) and not isinstance(a, np.ma.MaskedArray):
+            return self._reduce_scatter_ring(a, op, out, timeout, n, shape)
         full = self._reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)
         if out is None:
             return np.ascontiguousarray(full[lo:hi])
         out[...] = full[lo:hi]
         return out
+
+    def _reduce_scatter_ring(self, a, op, out, timeout, n, shape):
+        """The ring schedule's first half: each rank ends with its own block reduced."""
+        from .communicator import _SUPPORTED, _OP_NAMES, _dtype_code, _op_code
+
+        opc, dtc = _op_code(op), _dtype_code(a.dtype)
+        if not _SUPPORTED[opc][dtc]:
+            raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
+        src = a if (a.flags.c_contiguous and a.flags.aligned) else np.ascontiguousarray(a)
+        row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        P = self.size
+        bounds = [r * (n // P) + min(r, n % P) for r in range(P + 1)]
+        offsets = [b * row for b in bounds]
+        result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
+        if np.shares_memory(result, src):
+            src = src.copy()
+        self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, timeout,
+                         coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
+                               self._by_position(offsets)))
+        return _finish(result, copy_back)

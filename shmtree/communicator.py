@@ -93,6 +93,10 @@ class Communicator(Collectives):
                                    if r >= 0})
         self._next_full_scan = 0.0
         self._stall = None                    # (seq, since): idle members seen since
+        # the ring schedule's order (the engine's other collectives run around it)
+        plan = group.plan
+        self._ring = plan.large_schedule == "ring" and plan.size > 1
+        self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -119,9 +123,11 @@ class Communicator(Collectives):
                 raise
         return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
 
-    def _reducing(self, array, op, out, timeout, kind):
-        """The general path of a reducing collective (allreduce and the ones built on it): local
-        checks, contiguous source and destination, then the call with descriptor kind `kind`."""
+    def _reducing(self, array, op, out, timeout, kind, root=None):
+        """The general path of a reducing collective (allreduce and reduce): local checks,
+        contiguous source and destination, then the call with descriptor kind `kind`.  With a
+        root (reduce) a large message runs the engine's pipelined chain to the root, and ranks
+        other than the root write nothing."""
         opc = _op_code(op)
         if isinstance(array, np.ma.MaskedArray) or isinstance(out, np.ma.MaskedArray):
             raise TypeError("shmtree: masked arrays are not supported (the mask would be "
@@ -137,10 +143,19 @@ class Communicator(Collectives):
         result, dst, copy_back = _destination(a, out)
         if src is not dst and _overlaps(src, dst):
             src = src.copy()                  # out overlaps the input without being it
+        if root is not None and self._ring_schedule(src.nbytes):
+            self._collective(kind, opc, dtc, src, dst if self.rank == root else None, a.shape,
+                             timeout, coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
+            return result if self.rank == root else None
         self._collective(kind, opc, dtc, src, dst, a.shape, timeout)
         if copy_back is not None:
             copy_back[...] = dst.reshape(copy_back.shape)
         return result
+
+    def _ring_schedule(self, nbytes) -> bool:
+        """Does a message of nbytes run on the ring schedule (channel 1 is the ring, and the
+        message does not travel inline)?  Then the engine's dedicated collectives serve it."""
+        return self._ring and nbytes > self._small_bytes
 
     def stats(self) -> dict:
         """Counters of this rank's engine since it joined: calls (collectives completed), yields
@@ -189,7 +204,9 @@ class Communicator(Collectives):
 
     # ---- one collective ----
 
-    def _collective(self, kind, opc, dtc, src, dst, shape, timeout):
+    def _collective(self, kind, opc, dtc, src, dst, shape, timeout, coll=None):
+        """One call of the engine: an allreduce of src into dst, or with coll = (collective,
+        nbytes, root position, block offsets) one of the engine's other collectives."""
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
         deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
@@ -199,7 +216,11 @@ class Communicator(Collectives):
         try:
             itemsize = src.itemsize if src is not None else 1
             try:
-                rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape, self._small_bytes)
+                if coll is None:
+                    rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape, self._small_bytes)
+                else:
+                    rc = eng.begin_coll(coll[0], src, dst, coll[1], itemsize, opc, dtc, kind,
+                                        tuple(shape), coll[2], coll[3])
             except RuntimeError as exc:      # another thread's fast path got in first
                 raise ShmtreeError(_CONCURRENT) from exc
             self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)

@@ -165,14 +165,15 @@ def reduce_scatter_worker(comm, cases):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 2, 3, 5])
-def test_broadcast_every_root(P):
+@pytest.mark.parametrize("tree", ["auto", "ring"])
+def test_broadcast_every_root(P, tree):
     dtypes = ["uint8", "float64", "complex128", ">i4", "datetime64[ns]", "S5",
               [("a", "<i2"), ("b", ">f8")], np.longdouble]
     cases = [(dt, n, root, how) for root in range(P) for dt in dtypes for n in SIZES[:4]
              for how in ("new",)]
     cases += [("float32", n, root, how) for root in range(P) for n in (5, 70001)
               for how in ("none", "out", "inplace")]
-    outs = run_ok(bcast_worker, P, args=(cases,), chunk_bytes=8192)
+    outs = run_ok(bcast_worker, P, args=(cases,), chunk_bytes=8192, tree=tree)
     for i, (dtype, n, root, how) in enumerate(cases):
         want = make(dtype, None, n, root)
         for rank, res in enumerate(unwire(o[i]) for o in outs):
@@ -182,10 +183,11 @@ def test_broadcast_every_root(P):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 2, 4])
-def test_reduce_every_root_dtype_op(P):
+@pytest.mark.parametrize("tree", ["auto", "ring"])
+def test_reduce_every_root_dtype_op(P, tree):
     cases = [(dt, op, n, root) for dt in REDUCING for op in ops_for(dt) for n in (0, 7, 70001)
              for root in sorted({0, P - 1})]
-    outs = run_ok(reduce_worker, P, args=(cases,), chunk_bytes=8192)
+    outs = run_ok(reduce_worker, P, args=(cases,), chunk_bytes=8192, tree=tree)
     for i, (dtype, op, n, root) in enumerate(cases):
         want = reference(dtype, op, [make(dtype, op, n, r) for r in range(P)])
         check(outs[root][i], want, dtype, op)
@@ -193,10 +195,11 @@ def test_reduce_every_root_dtype_op(P):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 3, 4])
-def test_allgather_stack_and_uneven_concat(P):
+@pytest.mark.parametrize("tree", ["auto", "ring"])
+def test_allgather_stack_and_uneven_concat(P, tree):
     cases = [(dt, n, axis) for dt in ("uint8", "int64", "float16", "complex64", "S3", ">f8")
              for n in SIZES[:4] for axis in (None, 0)]
-    outs = run_ok(allgather_worker, P, args=(cases,), chunk_bytes=8192)
+    outs = run_ok(allgather_worker, P, args=(cases,), chunk_bytes=8192, tree=tree)
     for i, (dtype, n, axis) in enumerate(cases):
         parts = []
         for r in range(P):
@@ -211,10 +214,11 @@ def test_allgather_stack_and_uneven_concat(P):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 2, 3, 5])
-def test_reduce_scatter_array_split_blocks(P):
+@pytest.mark.parametrize("tree", ["auto", "ring"])
+def test_reduce_scatter_array_split_blocks(P, tree):
     cases = [(dt, op, n) for dt in ("int32", "float64", "bool", "float16") for op in ops_for(dt)
              for n in (0, 1, 7, 4099, 70001)]
-    outs = run_ok(reduce_scatter_worker, P, args=(cases,), chunk_bytes=8192)
+    outs = run_ok(reduce_scatter_worker, P, args=(cases,), chunk_bytes=8192, tree=tree)
     for i, (dtype, op, n) in enumerate(cases):
         full = reference(dtype, op, [make(dtype, op, n, r) for r in range(P)])
         for rank, o in enumerate(outs):
@@ -303,6 +307,13 @@ MISMATCHES = {
     "rs_shape": lambda c: c.reduce_scatter(np.ones(6 if c.rank else 7)),
     "kind": lambda c: (c.broadcast(np.ones(3)) if c.rank else c.allreduce(np.ones(3))),
     "kind2": lambda c: (c.reduce(np.ones(3)) if c.rank else c.reduce_scatter(np.ones(3))),
+    # large: the engine's own ring algorithms (under tree="ring")
+    "large_bcast_root": lambda c: c.broadcast(np.ones(50001), root=c.rank % 2),
+    "large_reduce_root": lambda c: c.reduce(np.ones(50001), root=c.rank % 2),
+    "large_rs_shape": lambda c: c.reduce_scatter(np.ones(50001 + (c.rank == 2))),
+    "large_ag_shape": lambda c: c.allgather(np.ones(50001 + (c.rank == 2))),
+    "large_kind": lambda c: (c.reduce_scatter(np.ones(50001)) if c.rank else
+                             c.allreduce(np.ones(50001))),
 }
 
 
@@ -319,8 +330,9 @@ def mismatch_worker(comm, names):
 
 
 @pytest.mark.timeout(120)
-def test_mismatch_of_every_kind_on_every_rank_then_usable():
-    outs = run_ok(mismatch_worker, 3, args=(list(MISMATCHES),), chunk_bytes=8192)
+@pytest.mark.parametrize("tree", ["auto", "ring"])
+def test_mismatch_of_every_kind_on_every_rank_then_usable(tree):
+    outs = run_ok(mismatch_worker, 3, args=(list(MISMATCHES),), chunk_bytes=8192, tree=tree)
     for rank, out in enumerate(outs):
         for name, what, msg in out:
             if name.startswith("after "):

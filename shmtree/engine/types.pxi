@@ -126,6 +126,14 @@ cdef struct Call:
     int check_desc                # compare descriptors (the channel-0 round)
     int mismatch
     const void **srcs             # scratch: the operands of one fused reduction (nchild + 1)
+    int coll_kind                 # chain algorithms: CHAIN_BCAST or CHAIN_REDUCE
+    int root                      # rooted collectives: the root's ring position
+    const uint64_t *offs          # block algorithms: [lo, hi) of each ring position's block
+
+
+cdef enum:
+    CHAIN_BCAST = 1
+    CHAIN_REDUCE = 2
 
 
 cdef struct Eng:
