@@ -1,23 +1,19 @@
 """broadcast, reduce, allgather and reduce_scatter (docs/design.md, "Collectives").
 
 Each collective is parsed here (root, dtypes, shapes, out=, the byte layout of the message) and
-then runs as calls of the engine's allreduce with a descriptor of its own kind: the descriptor
-carries the collective's kind and root (kind + KIND_ROOT_STEP * root), so a rank that made a
-different collective, with another root, shape or dtype, makes every rank raise
-CollectiveMismatchError naming what differed, and the group stays usable.
+then runs as engine calls whose descriptor carries the collective's kind and root (kind +
+KIND_ROOT_STEP * root), so a rank that made a different collective, with another root, shape or
+dtype, makes every rank raise CollectiveMismatchError naming what differed, and the group stays
+usable.
 
-How each one moves its bytes today (docs/algorithms.md, "Collectives"):
-- broadcast: one round carries every rank's claim (a digest of the dtype and shape it passed, or
-  nothing for None), the root's dtype and shape, and the data itself when it fits; larger data
-  follows as a bitwise-or allreduce of bytes in which only the root's are nonzero.  Exact for
-  every dtype that holds no Python objects.
-- allgather: a bitwise-or allreduce of the P blocks laid end to end, each rank's block in place
-  and zeros elsewhere (axis=0 first exchanges the lengths).
-- reduce: the allreduce; ranks other than the root drop the result.
-- reduce_scatter: the allreduce; each rank keeps its np.array_split block.
-So every rank gets the same bits, and reductions follow the allreduce's order and numeric rule.
-Bytes moved are those of an allreduce of the message (about twice the minimum of a pipelined
-broadcast or a ring allgather); dedicated schedules are the next step.
+How each one moves its bytes (docs/algorithms.md, "Collectives beyond allreduce"): when the
+plan runs the ring schedule and the message does not travel inline, on the engine's own
+algorithms (Engine.begin_coll: a pipelined chain from or to the root, the ring schedule's
+reduce-scatter or allgather half); otherwise on the allreduce - broadcast and allgather as a
+bitwise-or of bytes in which each rank contributes only its part (exact for every dtype),
+reduce and reduce_scatter as the allreduce, keeping the root's result or the rank's block.
+Before any data, broadcast exchanges every rank's claim (a digest of what it passed) with the
+root's dtype and shape, and allgather(axis=0) the lengths.
 """
 from __future__ import annotations
 
