@@ -779,10 +779,11 @@ cdef class Engine:
         shm_store_release64(&self.seg.block(self.e.rank).call, 0)
 
     def stats(self):
-        """Counters of this rank's waiting since it joined: calls completed, sched_yield calls,
-        futex sleeps, and sleeps that ran out their time (nobody woke the rank)."""
+        """Counters of this rank since it joined: calls completed, sched_yield calls, futex
+        sleeps, sleeps that ran out their time (nobody woke the rank), and payload bytes sent
+        (published into rings for other ranks)."""
         return {"calls": self.ncalls, "yields": self.e.n_yields, "sleeps": self.e.n_sleeps,
-                "sleep_timeouts": self.e.n_timeouts}
+                "sleep_timeouts": self.e.n_timeouts, "bytes_sent": self.e.n_sent}
 
     @property
     def in_call(self):

@@ -367,3 +367,43 @@ def test_dead_peer_mid_collective(which):
     with pytest.raises(shmtree.WorkerError) as info:
         shmtree.run(killed_mid_collective, 3, args=(which,))
     assert info.value.rank == 1 and "SIGKILL" in str(info.value), info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes: the ring algorithms move what docs/algorithms.md says
+
+
+def bytes_worker(comm, n):
+    x = np.ones(n, np.float64)
+    out = {}
+    for name, call in (("allreduce", lambda: comm.allreduce(x)),
+                       ("broadcast", lambda: comm.broadcast(x if comm.rank == 1 else None, 1)),
+                       ("reduce", lambda: comm.reduce(x, root=2 % comm.size)),
+                       ("reduce_scatter", lambda: comm.reduce_scatter(x)),
+                       ("allgather", lambda: comm.allgather(x[:n // comm.size]))):
+        comm.barrier()
+        before = comm.stats()["bytes_sent"]
+        call()
+        out[name] = comm.stats()["bytes_sent"] - before
+    out["small_bytes"] = comm.group.plan.small_bytes
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_algorithms_send_the_minimum(P):
+    """Bytes each rank publishes into rings for a message of X bytes: the allreduce 2(P-1)/P X,
+    broadcast X (the chain's last rank 0), reduce X (the root 0), reduce_scatter and allgather
+    (P-1)/P X (plus the broadcast's first round: 8P + 2048 + inline bytes)."""
+    n = 60000 * P
+    X = n * 8
+    outs = run_ok(bytes_worker, P, args=(n,), tree="ring", chunk_bytes=16384)
+    order = list(range(P))                      # the chain's ring order on one node
+    for rank, got in enumerate(outs):
+        first = max(8 * P + 2048, got["small_bytes"])      # the broadcast's first round
+        assert got["allreduce"] == 2 * (P - 1) * X // P, got
+        last_of_bcast = order[(order.index(1) - 1) % P]
+        assert got["broadcast"] == first + (0 if rank == last_of_bcast else X), (rank, got)
+        assert got["reduce"] == (0 if rank == 2 % P else X), (rank, got)
+        assert got["reduce_scatter"] == (P - 1) * X // P, (rank, got)
+        assert got["allgather"] == (P - 1) * (n // P) * 8, (rank, got)   # (P-1)/P of the result

@@ -21,7 +21,7 @@ WAIT_KEYS = ("yields", "sleeps", "sleep_timeouts")
 
 
 def delta(before, after):
-    assert set(before) == set(after) == {"calls", *WAIT_KEYS}, (before, after)
+    assert set(before) == set(after) == {"calls", "bytes_sent", *WAIT_KEYS}, (before, after)
     return {k: after[k] - before[k] for k in after}
 
 
@@ -98,5 +98,5 @@ def closed_stats(comm):
 @pytest.mark.timeout(30)
 def test_stats_public_and_closed():
     ((keys, err),) = run_ok(closed_stats, 1)
-    assert keys == sorted(["calls", *WAIT_KEYS])
+    assert keys == sorted(["calls", "bytes_sent", *WAIT_KEYS])
     assert err is not None and "closed" in err

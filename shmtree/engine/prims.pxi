@@ -161,6 +161,8 @@ cdef inline int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_
             out(e, dst, target, n)                    # keep our own copy of a final result
     if mine != NULL:
         stamp(mine, k, sj)
+        if not k.mismatch:
+            e.n_sent += n
     for i in range(nin):                              # the received slots are consumed
         shm_store_release64(ring_tail(ins[i].ring, ins[i].tail), ins[i].base + rj + 1)
     if dst_ring != NULL:

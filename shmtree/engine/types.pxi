@@ -147,6 +147,7 @@ cdef struct Eng:
     int64_t slice_ns              # was not read yet: a call that finishes at once never reads it)
     bint nt                       # the call in progress writes its output with streaming stores
     uint64_t n_yields, n_sleeps, n_timeouts
+    uint64_t n_sent               # payload bytes this rank has published into rings
     Chan chans[2]
     Call call
 
