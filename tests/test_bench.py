@@ -473,6 +473,136 @@ def test_reproduce_quick(tmp_path):
     assert doc["exit_codes"]["allreduce"] == 0 and doc["sections"]["allreduce"]["rows"]
 
 
+# --- compare --collective ------------------------------------------------------------------
+
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+
+
+def _mpi_python():
+    """An interpreter with mpi4py for the MPI parts: $SHMTREE_TEST_MPI_PYTHON (e.g. the python of
+    a venv with numpy mpi4py mpich), else this one if it has mpi4py, else None (skip)."""
+    other = os.environ.get("SHMTREE_TEST_MPI_PYTHON")
+    if other:
+        return other
+    return sys.executable if importlib.util.find_spec("mpi4py") is not None else None
+
+
+@timeout
+def test_compare_collective_option_parses(capsys):
+    assert parse(["compare"]).collective == "allreduce"
+    for name in COLLECTIVES:
+        assert parse(["compare", "--collective", name]).collective == name
+    assert parse(["compare", "--collective=reduce_scatter"] + TINY).methods is None
+    for bad in (["compare", "--collective", "alltoall"], ["allreduce", "--collective", "reduce"]):
+        with pytest.raises(SystemExit) as stop:
+            parse(bad)
+        assert stop.value.code == 2
+    assert "invalid choice: 'alltoall'" in capsys.readouterr().err
+
+
+@timeout
+def test_collective_layouts_are_whole_buffers():
+    """A size is the whole buffer (nccl-tests): allgather's result, reduce_scatter's input, of P
+    equal blocks rounded down to whole items, at least one item each."""
+    from shmtree.bench.compare import methods_for
+    from shmtree.bench.measure import layout, whole_bytes
+    assert layout("allreduce", 4096, "float32", 4) == (1024, 1024)
+    assert layout("broadcast", 4096, "float32", 4) == layout("reduce", 4096, "float32", 4)
+    assert layout("allgather", 4096, "float32", 4) == (256, 1024)
+    assert layout("reduce_scatter", 4096, "float32", 4) == (1024, 256)
+    assert layout("allgather", 1 << 20, "float32", 3) == (87381, 262143)
+    assert layout("reduce_scatter", 8, "float64", 4) == (4, 1)      # one item per block at least
+    assert whole_bytes("allgather", 8, "float32", 4) == 16
+    with pytest.raises(ValueError, match="unknown collective"):
+        layout("alltoall", 8, "float32", 2)
+    assert methods_for("allreduce") == ("shmtree", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+    for name in COLLECTIVES[1:]:
+        assert methods_for(name) == ("shmtree", "copy", "mpi")
+    assert units.format_size(1048572) == "1048572 B" and units.format_size(1280) == "1.25 KiB"
+
+
+@timeout
+def test_collective_checks_catch_wrong_results():
+    from shmtree.bench.measure import check, layout
+    for name in COLLECTIVES:
+        n_in, n_out = layout(name, 64, "int32", 2)
+        bufs = Buffers(n_in, "int32", rank=1, out_count=n_out)
+        with pytest.raises(RuntimeError, match=f"wrong {name} result"):
+            check(name, "sum", 0 if name == "reduce" else 1, 2, bufs, "test")
+    bufs = Buffers(4, "int32", rank=0, out_count=8)       # allgather, P = 2, rank 0 (inputs = 1)
+    bufs.outputs[0][:] = [1, 1, 1, 1, 2, 2, 2, 2]
+    check("allgather", "sum", 0, 2, bufs, "test")
+    check("broadcast", "sum", 0, 2, bufs, "test")            # in place: rank 0's own 1s
+    check("reduce", "sum", 1, 2, Buffers(4, "int32", rank=1), "test")   # not the root: no result
+
+
+@timeout
+def test_compare_collective_refuses_allreduce_only_methods(capsys):
+    assert main(["compare", "--collective", "broadcast", "--methods", "shmtree,pipe"] + TINY) == 1
+    err = capsys.readouterr().err
+    assert "['pipe'] measure allreduce only" in err and "'shmtree', 'copy', 'mpi'" in err
+
+
+@timeout
+@pytest.mark.parametrize("collective", COLLECTIVES[1:])
+def test_compare_collective_copy_without_shmtree(tmp_path, collective):
+    """The standalone copy (no shmtree column) copies each size's whole buffer."""
+    doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "copy",
+                           "--sizes", "8,4K", "-n", "4", "--iters", "2"])
+    rows = {4: 16, 4096: 4096} if collective in ("allgather", "reduce_scatter") else \
+        {8: 8, 4096: 4096}
+    assert [r["size"] for r in doc["rows"]] == list(rows.values())
+    assert all(r["copy_us"] > 0 for r in doc["rows"]) and doc["collective"] == collective
+
+
+@needs_shmtree
+@timeout
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_compare_collective_runs_for_shmtree(tmp_path, capsys, collective):
+    doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree,copy"]
+                + TINY)
+    out = capsys.readouterr().out
+    title = collective + (" (root 0)" if collective in ("broadcast", "reduce") else "")
+    assert f" compare {title}: 2 processes, float32" in out.splitlines()[0]
+    assert ("float32 sum" in out.splitlines()[0]) == (collective not in ("broadcast",
+                                                                          "allgather"))
+    assert "shmtree (us)" in out and "shmtree/copy" in out
+    assert doc["collective"] == collective and doc["options"]["collective"] == collective
+    assert doc["methods"]["shmtree"] == {"label": "shmtree", "status": "ok",
+                                         "detail": f"comm.{collective}"}
+    assert [(r["size"], r["count"]) for r in doc["rows"]] == [(8, 2), (4096, 1024)]
+    for r in doc["rows"]:
+        assert r["shmtree_us"] > 0 and r["copy_us"] > 0 and r["shmtree_vs_copy"] > 0
+
+
+@needs_shmtree
+@timeout
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
+def test_compare_collective_uneven_and_fresh(tmp_path, collective):
+    """P = 3 does not divide 4 KiB: the rows say the bytes measured; --fresh rotates (P, block)
+    views too; int64 max."""
+    doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree",
+                           "--sizes", "4K", "-n", "3", "--iters", "2", "--fresh",
+                           "--dtype", "int64", "--op", "max"])
+    assert doc["rows"][0]["size"] == 4080 and doc["rows"][0]["count"] == 510
+    assert doc["rows"][0]["shmtree_us"] > 0
+
+
+@timeout
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_compare_collective_mpi(tmp_path, collective):
+    python = _mpi_python()
+    if python is None:
+        pytest.skip("mpi4py is not installed (set SHMTREE_TEST_MPI_PYTHON to a python with it)")
+    from shmtree.bench.mpi_worker import FUNCTIONS
+    doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "mpi",
+                           "--mpi-python", python] + TINY)
+    meta = doc["methods"]["mpi0"]
+    assert meta["status"] == "ok", meta
+    assert f"MPI_{FUNCTIONS[collective]};" in meta["detail"] and doc["collective"] == collective
+    assert all(r["mpi0_us"] > 0 for r in doc["rows"])
+
+
 @timeout
 def test_numa_matrix_with_two_nodes(monkeypatch):
     """A two-node matrix (here: each CPU as its own "node"), so multi-node code paths run."""

@@ -3,6 +3,8 @@
     shmtree-bench                      the default sweep (= shmtree-bench allreduce)
     shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
     shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
+    shmtree-bench compare --collective broadcast|reduce|allgather|reduce_scatter [...]
+                                       that collective: shmtree vs MPI and the copy
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
     shmtree-bench topology [...]       the plan a shmtree.Group with these options runs
     shmtree-bench --version            "shmtree-bench <shmtree's version>"
@@ -25,7 +27,7 @@ import threading
 
 from . import compare, machine, numa, plot, report, sweep
 from .harness import BenchError
-from .measure import TARGET_S, Plan
+from .measure import COLLECTIVES, MOVES_ONLY, TARGET_S, Plan
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology")
@@ -128,8 +130,14 @@ def build_parser():
     p.add_argument("--mpi-python", action="append", metavar="PATH",
                    help="an interpreter with mpi4py (repeatable: one MPI column each; "
                         "default: this interpreter)")
-    p.add_argument("--methods", default=",".join(compare.ALL_METHODS),
-                   help=f"comma-separated subset of {','.join(compare.ALL_METHODS)}")
+    p.add_argument("--methods",
+                   help=f"comma-separated subset of {','.join(compare.ALL_METHODS)} (default: "
+                        "all of them for allreduce; shmtree,copy,mpi for the other "
+                        "collectives, which numpy-shm, pipe and gloo do not measure)")
+    p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
+                   help="the collective to measure (default allreduce), root 0; a size is the "
+                        "whole buffer, as in nccl-tests: allgather's result, reduce_scatter's "
+                        "input, each of P blocks")
     p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
     _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
     _group_arguments(p)
@@ -255,11 +263,12 @@ def _usable():
     return len(os.sched_getaffinity(0))
 
 
-def _headline(what, nprocs, plan, options):
+def _headline(what, nprocs, plan, options, with_op=True):
     knobs = ", ".join(f"{k}={v}" for k, v in options.items()) or "default group options"
     buffers = "cache-cold buffers (--fresh)" if plan.fresh else "warm buffers"
-    return (f"# shmtree {machine.shmtree_version()} {what}: {nprocs} processes, {plan.dtype} "
-            f"{plan.op}, {knobs}, {buffers}\n# time = max over ranks of the median per call")
+    op = f" {plan.op}" if with_op else ""
+    return (f"# shmtree {machine.shmtree_version()} {what}: {nprocs} processes, {plan.dtype}"
+            f"{op}, {knobs}, {buffers}\n# time = max over ranks of the median per call")
 
 
 def _shmtree_failure(exc):
@@ -306,34 +315,58 @@ def cmd_allreduce(args):
     return 0
 
 
+COMPARE_TITLES = {"allreduce": "allreduce", "broadcast": "broadcast (root 0)",
+                  "reduce": "reduce (root 0)", "allgather": "allgather",
+                  "reduce_scatter": "reduce_scatter"}
+WHOLE_BUFFER = {
+    "allgather": "# size = the whole gathered result (P blocks of size/P), as in nccl-tests",
+    "reduce_scatter": "# size = the whole input (P blocks of size/P) each rank reduces, as in "
+                      "nccl-tests",
+}
+
+
 def cmd_compare(args):
     nprocs = args.nprocs or 2
     plan, options = _plan(args, nprocs), _options(args)
-    methods = [m.strip().replace("-", "_") for m in args.methods.split(",") if m.strip()]
+    collective = args.collective
+    given = args.methods if args.methods is not None else \
+        ",".join(compare.methods_for(collective))
+    methods = [m.strip().replace("-", "_") for m in given.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(compare.ALL_METHODS))
     if unknown:
         raise BenchError(f"unknown --methods {unknown}: choose from {compare.ALL_METHODS}")
+    refused = sorted(set(methods) - set(compare.methods_for(collective)))
+    if refused:
+        raise BenchError(f"--methods {refused} measure allreduce only; for --collective "
+                         f"{collective} choose from {compare.methods_for(collective)}")
     pythons = args.mpi_python or [sys.executable]
     columns, copy = compare.run_all(args.sizes, nprocs, plan, options, methods, pythons,
-                                    _progress(args))
-    rows = compare.rows(args.sizes, plan.dtype, columns, copy)
-    print(_headline("compare", nprocs, plan, options))
+                                    _progress(args), collective)
+    rows = compare.rows(args.sizes, plan.dtype, columns, copy, collective, nprocs)
+    title = COMPARE_TITLES[collective]
+    print(_headline(f"compare {title}", nprocs, plan, options,
+                    with_op=collective not in MOVES_ONLY))
+    if collective in WHOLE_BUFFER:
+        print(WHOLE_BUFFER[collective])
     print("# cells: time per call in us (x = that method's time / shmtree's)")
     print(compare.text_table(args.sizes, columns, copy, rows))
     for line in compare.problems(columns, copy):
         print(f"# {line}")
     doc = report.document(
         "compare", machine.describe(args.topology),
-        _settings(args, nprocs, plan, methods=methods, mpi_pythons=pythons),
-        {"size": "message bytes", "count": "elements", "<method>_us": "time per call",
-         "<method>_vs_shmtree": "that time / shmtree_us",
+        _settings(args, nprocs, plan, methods=methods, mpi_pythons=pythons,
+                  collective=collective),
+        {"size": "message bytes (the whole buffer)", "count": "elements",
+         "<method>_us": "time per call", "<method>_vs_shmtree": "that time / shmtree_us",
          "shmtree_vs_copy": "shmtree_us / copy_us"},
-        rows, methods={c.key: c.meta() for c in compare.everything(columns, copy)})
+        rows, collective=collective,
+        methods={c.key: c.meta() for c in compare.everything(columns, copy)})
     _write(args, doc, sorted({k for r in rows for k in r}, key=_column_order), rows)
     if args.plot:
         series = {c.label: [c.us(s) for s in args.sizes] for c in compare.everything(columns, copy)}
+        op = "" if collective in MOVES_ONLY else f" {plan.op}"
         plot.plot_compare(args.plot, [r["size"] for r in rows], series,
-                          f"allreduce, P={nprocs}, {plan.dtype} {plan.op}")
+                          f"{title}, P={nprocs}, {plan.dtype}{op}")
     shm = next((c for c in columns if c.key == "shmtree"), None)
     return 1 if shm is not None and shm.status != "ok" else 0
 

@@ -8,6 +8,14 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
 - ``gloo``: torch.distributed (``gloo.py``).
 
+``--collective`` (``run_all(..., collective=...)``) measures broadcast, reduce, allgather or
+reduce_scatter instead of allreduce: shmtree's call (``sweep.collective_call``) beside MPI's
+(``mpi_worker.FUNCTIONS``: Bcast, Reduce, Allgather, Reduce_scatter_block, root 0) and the copy
+of the whole buffer; numpy-shm, pipe and gloo are allreduce loops and are not offered for the
+others.  A size is the whole buffer, as in nccl-tests (``measure.layout``): allgather's result
+and reduce_scatter's input of P blocks, so the rows' ``size`` and ``count`` are those of that
+buffer, rounded down to P whole blocks.
+
 Every column's processes are pinned one per core when there are enough usable cores (shmtree's
 default; ``pin=None`` in the harness, for numpy-shm, pipe, gloo and a standalone copy;
 ``--bind-to core`` for MPI), and left unpinned otherwise.
@@ -23,9 +31,20 @@ import sys
 import numpy as np
 
 from . import baselines, copylimit, gloo, mpi, report, sweep
-from .units import count_for, format_size
+from .measure import COLLECTIVES, layout, whole_bytes
+from .mpi_worker import FUNCTIONS
+from .units import format_size
 
 ALL_METHODS = ("shmtree", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's allreduce
+
+
+def methods_for(collective):
+    """The methods that can measure `collective`, in display order."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}")
+    return tuple(m for m in ALL_METHODS
+                 if collective == "allreduce" or m not in ALLREDUCE_ONLY)
 LABELS = {"shmtree": "shmtree", "copy": "copy", "numpy_shm": "numpy-shm", "pipe": "pipe",
           "gloo": "gloo"}
 
@@ -55,19 +74,30 @@ def _guarded(key, label, run):
         return Column(key, label, status=f"error: {type(exc).__name__}: {exc}")
 
 
-def run_shmtree(sizes, nprocs, plan, options):
+def run_shmtree(sizes, nprocs, plan, options, collective="allreduce"):
     """(shmtree column, copy column) from one shmtree.run."""
     try:
-        measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=True)
+        measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=True,
+                                   collective=collective)
     except Exception as exc:
         status = f"error: {type(exc).__name__}: {exc}"
         return Column("shmtree", "shmtree", status=status), None
-    return (Column("shmtree", "shmtree", {s: m["allreduce"] for s, m in measured.items()}),
+    return (Column("shmtree", "shmtree", {s: m[collective] for s, m in measured.items()},
+                   detail=f"comm.{collective}"),
             Column("copy", "copy", {s: m["copy"] for s, m in measured.items()},
                    detail="measured in the shmtree workers"))
 
 
-def run_mpi_columns(sizes, nprocs, plan, pythons):
+def run_copy(sizes, nprocs, plan, collective="allreduce"):
+    """{size: summary} of the standalone concurrent copy of each size's whole buffer."""
+    if collective == "allreduce":
+        return copylimit.run_copy(sizes, nprocs, plan)
+    whole = {s: whole_bytes(collective, s, plan.dtype, nprocs) for s in sizes}
+    times = copylimit.run_copy(sorted(set(whole.values())), nprocs, plan)
+    return {s: times[whole[s]] for s in sizes}
+
+
+def run_mpi_columns(sizes, nprocs, plan, pythons, collective="allreduce"):
     columns = []
     for k, python in enumerate(pythons):
         reason, hint = mpi.probe(python)
@@ -75,13 +105,14 @@ def run_mpi_columns(sizes, nprocs, plan, pythons):
             columns.append(Column(f"mpi{k}", _mpi_label(python), status=reason, hint=hint))
             continue
         try:
-            library, times = mpi.run_mpi(python, sizes, nprocs, plan)
+            library, times = mpi.run_mpi(python, sizes, nprocs, plan, collective=collective)
         except Exception as exc:
             columns.append(Column(f"mpi{k}", _mpi_label(python),
                                   status=f"error: {type(exc).__name__}: {exc}"))
             continue
         label = mpi.short_name(library)
-        columns.append(Column(f"mpi{k}", label, times, detail=f"{library}; python {python}"))
+        columns.append(Column(f"mpi{k}", label, times,
+                              detail=f"{library}; MPI_{FUNCTIONS[collective]}; python {python}"))
     return _unique_labels(columns)
 
 
@@ -98,18 +129,22 @@ def _unique_labels(columns):
     return columns
 
 
-def run_all(sizes, nprocs, plan, options, methods, pythons, progress):
+def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective="allreduce"):
     """Every requested method's column, in display order."""
+    refused = sorted(set(methods) - set(methods_for(collective)))
+    if refused:
+        raise ValueError(f"methods {refused} measure allreduce only, not {collective}")
     columns, copy = [], None
     steps = [m for m in ALL_METHODS if m in methods]
-    bar = report.Progress(len(steps), "compare", progress)
+    bar = report.Progress(len(steps), f"compare {collective}", progress)
     for method in steps:
         bar.step(sizes[-1], LABELS.get(method, method))
         if method == "shmtree":
-            shm, copy = run_shmtree(sizes, nprocs, plan, options)
+            shm, copy = run_shmtree(sizes, nprocs, plan, options, collective)
             columns.append(shm)
         elif method == "copy":
-            copy = copy or _guarded("copy", "copy", lambda: copylimit.run_copy(sizes, nprocs, plan))
+            copy = copy or _guarded("copy", "copy",
+                                    lambda: run_copy(sizes, nprocs, plan, collective))
         elif method == "numpy_shm":
             columns.append(_guarded("numpy_shm", "numpy-shm",
                                     lambda: baselines.run_numpy_shm(sizes, nprocs, plan)))
@@ -117,23 +152,24 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress):
             columns.append(_guarded("pipe", "pipe",
                                     lambda: baselines.run_pipe(sizes, nprocs, plan)))
         elif method == "mpi":
-            columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons))
+            columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons, collective))
         elif method == "gloo":
             reason = gloo.missing()
             columns.append(Column("gloo", "gloo", status=reason, hint=gloo.HINT) if reason else
                            _guarded("gloo", "gloo", lambda: gloo.run_gloo(sizes, nprocs, plan)))
     bar.done()
     if "copy" in methods and copy is None:  # shmtree failed: measure the copy on its own
-        copy = _guarded("copy", "copy", lambda: copylimit.run_copy(sizes, nprocs, plan))
+        copy = _guarded("copy", "copy", lambda: run_copy(sizes, nprocs, plan, collective))
     return columns, copy
 
 
-def rows(sizes, dtype, columns, copy):
-    """Flat JSON/CSV rows: <key>_us for every column, <key>_vs_shmtree, shmtree_vs_copy."""
+def rows(sizes, dtype, columns, copy, collective="allreduce", nprocs=1):
+    """Flat JSON/CSV rows: <key>_us for every column, <key>_vs_shmtree, shmtree_vs_copy.
+    size and count are the whole buffer's (measure.layout)."""
     shm = next((c for c in columns if c.key == "shmtree" and c.status == "ok"), None)
     out = []
     for size in sizes:
-        count = count_for(size, dtype)
+        count = max(layout(collective, size, dtype, nprocs))
         r = {"size": count * np.dtype(dtype).itemsize, "count": count}
         for col in everything(columns, copy):
             r[f"{col.key}_us"] = col.us(size)

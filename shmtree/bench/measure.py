@@ -20,6 +20,12 @@ together: a shmtree communicator, the fork harness of the baselines, an MPI or g
 stay warm in cache; with ``fresh`` a rotation of input/output pairs carved from arenas bigger
 than the last-level cache, so that every call starts cache-cold.
 
+``COLLECTIVES``, ``layout`` and ``check`` say, for every collective that ``compare`` measures,
+how many items a rank's input and output hold for a message size and what the first call must
+have produced.  A size is the whole buffer, as nccl-tests counts it: the message of allreduce,
+broadcast and reduce; allgather's result and reduce_scatter's input, each P blocks of
+size / P bytes (rounded down to whole items, at least one item per block).
+
 This module imports only the standard library and numpy: ``mpi_worker.py`` loads it by path in
 another interpreter (another virtualenv) where shmtree itself may not be importable.
 """
@@ -90,15 +96,20 @@ def slowest(per_rank):
 
 
 class Buffers:
-    """Input/output arrays of `count` items for one rank, warm or rotating cache-cold."""
+    """Input arrays of `count` items and output arrays of `out_count` items (default: `count`)
+    for one rank, warm or rotating cache-cold.  Every input holds rank + 1."""
 
-    def __init__(self, count, dtype, rank, fresh=False, rotation_bytes=0):
+    def __init__(self, count, dtype, rank, fresh=False, rotation_bytes=0, out_count=None):
         dtype = np.dtype(dtype)
-        stride = _round_up(count * dtype.itemsize, PAGE) // dtype.itemsize
-        slots = max(2, math.ceil(rotation_bytes / (stride * dtype.itemsize))) if fresh else 1
-        self.inputs = _carve(np.full(slots * stride, rank + 1, dtype=dtype), stride, count)
-        self.outputs = _carve(np.zeros(slots * stride, dtype=dtype), stride, count)
-        self.count = count
+        out_count = count if out_count is None else out_count
+        strides = [_round_up(n * dtype.itemsize, PAGE) // dtype.itemsize
+                   for n in (count, out_count)]
+        slots = max(2, math.ceil(rotation_bytes / (max(strides) * dtype.itemsize))) \
+            if fresh else 1
+        self.inputs = _carve(np.full(slots * strides[0], rank + 1, dtype=dtype), strides[0],
+                             count)
+        self.outputs = _carve(np.zeros(slots * strides[1], dtype=dtype), strides[1], out_count)
+        self.count, self.out_count = count, out_count
 
     def __len__(self):
         return len(self.inputs)
@@ -123,12 +134,57 @@ def expected(op, dtype, size):
     return UFUNCS[op].reduce(contributions, dtype=dtype)
 
 
-def verify(result, op, size, what):
+def verify(result, op, size, what, collective="allreduce"):
     """Raise RuntimeError unless every element of result is the expected value."""
     want = expected(op, result.dtype, size)
     if not np.all(result == want):
         bad = result[result != want].ravel()[:3]
-        raise RuntimeError(f"{what}: wrong allreduce result: expected {want!r}, got {bad!r}")
+        raise RuntimeError(f"{what}: wrong {collective} result: expected {want!r}, got {bad!r}")
+
+
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+MOVES_ONLY = ("broadcast", "allgather")   # no op: they move bytes, they do not reduce
+
+
+def layout(collective, nbytes, dtype, nprocs):
+    """(input items, output items) of one rank for a message of `nbytes`, the whole buffer:
+    allgather gathers P blocks into its output, reduce_scatter reduces an input of P blocks; the
+    others have input and output of the message's size.  Broadcast runs in place (the input is
+    also the output on every rank), as MPI_Bcast does."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}: choose one of "
+                         f"{', '.join(COLLECTIVES)}")
+    count = max(1, nbytes // np.dtype(dtype).itemsize)
+    if collective in ("allgather", "reduce_scatter"):
+        block = max(1, count // nprocs)
+        return (block, block * nprocs) if collective == "allgather" else (block * nprocs, block)
+    return count, count
+
+
+def whole_bytes(collective, nbytes, dtype, nprocs):
+    """The bytes a size stands for once rounded to whole items (and blocks): the larger of a
+    rank's input and output."""
+    return max(layout(collective, nbytes, dtype, nprocs)) * np.dtype(dtype).itemsize
+
+
+def check(collective, op, rank, nprocs, bufs, what):
+    """Raise RuntimeError unless the first call on Buffers `bufs` (pair 0) produced what
+    `collective` must produce on this rank (rank r contributed r + 1 everywhere, root 0)."""
+    x, out = bufs.pair(0)
+    if collective in ("allreduce", "reduce_scatter") or (collective == "reduce" and rank == 0):
+        verify(out, op, nprocs, what, collective)
+    elif collective == "broadcast":
+        want = np.array(1).astype(x.dtype)     # the root's (rank 0's) value, in place
+        if not np.all(x == want):
+            raise RuntimeError(f"{what}: wrong broadcast result: expected {want!r}, "
+                               f"got {x[x != want].ravel()[:3]!r}")
+    elif collective == "allgather":
+        blocks = out.reshape(nprocs, -1)
+        for r in range(nprocs):
+            want = np.array(r + 1).astype(out.dtype)
+            if not np.all(blocks[r] == want):
+                raise RuntimeError(f"{what}: wrong allgather result: block {r} should hold "
+                                   f"{want!r}, got {blocks[r][blocks[r] != want][:3]!r}")
 
 
 class Plan:

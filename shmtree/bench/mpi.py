@@ -104,11 +104,12 @@ def probe(python):
     return None, None
 
 
-def worker_command(python, nprocs, sizes, plan):
+def worker_command(python, nprocs, sizes, plan, collective="allreduce"):
     bind = "core" if nprocs <= len(os.sched_getaffinity(0)) else "none"
     cmd = [find_mpiexec(python), "--bind-to", bind, "-n", str(nprocs), python, WORKER,
            "--sizes", ",".join(str(s) for s in sizes), "--dtype", plan.dtype, "--op", plan.op,
-           "--target-s", str(plan.target_s), "--rotation-bytes", str(plan.rotation_bytes)]
+           "--target-s", str(plan.target_s), "--rotation-bytes", str(plan.rotation_bytes),
+           "--collective", collective]
     if plan.iters is not None:
         cmd += ["--iters", str(plan.iters)]
     if plan.fresh:
@@ -116,13 +117,14 @@ def worker_command(python, nprocs, sizes, plan):
     return cmd
 
 
-def run_mpi(python, sizes, nprocs, plan, timeout=600):
-    """(library version string, {size: summary}) of mpi4py's Allreduce under `python`."""
+def run_mpi(python, sizes, nprocs, plan, timeout=600, collective="allreduce"):
+    """(library version string, {size: summary}) of mpi4py's Allreduce (or the MPI function of
+    `collective`, mpi_worker.FUNCTIONS) under `python`."""
     env = dict(os.environ, **OPEN_MPI_ENV, PYTHONUNBUFFERED="1")
     before = _shm_names()
-    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan), env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_mpiexec_setup)
+    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan, collective), env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=_mpiexec_setup)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

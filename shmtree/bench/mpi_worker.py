@@ -1,10 +1,13 @@
 """The MPI side of ``compare``: one rank of ``mpiexec -n P python mpi_worker.py ...``.
 
-Every rank builds the same buffers as shmtree's workers (``measure.Buffers``), checks one
-``MPI.COMM_WORLD.Allreduce(x, out, op)`` against the expected value, then times Allreduce with
-the protocol of ``measure.py``.  Rank 0 gathers the ranks' summaries and prints one line,
-``SHMTREE-BENCH-MPI {json}``, which ``mpi.py`` reads: the MPI library's own version string, the
-mpi4py version and one row per size.
+Every rank builds the same buffers as shmtree's workers (``measure.Buffers``, laid out by
+``measure.layout``), checks one call against the expected value (``measure.check``), then times
+it with the protocol of ``measure.py``.  The call is the one ``--collective`` names, root 0:
+``Allreduce(x, out, op)``, ``Bcast(x)`` in place, ``Reduce(x, out, op)``, ``Allgather(x, out)``
+or ``Reduce_scatter_block(x, out, op)`` (equal blocks, as ``measure.layout`` makes them).
+Rank 0 gathers the ranks' summaries and prints one line, ``SHMTREE-BENCH-MPI {json}``, which
+``mpi.py`` reads: the MPI library's own version string, the mpi4py version, the collective and
+its MPI function, and one row per size.
 
 It imports only the standard library, numpy, mpi4py and ``measure.py`` (loaded from this folder
 when run by path), so ``--mpi-python`` may point at another virtualenv's interpreter in which
@@ -46,21 +49,47 @@ def parse_args(argv):
     p.add_argument("--target-s", type=float, default=measure.TARGET_S)
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--rotation-bytes", type=int, default=0)
+    p.add_argument("--collective", default="allreduce", choices=measure.COLLECTIVES)
     return p.parse_args(argv)
+
+
+# the MPI function measured for each collective (mpi4py's buffer spelling)
+FUNCTIONS = {"allreduce": "Allreduce", "broadcast": "Bcast", "reduce": "Reduce",
+             "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block"}
+
+
+def mpi_call(comm, collective, op, bufs):
+    """call(i) making one MPI `collective` on pair i of `bufs`, root 0."""
+    if collective == "broadcast":
+        def call(i):
+            comm.Bcast(bufs.pair(i)[0], root=0)
+    elif collective == "reduce":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Reduce(x, out, op=op, root=0)
+    elif collective == "allgather":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Allgather(x, out)
+    elif collective == "reduce_scatter":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Reduce_scatter_block(x, out, op=op)
+    else:
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Allreduce(x, out, op=op)
+    return call
 
 
 def one_size(comm, mpi, size, args):
     dtype = np.dtype(args.dtype)
-    count = max(1, size // dtype.itemsize)
-    bufs = measure.Buffers(count, dtype, comm.rank, args.fresh, args.rotation_bytes)
+    n_in, n_out = measure.layout(args.collective, size, dtype, comm.size)
+    bufs = measure.Buffers(n_in, dtype, comm.rank, args.fresh, args.rotation_bytes, n_out)
     op = {"sum": mpi.SUM, "prod": mpi.PROD, "min": mpi.MIN, "max": mpi.MAX}[args.op]
-
-    def call(i):
-        x, out = bufs.pair(i)
-        comm.Allreduce(x, out, op=op)
-
+    call = mpi_call(comm, args.collective, op, bufs)
     call(0)
-    measure.verify(bufs.pair(0)[1], args.op, comm.size, "MPI")
+    measure.check(args.collective, args.op, comm.rank, comm.size, bufs, "MPI")
     return measure.measure(call, MpiSync(comm, mpi), args.iters, args.target_s)
 
 
@@ -77,7 +106,9 @@ def main(argv=None):
     if comm.rank == 0:
         library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         print(MARKER + json.dumps({"library": library, "mpi4py": mpi4py.__version__,
-                                   "nprocs": comm.size, "rows": rows}), flush=True)
+                                   "nprocs": comm.size, "collective": args.collective,
+                                   "function": FUNCTIONS[args.collective], "rows": rows}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""shmtree's own allreduce, measured inside ``shmtree.run`` workers.
+"""shmtree's own allreduce (or another collective, for ``compare``), measured inside
+``shmtree.run`` workers.
 
 One ``shmtree.run`` per sweep: the workers are the group's members, pinned and placed by shmtree
 as the group options say.  At each size every worker first measures the concurrent memory copy
@@ -10,12 +11,18 @@ busbw is comparable with the memory bandwidth a process sees), and the ratio to 
 
 ``comm.allreduce`` gets ``timeout=plan.timeout`` so that a hang in the library becomes an error
 (shmtree then stops every worker) instead of a bench that never returns.
+
+``run_sweep(..., collective=...)`` measures another collective the same way (``compare
+--collective``), on the buffers of ``measure.layout`` (a size is the whole buffer), root 0:
+``comm.broadcast(x, 0, out=x)`` in place on every rank (the root passes its array, the others
+None), ``comm.reduce(x, op, 0, out=y)``, ``comm.allgather(x, out=y)`` into a (P, block) view,
+``comm.reduce_scatter(x, op, out=y)``.  The copy beside it copies the whole buffer.
 """
 import numpy as np
 
 from . import report
 from .copylimit import copy_measurement
-from .measure import Buffers, measure, slowest, verify
+from .measure import Buffers, check, layout, measure, slowest, verify
 from .units import count_for
 
 GROUP_OPTIONS = ("topology", "tree", "chunk_bytes", "slots", "placement", "numa", "pin",
@@ -50,27 +57,79 @@ def allreduce_measurement(comm, size, plan, bufs):
     return measure(call, CommSync(comm), plan.iters, plan.target_s)
 
 
-def _worker(comm, sizes, plan, with_copy, show_progress):
-    progress = report.Progress(len(sizes), "allreduce", show_progress and comm.rank == 0)
+def collective_call(comm, collective, plan, bufs):
+    """call(i) making one shmtree `collective` on pair i of `bufs` (laid out by
+    measure.layout), root 0."""
+    op, timeout, P = plan.op, plan.timeout, comm.size
+    if collective == "broadcast":
+        def call(i):
+            x = bufs.pair(i)[0]
+            comm.broadcast(x if comm.rank == 0 else None, 0, out=x, timeout=timeout)
+    elif collective == "reduce":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.reduce(x, op, 0, out=out, timeout=timeout)
+    elif collective == "allgather":
+        gathered = [out.reshape(P, -1) for out in bufs.outputs]
+
+        def call(i):
+            x = bufs.pair(i)[0]
+            comm.allgather(x, out=gathered[i % len(gathered)], timeout=timeout)
+    elif collective == "reduce_scatter":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.reduce_scatter(x, op, out=out, timeout=timeout)
+    else:
+        raise ValueError(f"no shmtree call for collective {collective!r}")
+    return call
+
+
+def collective_measurement(comm, collective, plan, bufs):
+    """One collective other than allreduce: checked once, then timed (measure.py)."""
+    call = collective_call(comm, collective, plan, bufs)
+    call(0)
+    check(collective, plan.op, comm.rank, comm.size, bufs, "shmtree")
+    return measure(call, CommSync(comm), plan.iters, plan.target_s)
+
+
+def _worker(comm, sizes, plan, with_copy, show_progress, collective="allreduce"):
+    progress = report.Progress(len(sizes), collective, show_progress and comm.rank == 0)
     results = []
     for size in sizes:
         progress.step(size)
-        bufs = Buffers(count_for(size, plan.dtype), plan.dtype, comm.rank, plan.fresh,
-                       plan.rotation_bytes)
-        copy = copy_measurement(CommSync(comm), comm.rank, size, plan, bufs) if with_copy else None
-        results.append({"allreduce": allreduce_measurement(comm, size, plan, bufs), "copy": copy})
+        if collective == "allreduce":
+            bufs = Buffers(count_for(size, plan.dtype), plan.dtype, comm.rank, plan.fresh,
+                           plan.rotation_bytes)
+            copy = copy_measurement(CommSync(comm), comm.rank, size, plan, bufs) \
+                if with_copy else None
+            results.append({"allreduce": allreduce_measurement(comm, size, plan, bufs),
+                            "copy": copy})
+            continue
+        n_in, n_out = layout(collective, size, plan.dtype, comm.size)
+        bufs = Buffers(n_in, plan.dtype, comm.rank, plan.fresh, plan.rotation_bytes, n_out)
+        copy = None
+        if with_copy:   # the whole buffer, in the same processes
+            whole = Buffers(max(n_in, n_out), plan.dtype, comm.rank, plan.fresh,
+                            plan.rotation_bytes)
+            copy = copy_measurement(CommSync(comm), comm.rank, size, plan, whole)
+            del whole
+        results.append({collective: collective_measurement(comm, collective, plan, bufs),
+                        "copy": copy})
     progress.done()
     return results
 
 
-def run_sweep(sizes, nprocs, plan, options, with_copy=True, progress=False):
-    """{size: {"allreduce": summary, "copy": summary | None}} measured in shmtree workers."""
+def run_sweep(sizes, nprocs, plan, options, with_copy=True, progress=False,
+              collective="allreduce"):
+    """{size: {collective: summary, "copy": summary | None}} measured in shmtree workers
+    (the key is "allreduce" unless another collective is asked for)."""
     import shmtree
-    per_rank = shmtree.run(_worker, nprocs, args=(sizes, plan, with_copy, progress), **options)
+    per_rank = shmtree.run(_worker, nprocs,
+                           args=(sizes, plan, with_copy, progress, collective), **options)
     combined = {}
     for k, size in enumerate(sizes):
         copies = [r[k]["copy"] for r in per_rank]
-        combined[size] = {"allreduce": slowest([r[k]["allreduce"] for r in per_rank]),
+        combined[size] = {collective: slowest([r[k][collective] for r in per_rank]),
                           "copy": slowest(copies) if with_copy else None}
     return combined
 

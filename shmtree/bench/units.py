@@ -75,11 +75,17 @@ def parse_sizes(text):
 
 
 def format_size(nbytes):
-    """67108864 -> "64 MiB"; 1536 -> "1.5 KiB"; 8 -> "8 B"."""
+    """67108864 -> "64 MiB"; 1536 -> "1.5 KiB"; 8 -> "8 B".  A size that is not a multiple of
+    a thousandth of its unit is written in bytes: 1048572 (1 MiB rounded down to 3 blocks) ->
+    "1048572 B", never "1 MiB" nor "1.02e+03 KiB"."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+            if value == int(value):
+                return f"{value:.0f} {unit}"
+            if (value * 1000) == int(value * 1000):
+                return f"{value:.3f}".rstrip("0") + f" {unit}"
+            break
     return f"{nbytes} B"
 
 
