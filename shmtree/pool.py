@@ -148,14 +148,16 @@ class _Task:
 
 def _spmd_task(fn, args, kwargs):
     """One worker's part of Pool.run: a barrier first (a worker that took its task cannot take
-    another before every worker has one), then fn(comm, ...).  Returns (rank, ok, payload)."""
+    another before every worker has one), then fn(comm, ...).  Returns (rank, ok, payload); a
+    failure's payload ranks how likely it is the root cause: 0 the task's own exception, 1 a
+    shmtree error this rank found (a stall, a peer gone), 2 the group aborted elsewhere."""
     comm = communicator.current()
     try:
         comm.barrier()
         return comm.rank, True, _run_as_task(fn, (comm,) + tuple(args), kwargs)
     except BaseException as exc:
-        return comm.rank, False, (type(exc).__name__, str(exc), traceback.format_exc(),
-                                  isinstance(exc, PeerLostError))
+        cause = 2 if isinstance(exc, PeerLostError) else 1 if isinstance(exc, ShmtreeError) else 0
+        return comm.rank, False, (type(exc).__name__, str(exc), traceback.format_exc(), cause)
 
 
 # =============================================================================================
@@ -346,15 +348,15 @@ class Pool(_PoolInternals):
             if ok:
                 results[r] = payload
             else:
-                name, text, tb, lost = payload
-                failures.append((lost, r, f"{name}: {text}", tb))
-        roots = [f for f in failures if not f[0]]
+                name, text, tb, cause = payload
+                failures.append((cause, r, f"{name}: {text}", tb))
+        roots = sorted(f for f in failures if f[0] < 2)      # the task's own exceptions first
         if roots:
-            lost, r, text, tb = roots[0]
+            cause, r, text, tb = roots[0]
             raise WorkerError(r, text, tb)
         self._check_group()                  # every failure was a consequence: say its cause
         if failures:
-            lost, r, text, tb = failures[0]
+            cause, r, text, tb = failures[0]
             raise WorkerError(r, text, tb)
         return results
 

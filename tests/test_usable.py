@@ -384,6 +384,7 @@ def spmd(comm, scale, offset=0):
 def spmd_raises(comm):
     if comm.rank == 2:
         raise KeyError("rank two")
+    time.sleep(0.3)          # rank 2 has raised before the others wait for it (then they stall)
     return float(comm.allreduce(np.ones(1), timeout=60)[0])
 
 
