@@ -399,8 +399,8 @@ cdef class Engine:
         self.e.rank = rank
         self.e.nranks = seg.nranks
         self.nchan = len(channels)
-        if self.nchan < 1 or self.nchan > 2:
-            raise ValueError("shmtree: an engine has one or two channels")
+        if self.nchan < 1 or self.nchan > 3:
+            raise ValueError("shmtree: an engine has one to three channels")
         self.e.abort_word = &seg.hdr().abort_reason
         self.e.spin_ns = spin_ns
         self.e.yield_ns = yield_ns
@@ -495,7 +495,7 @@ cdef class Engine:
 
     def __dealloc__(self):
         cdef int i
-        for i in range(2):
+        for i in range(3):
             free(self.e.chans[i].children)
             free(self.e.chans[i].cup)
         free(self.e.call.srcs)
@@ -544,11 +544,11 @@ cdef class Engine:
         nbytes: the whole message; root: the root's ring position; offs: uint64 [lo, hi) of
         each ring position's block (REDUCE_SCATTER, ALLGATHER).  The channel-0 round carries the
         descriptor only.  Returns DONE when started, ABORTED if the group is already aborted."""
-        cdef Chan *c = &self.e.chans[1]
+        cdef int ch = self._ring_channel()
         cdef cnp.ndarray o
         if self.busy:
             raise RuntimeError("shmtree: a call is already in progress on this engine")
-        if not (0 < coll < N_COLL) or self.nchan < 2 or not c.ring or c.parent < 0:
+        if not (0 < coll < N_COLL) or ch < 0:
             raise ValueError("shmtree: begin_coll needs a collective and a ring-schedule channel")
         if not 0 <= root < self.e.nranks or nbytes == 0 or get_kernel(op, dtype) == NULL:
             raise ValueError("shmtree: begin_coll: bad root, size, op or dtype")
@@ -644,23 +644,39 @@ cdef class Engine:
             c.cup[i].base = shm_load_relaxed64(ring_tail(c.cup[i].ring, 0))
         _ALGS[self.coll][alg].setup(&self.e, c, k)
 
+    cdef int _ring_channel(self) noexcept nogil:
+        """The channel that runs the ring schedule with more than one rank: the bandwidth
+        channel, or the ring laid around it when it is a tree; -1 if there is none."""
+        cdef int ch
+        for ch in range(1, self.nchan):
+            if self.e.chans[ch].ring and self.e.chans[ch].parent >= 0:
+                return ch
+        return -1
+
+    cdef inline int _phase1(self, int *ch) noexcept nogil:
+        """Channel and algorithm of the call's phase 1: an allreduce runs on the bandwidth
+        channel (its tree or ring schedule), the other collectives on the ring channel."""
+        if self.coll == COLL_ALLREDUCE:
+            ch[0] = 1
+            return ALG_RING if self.e.chans[1].ring and self.e.chans[1].parent >= 0 else ALG_TREE
+        ch[0] = self._ring_channel()
+        return ALG_RING
+
     cdef inline const Alg *_alg(self) noexcept nogil:
         """The algorithm of the running phase."""
-        cdef Chan *c
+        cdef int ch
         if self.phase == 0:
             return &_ALGS[self.coll][ALG_INLINE]
-        c = &self.e.chans[1]
-        return &_ALGS[self.coll][ALG_RING if c.ring and c.parent >= 0 else ALG_TREE]
+        return &_ALGS[self.coll][self._phase1(&ch)]
 
     cdef int _run_call(self) noexcept nogil:
         """Run the phases of the call in progress (see begin)."""
         cdef int rc = drive(&self.e, self._alg())
-        cdef Chan *c
+        cdef int ch, alg
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
             self.phase = 1
-            c = &self.e.chans[1]
-            self._start_phase(1, ALG_RING if c.ring and c.parent >= 0 else ALG_TREE,
-                              self.src_p, self.dst_p, self.msg_nbytes)
+            alg = self._phase1(&ch)
+            self._start_phase(ch, alg, self.src_p, self.dst_p, self.msg_nbytes)
             rc = drive(&self.e, self._alg())
         return rc
 

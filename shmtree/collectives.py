@@ -17,6 +17,7 @@ root's dtype and shape, and allgather(axis=0) the lengths.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import struct
@@ -53,15 +54,28 @@ def _movable(a, what):
     return a
 
 
+@functools.lru_cache(maxsize=256)
 def _dtype_digest(dtype) -> int:
     """A 32-bit digest of a dtype, byte order and fields included."""
     return int.from_bytes(hashlib.sha256(pickle.dumps(np.dtype(dtype))).digest()[:4], "little")
 
 
+@functools.lru_cache(maxsize=256)
+def _meta(dtype, shape) -> bytes:
+    """The root's description of a broadcast: its dtype and shape, pickled."""
+    return pickle.dumps((dtype, shape), protocol=4)
+
+
+@functools.lru_cache(maxsize=256)
 def _claim(dtype, shape) -> bytes:
     """8 nonzero bytes naming (dtype, shape): what a rank passed."""
     h = hashlib.sha256(pickle.dumps((np.dtype(dtype), tuple(shape)))).digest()[:CLAIM_BYTES]
     return bytes(b | 1 for b in h[:1]) + h[1:]
+
+
+@functools.lru_cache(maxsize=256)
+def _unmeta(raw: bytes):
+    return pickle.loads(raw)
 
 
 def _bytes_of(a):
@@ -117,7 +131,7 @@ class Collectives:
             first[me * CLAIM_BYTES:(me + 1) * CLAIM_BYTES] = np.frombuffer(
                 _claim(a.dtype, a.shape), np.uint8)
         if me == root:
-            meta = pickle.dumps((a.dtype, a.shape), protocol=4)
+            meta = _meta(a.dtype, a.shape)
             if len(meta) + 8 > META_BYTES:
                 raise TypeError(f"shmtree: broadcast: the description of dtype {a.dtype} is too "
                                 f"long ({len(meta)} bytes; at most {META_BYTES - 8})")
@@ -130,7 +144,7 @@ class Collectives:
         self._collective(kind, _BOR, _U1, first, first, first.shape, timeout)
         body = P * CLAIM_BYTES
         n = struct.unpack("<I", first[body:body + 4].tobytes())[0]
-        dtype, shape = pickle.loads(first[body + 8:body + 8 + n].tobytes())
+        dtype, shape = _unmeta(first[body + 8:body + 8 + n].tobytes())
         want = _claim(dtype, shape)
         wrong = [r for r in range(P)
                  if first[r * CLAIM_BYTES] and first[r * CLAIM_BYTES:(r + 1) * CLAIM_BYTES]

@@ -83,7 +83,7 @@ class Communicator(Collectives):
         self._gen = _fork_gen                 # a forked child sees another generation
         self._lock = threading.Lock()
         self._closed = False
-        specs = [group.layout.engine_spec(ch, rank) for ch in range(2)]
+        specs = [group.layout.engine_spec(ch, rank) for ch in range(len(group.layout.channels))]
         self._seg = group._seg
         self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.plan.spin_ns,
                                       nt_bytes=group.plan.nt_bytes)
@@ -95,7 +95,7 @@ class Communicator(Collectives):
         self._stall = None                    # (seq, since): idle members seen since
         # the ring schedule's order (the engine's other collectives run around it)
         plan = group.plan
-        self._ring = plan.large_schedule == "ring" and plan.size > 1
+        self._ring = plan.size > 1          # the bandwidth channel or a third one is the ring
         self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
 
     def __reduce__(self):
@@ -153,8 +153,9 @@ class Communicator(Collectives):
         return result
 
     def _ring_schedule(self, nbytes) -> bool:
-        """Does a message of nbytes run on the ring schedule (channel 1 is the ring, and the
-        message does not travel inline)?  Then the engine's dedicated collectives serve it."""
+        """Do the engine's own algorithms serve a collective of nbytes (more than one rank, and
+        the message does not travel inline)?  They run around the ring of the bandwidth channel
+        or of the ring channel laid beside a tree."""
         return self._ring and nbytes > self._small_bytes
 
     def stats(self) -> dict:

@@ -75,10 +75,16 @@ class Group:
         """Take a plan: the layout of the segment follows from it."""
         self.plan = plan
         self.size = plan.size
-        self.layout = Layout(plan.size, [
-            ChannelPlan(plan.small_tree, SMALL_SLOTS, max(plan.small_bytes, 64)),
-            ChannelPlan(plan.large_tree, plan.slots, plan.chunk_bytes,
-                        ring=plan.large_schedule == "ring")])
+        channels = [ChannelPlan(plan.small_tree, SMALL_SLOTS, max(plan.small_bytes, 64)),
+                    ChannelPlan(plan.large_tree, plan.slots, plan.chunk_bytes,
+                                ring=plan.large_schedule == "ring")]
+        if plan.ring_channel:
+            # the bandwidth channel is a tree: broadcast, reduce, reduce_scatter and allgather
+            # run around its depth-first order on rings of their own (each tree edge is used
+            # once per direction by the ring)
+            channels.append(ChannelPlan(plan.large_tree, max(plan.slots, 2), plan.chunk_bytes,
+                                        ring=True))
+        self.layout = Layout(plan.size, channels)
         self.numa_errno = None
         self._comm = None               # weak reference to this process's member, once joined
         self._procs = {}                # psutil handles of the members, by (rank, pid)

@@ -78,6 +78,12 @@ class Plan:
     stall_timeout: Optional[float]    # seconds a Pool member may wait on idle members
 
     @property
+    def ring_channel(self) -> bool:
+        """Is a third channel laid, a ring around the bandwidth tree, for the collectives other
+        than allreduce?  (Under the ring schedule they share the bandwidth channel.)"""
+        return self.large_schedule != "ring" and self.size > 1
+
+    @property
     def small_slots(self) -> int:
         return SMALL_SLOTS
 
@@ -111,6 +117,9 @@ class Plan:
             f"larger messages: {big}, {_size(self.chunk_bytes)} chunks, {self.slots} slots per "
             f"ring, depth {self.large_tree.depth}:",
             _indent(self.large_tree.draw()),
+            "broadcast, reduce, reduce_scatter, allgather (larger messages): around "
+            f"{' -> '.join(map(str, self.large_tree.ring))}"
+            + (" (a ring channel of their own)" if self.ring_channel else ""),
             f"streaming stores from {_size(self.nt_bytes) if self.nt_bytes else 'never'}; "
             f"spin {self.spin_ns / 1000:g} us before yielding; pinned (rank:cpu): {pinned}",
         ]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shmtree
+import shmtree.plan
 from procutil import run_ok
 
 REDUCING = ["bool", "int8", "uint16", "int32", "uint64", "float16", "float32", "float64",
@@ -390,18 +391,24 @@ def bytes_worker(comm, n):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("tree", ["ring", "binary", "topology"])
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_ring_algorithms_send_the_minimum(P):
+def test_ring_algorithms_send_the_minimum(P, tree):
     """Bytes each rank publishes into rings for a message of X bytes: the allreduce 2(P-1)/P X,
     broadcast X (the chain's last rank 0), reduce X (the root 0), reduce_scatter and allgather
     (P-1)/P X (plus the broadcast's first round: 8P + 2048 + inline bytes)."""
     n = 60000 * P
     X = n * 8
-    outs = run_ok(bytes_worker, P, args=(n,), tree="ring", chunk_bytes=16384)
-    order = list(range(P))                      # the chain's ring order on one node
+    # under a tree the collectives other than allreduce run on a ring channel of their own
+    outs = run_ok(bytes_worker, P, args=(n,), tree=tree, topology="2x2", chunk_bytes=16384)
+    plan = shmtree.plan.plan_group(P, tree=tree, topology="2x2")
+    order = list(plan.large_tree.ring)
+    small = plan.small_tree             # the broadcast's first round goes up and down it
     for rank, got in enumerate(outs):
-        first = max(8 * P + 2048, got["small_bytes"])      # the broadcast's first round
-        assert got["allreduce"] == 2 * (P - 1) * X // P, got
+        first = max(8 * P + 2048, got["small_bytes"])      # the broadcast's first round ...
+        first *= (small.parent[rank] >= 0) + bool(small.children[rank])   # ... up and/or down
+        if tree == "ring":
+            assert got["allreduce"] == 2 * (P - 1) * X // P, got
         last_of_bcast = order[(order.index(1) - 1) % P]
         assert got["broadcast"] == first + (0 if rank == last_of_bcast else X), (rank, got)
         assert got["reduce"] == (0 if rank == 2 % P else X), (rank, got)

@@ -148,7 +148,8 @@ cdef struct Eng:
     bint nt                       # the call in progress writes its output with streaming stores
     uint64_t n_yields, n_sleeps, n_timeouts
     uint64_t n_sent               # payload bytes this rank has published into rings
-    Chan chans[2]
+    Chan chans[3]                 # latency, bandwidth, and (when the bandwidth channel is a
+                                  # tree) a ring around it for the other collectives
     Call call
 
 
