@@ -7,9 +7,9 @@ dtype, makes every rank raise CollectiveMismatchError naming what differed, and 
 usable.
 
 How each one moves its bytes (docs/algorithms.md, "Collectives beyond allreduce"): when the
-plan runs the ring schedule and the message does not travel inline, on the engine's own
-algorithms (Engine.begin_coll: a pipelined chain from or to the root, the ring schedule's
-reduce-scatter or allgather half); otherwise on the allreduce - broadcast and allgather as a
+message does not travel inline, on the engine's own algorithms around the ring order
+(Engine.begin_coll: a pipelined chain from or to the root, the ring schedule's reduce-scatter or
+allgather half); inline, on the allreduce - broadcast and allgather as a
 bitwise-or of bytes in which each rank contributes only its part (exact for every dtype),
 reduce and reduce_scatter as the allreduce, keeping the root's result or the rank's block.
 Before any data, broadcast exchanges every rank's claim (a digest of what it passed) with the
