@@ -1,0 +1,62 @@
+"""The planner as pure data (no processes): every option set and machine gives a valid plan that
+the Group runs, the digest names it, and the collectives always have a ring to run around."""
+import pickle
+
+import pytest
+
+import shmtree
+from shmtree.plan import plan_group
+from shmtree.topology import Topology
+
+MACHINES = ["2x4", "2x2x4", "1x8"] + Topology.fixtures()
+TREES = [None, "chain", "binary", "flat", "ring", "topology", 3]
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("tree", TREES)
+def test_every_plan_is_valid(machine, tree):
+    for P in [1, 2, 3, 5, 8, 13, 32, 64]:
+        for ncpus in (2, 64):
+            plan = plan_group(P, topology=machine, tree=tree, ncpus=ncpus)
+            for t in (plan.small_tree, plan.large_tree):
+                t.validate()
+                assert t.size == P and sorted(t.ring) == list(range(P))
+            assert plan.large_schedule in ("tree", "ring")
+            # the collectives other than allreduce run around the large tree's ring: on the
+            # bandwidth channel under the ring schedule, else on a ring channel of their own
+            assert plan.ring_channel == (plan.large_schedule == "tree" and P > 1)
+            if plan.large_schedule == "ring":
+                assert plan.slots >= 2
+            assert plan.oversubscribed == (P > ncpus)
+            assert plan.small_bytes == (64 * 1024 if P > ncpus else 4096)
+            assert pickle.loads(pickle.dumps(plan)).digest() == plan.digest()
+            assert f"group of {P} rank(s)" in plan.describe()
+
+
+def test_digest_tells_plans_apart():
+    seen = {}
+    for P in (2, 3, 4):
+        for tree in TREES:
+            for chunk in (4096, 65536):
+                d = plan_group(P, topology="2x2", tree=tree, chunk_bytes=chunk, ncpus=8).digest()
+                seen.setdefault(d, []).append((P, tree, chunk))
+    assert all(len(keys) == 1 for keys in seen.values()), seen     # every option set its own
+    assert plan_group(3, topology="2x2", ncpus=8).digest() == \
+        plan_group(3, topology="2x2", ncpus=8).digest()              # and the same one again
+
+
+@pytest.mark.timeout(30)
+def test_group_runs_its_plan():
+    with shmtree.Group(4, topology="2x2", tree="binary", chunk_bytes=8192) as g:
+        assert g.plan == plan_group(4, topology="2x2", tree="binary", chunk_bytes=8192)
+        assert len(g.layout.channels) == 3 and g.layout.channels[2].ring
+    with shmtree.Group(4, topology="2x2", tree="ring") as g:
+        assert len(g.layout.channels) == 2 and g.layout.channels[1].ring
+
+
+@pytest.mark.parametrize("bad", [dict(chunk_bytes=0), dict(slots=0), dict(placement="x"),
+                                 dict(numa="y"), dict(spin_us=-1), dict(stall_timeout=0),
+                                 dict(tree="nope")])
+def test_bad_options_refused(bad):
+    with pytest.raises(ValueError):
+        plan_group(2, **bad)
