@@ -410,7 +410,9 @@ def test_pool_takes_a_start_method_name():
 
 def returns_early(comm):
     if comm.rank == 1:
-        time.sleep(0.5)                  # the others are waiting by now
+        deadline = time.monotonic() + 20          # until the others wait in allreduce #1
+        while not all(comm._seg.call_of(r) == 1 for r in (0, 2)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return "bye"
     comm.allreduce(np.ones(4))
     comm.allreduce(np.ones(4))
