@@ -312,7 +312,7 @@ class Communicator(Collectives):
         if now - self._stall[1] < timeout:
             return
         self._fail(ABORT_STALL, ShmtreeError,
-                   f"shmtree.Pool: {self._call_name(seq)} cannot complete: "
+                   f"{self._call_name(seq)} cannot complete in the Pool: "
                    f"{self._waiting_text(seq)} waited in it for {now - self._stall[1]:.1f} s "
                    f"while {ranks_text(idle)} {'was' if len(idle) == 1 else 'were'} idle (no "
                    f"task, or finished their task without making it)"
