@@ -731,13 +731,15 @@ cdef class Engine:
             shm_store_release64(&me.call, 0)
         return rc
 
-    def quick(self, array, op, out, uint64_t small_bytes, int64_t slice_ns, timeout):
+    def quick(self, array, op, out, uint64_t small_bytes, int64_t slice_ns, timeout,
+              int kind=KIND_ALLREDUCE):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
         native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
         an ndarray of the same dtype and shape that is the input itself or does not overlap it.
         Begins the call and runs it for one time slice: slice_ns, or less when timeout (None or
-        seconds, a float or int >= 0) is shorter.  Returns (rc, result), or None when the general
-        path must handle the call (validation, copies, error messages)."""
+        seconds, a float or int >= 0) is shorter.  kind: the descriptor's (reduce and
+        reduce_scatter run small messages as this allreduce).  Returns (rc, result), or None
+        when the general path must handle the call (validation, copies, error messages)."""
         if self.busy or type(array) is not np.ndarray:
             return None
         cdef int64_t budget_ns = slice_ns
@@ -783,7 +785,7 @@ cdef class Engine:
                 return None
         if aborted(&self.e):
             return RC_ABORTED, res
-        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, KIND_ALLREDUCE, nd,
+        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd,
                       <int64_t *>cnp.PyArray_DIMS(a), small_bytes)
         return self._progress(budget_ns), res
 

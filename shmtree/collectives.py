@@ -28,6 +28,7 @@ from . import _engine, _kernels
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
 from .errors import CollectiveMismatchError
+from .ops import reduction_codes
 
 _U1 = _kernels.DTYPE_CODES["u1"]
 _BOR = _kernels.OP_CODES["bor"]
@@ -125,30 +126,28 @@ class Collectives:
             raise ValueError("shmtree: broadcast: the root must pass the array")
         a = None if array is None else _movable(array, "broadcast")
         P = self.size
-        inline = max(0, self._small_bytes - P * CLAIM_BYTES - META_BYTES)
-        first = np.zeros(P * CLAIM_BYTES + META_BYTES + inline, np.uint8)
+        body = P * CLAIM_BYTES                  # claims | meta (META_BYTES) | inline data
+        inline = max(0, self._small_bytes - body - META_BYTES)
+        buf = bytearray(body + META_BYTES + inline)       # (bytes ops: cheaper than numpy's)
         if a is not None:
-            first[me * CLAIM_BYTES:(me + 1) * CLAIM_BYTES] = np.frombuffer(
-                _claim(a.dtype, a.shape), np.uint8)
+            buf[me * CLAIM_BYTES:(me + 1) * CLAIM_BYTES] = _claim(a.dtype, a.shape)
         if me == root:
             meta = _meta(a.dtype, a.shape)
             if len(meta) + 8 > META_BYTES:
                 raise TypeError(f"shmtree: broadcast: the description of dtype {a.dtype} is too "
                                 f"long ({len(meta)} bytes; at most {META_BYTES - 8})")
-            body = P * CLAIM_BYTES
-            first[body:body + 8] = np.frombuffer(struct.pack("<II", len(meta), 1), np.uint8)
-            first[body + 8:body + 8 + len(meta)] = np.frombuffer(meta, np.uint8)
+            struct.pack_into("<II", buf, body, len(meta), 1)
+            buf[body + 8:body + 8 + len(meta)] = meta
             if a.nbytes <= inline:
-                first[body + META_BYTES:body + META_BYTES + a.nbytes] = _bytes_of(a)
+                buf[body + META_BYTES:body + META_BYTES + a.nbytes] = _bytes_of(a).data
+        first = np.frombuffer(buf, np.uint8)
         kind = KIND_BROADCAST + KIND_ROOT_STEP * root
         self._collective(kind, _BOR, _U1, first, first, first.shape, timeout)
-        body = P * CLAIM_BYTES
-        n = struct.unpack("<I", first[body:body + 4].tobytes())[0]
-        dtype, shape = _unmeta(first[body + 8:body + 8 + n].tobytes())
+        n = struct.unpack_from("<I", buf, body)[0]
+        dtype, shape = _unmeta(bytes(buf[body + 8:body + 8 + n]))
         want = _claim(dtype, shape)
-        wrong = [r for r in range(P)
-                 if first[r * CLAIM_BYTES] and first[r * CLAIM_BYTES:(r + 1) * CLAIM_BYTES]
-                 .tobytes() != want]
+        wrong = [r for r in range(P) if buf[r * CLAIM_BYTES]
+                 and buf[r * CLAIM_BYTES:(r + 1) * CLAIM_BYTES] != want]
         if wrong:
             raise CollectiveMismatchError(
                 f"shmtree: ranks disagree on the collective call: broadcast(root={root}): the "
@@ -182,8 +181,12 @@ class Collectives:
         None."""
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
-        result = self._reducing(array, op, out if self.rank == root else None, timeout, kind,
-                                root=root)
+        mine = out if self.rank == root else None
+        if type(array) is np.ndarray and array.nbytes <= self._small_bytes:
+            result = self._quick(array, op, mine, timeout, kind)     # inline: the allreduce
+            if result is not None:
+                return result if self.rank == root else None
+        result = self._reducing(array, op, mine, timeout, kind, root=root)
         return result if self.rank == root else None
 
     # ---- allgather ----
@@ -226,9 +229,16 @@ class Collectives:
 
     def _by_position(self, offsets):
         """[lo, hi) of each ring position's block, from the ranks' byte offsets (rank r's block
-        is offsets[r] .. offsets[r+1])."""
-        order = self.group.plan.large_tree.ring
-        return np.array([x for r in order for x in (offsets[r], offsets[r + 1])], np.uint64)
+        is offsets[r] .. offsets[r+1]); the same call shapes come back, so they are kept."""
+        offsets = tuple(offsets)
+        got = self._positions.get(offsets)
+        if got is None:
+            if len(self._positions) > 64:
+                self._positions.clear()
+            order = self.group.plan.large_tree.ring
+            got = self._positions[offsets] = np.array(
+                [x for r in order for x in (offsets[r], offsets[r + 1])], np.uint64)
+        return got
 
     def _lengths(self, a):
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
@@ -268,7 +278,10 @@ class Collectives:
         nbytes = a.nbytes
         if self._ring_schedule(nbytes) and not isinstance(a, np.ma.MaskedArray):
             return self._reduce_scatter_ring(a, op, out, timeout, n, shape)
-        full = self._reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)
+        full = self._quick(a, op, None, timeout, KIND_REDUCE_SCATTER) \
+            if type(a) is np.ndarray else None                     # inline: the allreduce
+        if full is None:
+            full = self._reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)
         if out is None:
             return np.ascontiguousarray(full[lo:hi])
         out[...] = full[lo:hi]
@@ -276,18 +289,13 @@ class Collectives:
 
     def _reduce_scatter_ring(self, a, op, out, timeout, n, shape):
         """The ring schedule's first half: each rank ends with its own block reduced."""
-        from .communicator import _SUPPORTED, _OP_NAMES, _dtype_code, _op_code
-
-        opc, dtc = _op_code(op), _dtype_code(a.dtype)
-        if not _SUPPORTED[opc][dtc]:
-            raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}")
+        opc, dtc = reduction_codes(op, a.dtype)
         src = a if (a.flags.c_contiguous and a.flags.aligned) else np.ascontiguousarray(a)
-        row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        row = src.nbytes // n                      # bytes per row (n > 0: the message is large)
         P = self.size
-        bounds = [r * (n // P) + min(r, n % P) for r in range(P + 1)]
-        offsets = [b * row for b in bounds]
+        offsets = tuple((r * (n // P) + min(r, n % P)) * row for r in range(P + 1))
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
-        if np.shares_memory(result, src):
+        if np.may_share_memory(result, src):
             src = src.copy()
         self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, timeout,
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,

@@ -35,6 +35,7 @@ from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_S
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .collectives import Collectives
 from .group import Group
+from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
 
 __all__ = ["Communicator", "current", "allreduce", "barrier", "rank", "size"]
 
@@ -43,29 +44,6 @@ SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
 RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
                             # the members waiting for it in a collective give up
-
-
-# the one op table: names and ufuncs -> kernel op codes
-_OPS = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}
-_OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
-_SUPPORTED = [[_kernels.supported(o, d) for d in range(len(_kernels.DTYPE_CODES))]
-              for o in range(len(_kernels.OP_CODES))]
-_DTYPES: dict = {}                          # dtype -> code, filled as dtypes are seen
-_DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
-
-
-def _dtype_code(dtype) -> int:
-    code = _DTYPES.get(dtype)
-    if code is None:
-        code = _DTYPES[dtype] = _kernels.dtype_code(dtype)     # TypeError if unsupported
-    return code
-
-
-def _op_code(op) -> int:
-    try:
-        return _OPS[op]
-    except (KeyError, TypeError):
-        return _kernels.op_code(op)                 # raises ValueError with the details
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +75,7 @@ class Communicator(Collectives):
         plan = group.plan
         self._ring = plan.size > 1          # the bandwidth channel or a third one is the ring
         self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
+        self._positions = {}                 # block offsets by ring position, per call shape
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -123,27 +102,40 @@ class Communicator(Collectives):
                 raise
         return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
 
+    def _quick(self, array, op, out, timeout, kind):
+        """allreduce's fast path for the collectives built on it (reduce, reduce_scatter): the
+        result, or None when the general path must take the call."""
+        eng = self._engine
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        t0 = 0.0 if timeout is None else time.monotonic()
+        try:
+            r = eng.quick(array, op, out, self._small_bytes, SLICE_NS, timeout, kind)
+            if r is None:
+                return None
+            if r[0] != _engine.DONE:
+                self._drive(eng.seq, None if timeout is None else t0 + timeout, r[0])
+            return r[1]
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
     def _reducing(self, array, op, out, timeout, kind, root=None):
         """The general path of a reducing collective (allreduce and reduce): local checks,
         contiguous source and destination, then the call with descriptor kind `kind`.  With a
         root (reduce) a large message runs the engine's pipelined chain to the root, and ranks
         other than the root write nothing."""
-        opc = _op_code(op)
         if isinstance(array, np.ma.MaskedArray) or isinstance(out, np.ma.MaskedArray):
             raise TypeError("shmtree: masked arrays are not supported (the mask would be "
                             "dropped); reduce array.filled(...) or the mask separately")
         a = array if type(array) is np.ndarray else np.asarray(array)
-        dtc = _dtype_code(a.dtype)
-        if not _SUPPORTED[opc][dtc]:
-            raise TypeError(f"shmtree: op {_OP_NAMES[opc]!r} is not defined for dtype {a.dtype}"
-                            + (" (complex numbers have no order)" if a.dtype.kind == "c" else
-                               " (bitwise ops need an integer or bool dtype)"))
+        opc, dtc = reduction_codes(op, a.dtype)
         flags = a.flags
         src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
         result, dst, copy_back = _destination(a, out)
         if src is not dst and _overlaps(src, dst):
             src = src.copy()                  # out overlaps the input without being it
-        if root is not None and self._ring_schedule(src.nbytes):
+        if root is not None and self._ring_schedule(src.nbytes):  # (else: the allreduce)
             self._collective(kind, opc, dtc, src, dst if self.rank == root else None, a.shape,
                              timeout, coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
             return result if self.rank == root else None
@@ -172,7 +164,7 @@ class Communicator(Collectives):
 
     def barrier(self, timeout=None):
         """Return once every rank has entered the barrier."""
-        self._collective(KIND_BARRIER, _OPS["max"], _kernels.DTYPE_CODES["u1"], None, None, (),
+        self._collective(KIND_BARRIER, OPS["max"], _kernels.DTYPE_CODES["u1"], None, None, (),
                          timeout)
 
     def close(self):
@@ -379,13 +371,13 @@ class Communicator(Collectives):
                 what = "a different call"
             elif base == KIND_BARRIER:
                 what = "barrier"
-            elif dtc == _U1 and opc == _OPS["bor"] and base not in _REDUCING_KINDS:
+            elif dtc == _U1 and opc == OPS["bor"] and base not in _REDUCING_KINDS:
                 what = _moved_text(kind, shape, nbytes)   # bytes moved: shape, item size, dtype
             else:
                 root = f"root={kind // KIND_ROOT_STEP}, " if base != KIND_ALLREDUCE and \
                     kind >= KIND_ROOT_STEP else ""
                 what = (f"{KIND_NAMES.get(base, 'collective')}({root}shape={shape}, "
-                        f"dtype={_dtype_name(dtc)}, op={_OP_NAMES.get(opc, opc)!r})")
+                        f"dtype={dtype_name(dtc)}, op={OP_NAMES.get(opc, opc)!r})")
             seen.setdefault(what, []).append(r)
         parts = "; ".join(f"{ranks_text(rs)}: {what}" for what, rs in seen.items())
         return f"shmtree: ranks disagree on the collective call: {parts}"
@@ -404,10 +396,6 @@ def _moved_text(kind, shape, nbytes):
         return (f"{name}(shape={tuple(shape[:-2])}, {shape[-2]}-byte items of dtype "
                 f"#{shape[-1]:08x})")
     return f"{name}({nbytes} bytes)"
-
-
-def _dtype_name(code):
-    return str(np.dtype(_DT_NAMES.get(code, "u1").replace("b1", "?")))
 
 
 def _timeout_s(timeout):

@@ -1,0 +1,42 @@
+"""The one table of ops and dtypes every collective uses, built from the kernels' own
+(shmtree._kernels: OP_CODES, UFUNC_CODES, DTYPE_CODES, supported): names and ufuncs to op codes,
+dtypes to dtype codes, and the check that a kernel exists for the pair."""
+import numpy as np
+
+from . import _kernels
+
+OPS = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}          # "sum", np.add, ... -> op code
+OP_NAMES = {v: k for k, v in _kernels.OP_CODES.items()}
+SUPPORTED = [[_kernels.supported(o, d) for d in range(len(_kernels.DTYPE_CODES))]
+             for o in range(len(_kernels.OP_CODES))]
+_DTYPES: dict = {}                          # dtype -> code, filled as dtypes are seen
+_DT_NAMES = {v: k for k, v in _kernels.DTYPE_CODES.items()}
+
+
+def dtype_code(dtype) -> int:
+    code = _DTYPES.get(dtype)
+    if code is None:
+        code = _DTYPES[dtype] = _kernels.dtype_code(dtype)     # TypeError if unsupported
+    return code
+
+
+def op_code(op) -> int:
+    try:
+        return OPS[op]
+    except (KeyError, TypeError):
+        return _kernels.op_code(op)                 # raises ValueError with the details
+
+
+def reduction_codes(op, dtype):
+    """(op code, dtype code) of a reduction, or the local error that explains why there is none:
+    ValueError for an unknown op, TypeError for a dtype or pair without a kernel."""
+    opc, dtc = op_code(op), dtype_code(dtype)
+    if not SUPPORTED[opc][dtc]:
+        raise TypeError(f"shmtree: op {OP_NAMES[opc]!r} is not defined for dtype {dtype}"
+                        + (" (complex numbers have no order)" if np.dtype(dtype).kind == "c"
+                           else " (bitwise ops need an integer or bool dtype)"))
+    return opc, dtc
+
+
+def dtype_name(code) -> str:
+    return str(np.dtype(_DT_NAMES.get(code, "u1").replace("b1", "?")))
