@@ -392,8 +392,9 @@ cdef class Engine:
 
     def __init__(self, Segment seg, int rank, list channels, int64_t spin_ns=20000,
                  int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0):
-        """channels: per channel a dict with parent, index, children, up, down, child_up,
-        parent_down (segment offsets, -1 for none), nslots, stride, payload."""
+        """channels: per channel a transport.ChannelSpec (parent, index, children, up, down,
+        child_up, parent_down: segment offsets, -1 for none; nslots, stride, payload; ring,
+        ring_pos)."""
         self.seg = seg
         self.e.base = seg.base
         self.e.rank = rank
@@ -409,7 +410,7 @@ cdef class Engine:
         maxchild = 0
         for i, spec in enumerate(channels):
             self._setup(&self.e.chans[i], spec)
-            maxchild = max(maxchild, len(spec["children"]))
+            maxchild = max(maxchild, len(spec.children))
         # the operands of one fused reduction: own input and every child's chunk (ring: 2)
         self.e.call.srcs = <const void **>calloc(maxchild + 2, sizeof(void *))
         if self.e.call.srcs == NULL:
@@ -453,17 +454,17 @@ cdef class Engine:
         r.ring = self._ptr(off, r.hdr + span)
         r.ntails = ntails
 
-    cdef _setup(self, Chan *c, dict spec):
+    cdef _setup(self, Chan *c, spec):
         cdef int i
-        cdef list children = list(spec["children"])
-        c.ring = 1 if spec.get("ring") else 0
-        c.ring_pos = spec.get("ring_pos", 0)
-        c.parent = spec["parent"]
-        c.index = spec["index"]
+        cdef list children = list(spec.children)
+        c.ring = 1 if spec.ring else 0
+        c.ring_pos = spec.ring_pos
+        c.parent = spec.parent
+        c.index = spec.index
         c.nchild = len(children)
-        c.nslots = spec["nslots"]
-        c.stride = spec["stride"]
-        c.payload = spec["payload"]
+        c.nslots = spec.nslots
+        c.stride = spec.stride
+        c.payload = spec.payload
         if c.nslots < 1 or c.stride < c.payload + sizeof(shm_slot_hdr):
             raise ValueError("shmtree: bad ring geometry")
         cdef uint64_t span = c.nslots * c.stride
@@ -473,15 +474,15 @@ cdef class Engine:
             raise MemoryError()
         for i in range(c.nchild):
             c.children[i] = children[i]
-        self._conn(&c.up, spec["up"], 1, span)
+        self._conn(&c.up, spec.up, 1, span)
         c.up.peers = &c.parent                    # the parent (ring: the successor) consumes it
-        self._conn(&c.down, spec["down"], c.nchild, span)
+        self._conn(&c.down, spec.down, c.nchild, span)
         c.down.peers = c.children
-        self._conn(&c.pdown, spec["parent_down"], spec["parent_nchild"], span)
+        self._conn(&c.pdown, spec.parent_down, spec.parent_nchild, span)
         c.pdown.tail = c.index
         c.pdown.peer = c.parent
         for i in range(c.nchild):
-            self._conn(&c.cup[i], spec["child_up"][i], 1, span)
+            self._conn(&c.cup[i], spec.child_up[i], 1, span)
             c.cup[i].tail = 0
             c.cup[i].peer = c.children[i]
         if c.ring:

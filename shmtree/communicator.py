@@ -67,7 +67,7 @@ class Communicator(Collectives):
                                       nt_bytes=group.plan.nt_bytes)
         self._small_bytes = group.plan.small_bytes
         # the ranks this one waits for (tree parent and children; ring predecessor, successor)
-        self._neighbours = sorted({r for spec in specs for r in [spec["parent"], *spec["children"]]
+        self._neighbours = sorted({r for spec in specs for r in [spec.parent, *spec.children]
                                    if r >= 0})
         self._next_full_scan = 0.0
         self._stall = None                    # (seq, since): idle members seen since

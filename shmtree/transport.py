@@ -94,62 +94,77 @@ class Layout:
             self.down.append(down)
         self.total = off
 
-    def engine_spec(self, ch: int, rank: int) -> dict:
+    def engine_spec(self, ch: int, rank: int) -> "ChannelSpec":
         """What rank needs to run channel ch: its neighbours and the offsets of their rings."""
         plan = self.channels[ch]
         if plan.ring:
             return self._ring_spec(plan, ch, rank)
         tree = plan.tree
         parent = tree.parent[rank]
-        children = list(tree.children[rank])
-        return {
-            "parent": parent,
-            "index": tree.children[parent].index(rank) if parent >= 0 else 0,
-            "parent_nchild": len(tree.children[parent]) if parent >= 0 else 0,
-            "children": children,
-            "up": self.up[ch][rank],
-            "down": self.down[ch][rank],
-            "child_up": [self.up[ch][c] for c in children],
-            "parent_down": self.down[ch][parent] if parent >= 0 else -1,
-            "nslots": plan.nslots,
-            "stride": plan.stride,
-            "payload": plan.payload,
-        }
+        children = tuple(tree.children[rank])
+        return ChannelSpec(
+            parent=parent,
+            index=tree.children[parent].index(rank) if parent >= 0 else 0,
+            parent_nchild=len(tree.children[parent]) if parent >= 0 else 0,
+            children=children,
+            up=self.up[ch][rank],
+            down=self.down[ch][rank],
+            child_up=tuple(self.up[ch][c] for c in children),
+            parent_down=self.down[ch][parent] if parent >= 0 else -1,
+            nslots=plan.nslots, stride=plan.stride, payload=plan.payload)
 
-    def _ring_spec(self, plan: ChannelPlan, ch: int, rank: int) -> dict:
-        """The ring schedule: rank sends to its successor in tree.ring and receives from its
+    def _ring_spec(self, plan: ChannelPlan, ch: int, rank: int) -> "ChannelSpec":
+        """The ring order: rank sends to its successor in tree.ring and receives from its
         predecessor.  In the engine's terms the successor is the 'parent' that consumes this
-        rank's up ring, and the predecessor the single 'child' whose up ring it consumes."""
+        rank's ring buffer, and the predecessor the single 'child' whose buffer it consumes."""
         order = list(plan.tree.ring)
         pos = order.index(rank)
         n = len(order)
         succ, pred = order[(pos + 1) % n], order[(pos - 1) % n]
         alone = n == 1
-        return {
-            "ring": True,
-            "ring_pos": pos,
-            "parent": -1 if alone else succ,
-            "index": 0,
-            "parent_nchild": 0 if alone else 1,
-            "children": [] if alone else [pred],
-            "up": self.up[ch][rank],
-            "down": -1,
-            "child_up": [] if alone else [self.up[ch][pred]],
-            "parent_down": -1,
-            "nslots": plan.nslots,
-            "stride": plan.stride,
-            "payload": plan.payload,
-        }
+        return ChannelSpec(
+            ring=True, ring_pos=pos,
+            parent=-1 if alone else succ,
+            index=0,
+            parent_nchild=0 if alone else 1,
+            children=() if alone else (pred,),
+            up=self.up[ch][rank],
+            down=-1,
+            child_up=() if alone else (self.up[ch][pred],),
+            parent_down=-1,
+            nslots=plan.nslots, stride=plan.stride, payload=plan.payload)
 
     def produced_rings(self, rank: int):
         """(offset, length, consumers) of each ring rank produces: it first-touches them at join,
         after pinning, so that their pages land where the NUMA policy says."""
         for ch, plan in enumerate(self.channels):
             spec = self.engine_spec(ch, rank)       # its parent consumes its up ring (ring: the
-            if spec["up"] >= 0:                     # successor), its children its result ring
-                yield spec["up"], plan.ring_bytes(1), [spec["parent"]]
-            if spec["down"] >= 0:
-                yield spec["down"], plan.ring_bytes(len(spec["children"])), spec["children"]
+            if spec.up >= 0:                        # successor), its children its result ring
+                yield spec.up, plan.ring_bytes(1), [spec.parent]
+            if spec.down >= 0:
+                yield spec.down, plan.ring_bytes(len(spec.children)), list(spec.children)
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """What one rank's engine needs of one channel (Layout.engine_spec): its neighbours and the
+    segment offsets of the rings it uses (-1: none).  parent / children are the tree's, or under
+    the ring order the successor / the predecessor; index is this rank's tail in the parent's
+    result ring; nslots, stride and payload the ring geometry."""
+
+    parent: int
+    index: int
+    parent_nchild: int
+    children: tuple
+    up: int                   # the ring this rank produces towards its parent
+    down: int                 # this rank's result ring, read by its children
+    child_up: tuple           # the children's up rings, consumed here
+    parent_down: int          # the parent's result ring, read here
+    nslots: int
+    stride: int
+    payload: int
+    ring: bool = False        # the ring order (one ring per rank, to its successor)
+    ring_pos: int = 0         # this rank's position in the ring order
 
 
 def available_memory() -> int:
