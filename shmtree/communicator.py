@@ -73,7 +73,7 @@ class Communicator(Collectives):
         self._stall = None                    # (seq, since): idle members seen since
         # the ring schedule's order (the engine's other collectives run around it)
         plan = group.plan
-        self._ring = plan.size > 1          # the bandwidth channel or a third one is the ring
+        self._plan = plan
         self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
         self._positions = {}                 # block offsets by ring position, per call shape
 
@@ -145,10 +145,10 @@ class Communicator(Collectives):
         return result
 
     def _ring_schedule(self, nbytes) -> bool:
-        """Do the engine's own algorithms serve a collective of nbytes (more than one rank, and
-        the message does not travel inline)?  They run around the ring of the bandwidth channel
-        or of the ring channel laid beside a tree."""
-        return self._ring and nbytes > self._small_bytes
+        """Do the engine's own algorithms (chain, blocks) serve a collective other than
+        allreduce of nbytes?  The plan says (Plan.algorithm): more than one rank, and the message
+        does not travel inline."""
+        return self._plan.algorithm("broadcast", nbytes) == "chain"
 
     def stats(self) -> dict:
         """Counters of this rank's engine since it joined: calls (collectives completed), yields

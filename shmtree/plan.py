@@ -50,6 +50,8 @@ DEFAULT_STALL_TIMEOUT = 10.0
 # "interleave": pages spread over the group's nodes; None: first touch by the producer.
 NUMA_POLICIES = ("auto", "consumer", "producer", "interleave", None)
 
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+
 OPTIONS = ("topology", "tree", "chunk_bytes", "pin", "slots", "placement", "numa", "small_bytes",
            "spin_us", "nt_bytes", "stall_timeout")
 
@@ -76,6 +78,22 @@ class Plan:
     node_of: Tuple[int, ...]          # the NUMA node of each rank's slot in the topology
     numa: Optional[str]               # the resolved policy ("consumer", ...) or None
     stall_timeout: Optional[float]    # seconds a Pool member may wait on idle members
+
+    def algorithm(self, collective: str, nbytes: int) -> str:
+        """Which algorithm runs `collective` ("allreduce", "broadcast", "reduce", "allgather",
+        "reduce_scatter") on a message of nbytes (the whole buffer): "copy" in a group of one,
+        "inline" (the latency round; the others run on the allreduce there), else the
+        allreduce's "tree" or "ring" schedule on the bandwidth channel, or "chain" (broadcast,
+        reduce) or "blocks" (reduce_scatter, allgather) around the ring order."""
+        if collective not in COLLECTIVES:
+            raise ValueError(f"shmtree: unknown collective {collective!r}; one of {COLLECTIVES}")
+        if self.size == 1:
+            return "copy"
+        if nbytes <= self.small_bytes:
+            return "inline"
+        if collective == "allreduce":
+            return self.large_schedule
+        return "chain" if collective in ("broadcast", "reduce") else "blocks"
 
     @property
     def ring_channel(self) -> bool:

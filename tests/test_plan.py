@@ -60,3 +60,22 @@ def test_group_runs_its_plan():
 def test_bad_options_refused(bad):
     with pytest.raises(ValueError):
         plan_group(2, **bad)
+
+
+def test_the_plan_names_each_collectives_algorithm():
+    for P in (1, 2, 5):
+        for tree in (None, "binary", "ring"):
+            plan = plan_group(P, topology="2x2", tree=tree, ncpus=8)
+            for coll in ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter"):
+                for nbytes in (0, 8, plan.small_bytes, plan.small_bytes + 1, 1 << 26):
+                    alg = plan.algorithm(coll, nbytes)
+                    if P == 1:
+                        assert alg == "copy"
+                    elif nbytes <= plan.small_bytes:
+                        assert alg == "inline"
+                    elif coll == "allreduce":
+                        assert alg == plan.large_schedule
+                    else:
+                        assert alg == ("chain" if coll in ("broadcast", "reduce") else "blocks")
+    with pytest.raises(ValueError, match="unknown collective"):
+        plan_group(2).algorithm("gather", 8)
