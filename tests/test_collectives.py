@@ -414,3 +414,37 @@ def test_ring_algorithms_send_the_minimum(P, tree):
         assert got["reduce"] == (0 if rank == 2 % P else X), (rank, got)
         assert got["reduce_scatter"] == (P - 1) * X // P, (rank, got)
         assert got["allgather"] == (P - 1) * (n // P) * 8, (rank, got)   # (P-1)/P of the result
+
+
+def killed_inside_ring_algorithm(comm, which):
+    import os
+    import signal
+    import threading
+    import time
+
+    n = 4 << 20                                      # 32 MiB of float64: many chunks
+    x = np.ones(n)
+    calls = {"broadcast": lambda: comm.broadcast(x, root=0),
+             "reduce": lambda: comm.reduce(x, root=0),
+             "reduce_scatter": lambda: comm.reduce_scatter(x),
+             "allgather": lambda: comm.allgather(x[: n // comm.size])}
+    comm.barrier()
+    if comm.rank == 1:                               # dies a few ms into the call
+        threading.Timer(0.004, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            calls[which]()
+    except shmtree.PeerLostError:
+        return "PeerLostError", time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["broadcast", "reduce", "reduce_scatter", "allgather"])
+def test_dead_peer_inside_a_ring_algorithm(which):
+    """SIGKILL of a rank while the others are inside one of the engine's own algorithms: the run
+    names the dead rank, and no one hangs."""
+    with pytest.raises(shmtree.WorkerError) as info:
+        shmtree.run(killed_inside_ring_algorithm, 3, args=(which,), tree="ring")
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value), info.value
