@@ -23,6 +23,7 @@ import pickle
 import struct
 
 import numpy as np
+from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
 from . import _engine, _kernels
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
@@ -46,7 +47,7 @@ def _root(root, size):
 def _movable(a, what):
     if not isinstance(a, np.ndarray):
         a = np.asarray(a)
-    if isinstance(a, np.ma.MaskedArray):
+    if isinstance(a, MaskedArray):
         raise TypeError(f"shmtree: {what}: masked arrays are not supported (the mask would be "
                         "dropped)")
     if a.dtype.hasobject:
@@ -276,7 +277,7 @@ class Collectives:
             raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
                              f"{shape} and dtype {a.dtype}")
         nbytes = a.nbytes
-        if self._ring_schedule(nbytes) and not isinstance(a, np.ma.MaskedArray):
+        if self._ring_schedule(nbytes) and not isinstance(a, MaskedArray):
             return self._reduce_scatter_ring(a, op, out, timeout, n, shape)
         full = self._quick(a, op, None, timeout, KIND_REDUCE_SCATTER) \
             if type(a) is np.ndarray else None                     # inline: the allreduce

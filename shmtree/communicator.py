@@ -26,6 +26,7 @@ import time
 import warnings
 
 import numpy as np
+from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
 from . import _engine, _kernels, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
@@ -125,7 +126,7 @@ class Communicator(Collectives):
         contiguous source and destination, then the call with descriptor kind `kind`.  With a
         root (reduce) a large message runs the engine's pipelined chain to the root, and ranks
         other than the root write nothing."""
-        if isinstance(array, np.ma.MaskedArray) or isinstance(out, np.ma.MaskedArray):
+        if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
             raise TypeError("shmtree: masked arrays are not supported (the mask would be "
                             "dropped); reduce array.filled(...) or the mask separately")
         a = array if type(array) is np.ndarray else np.asarray(array)
