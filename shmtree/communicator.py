@@ -87,25 +87,16 @@ class Communicator(Collectives):
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        eng = self._engine
-        if self._gen == _fork_gen and not (self._closed or self.group._closed):
-            # the fast path (engine.quick declines a call when another thread of this rank is
-            # inside one: that call then fails on the general path)
-            t0 = 0.0 if timeout is None else time.monotonic()
-            try:
-                r = eng.quick(array, op, out, self._small_bytes, SLICE_NS, timeout)
-                if r is not None:
-                    if r[0] != _engine.DONE:
-                        self._drive(eng.seq, None if timeout is None else t0 + timeout, r[0])
-                    return r[1]
-            except BaseException:
-                self._interrupted(eng)
-                raise
+        result = self._quick(array, op, out, timeout, KIND_ALLREDUCE)
+        if result is not None:
+            return result
         return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
 
     def _quick(self, array, op, out, timeout, kind):
-        """allreduce's fast path for the collectives built on it (reduce, reduce_scatter): the
-        result, or None when the general path must take the call."""
+        """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
+        of inline messages), with descriptor kind `kind`: the result, or None when the general
+        path must take the call (engine.quick also declines a call while another thread of this
+        rank is inside one: that call then fails on the general path)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
