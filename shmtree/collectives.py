@@ -201,11 +201,8 @@ class Collectives:
         P, me = self.size, self.rank
         if axis is None:
             shape = (P,) + a.shape
-            lengths = None
-            block = a.nbytes
-            offsets = [r * block for r in range(P + 1)]
-            desc = a.shape + (a.dtype.itemsize, _dtype_digest(a.dtype))
-            kind = KIND_ALLGATHER
+            offsets = [r * a.nbytes for r in range(P + 1)]
+            mine = a.shape                     # the descriptor: what this rank passed
         else:
             if a.ndim == 0:
                 raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
@@ -213,8 +210,9 @@ class Collectives:
             shape = (sum(lengths),) + a.shape[1:]
             row = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
             offsets = np.concatenate([[0], np.cumsum([n * row for n in lengths])]).tolist()
-            desc = (shape[0],) + a.shape[1:] + (a.dtype.itemsize, _dtype_digest(a.dtype))
-            kind = KIND_ALLGATHER
+            mine = shape                       # (the lengths are agreed on already)
+        desc = mine + (a.dtype.itemsize, _dtype_digest(a.dtype))
+        kind = KIND_ALLGATHER
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
         view = _bytes_of(result)
         if self._ring_schedule(view.size):
