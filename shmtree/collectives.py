@@ -161,7 +161,7 @@ class Collectives:
         if nbytes <= inline:
             if nbytes:
                 view[...] = first[body + META_BYTES:body + META_BYTES + nbytes]
-        elif self._ring_schedule(nbytes):
+        elif self._own_algorithm("broadcast", nbytes):
             if me == root and not np.shares_memory(result, a):
                 view[...] = _bytes_of(a)       # the chain starts from the root's output
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), timeout,
@@ -215,7 +215,7 @@ class Collectives:
         kind = KIND_ALLGATHER
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
         view = _bytes_of(result)
-        if self._ring_schedule(view.size):
+        if self._own_algorithm("allgather", view.size):
             view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
             self._collective(kind, _BOR, _U1, None, view, desc, timeout,
                              coll=(_engine.ALLGATHER, view.size, 0, self._by_position(offsets)))
@@ -275,7 +275,7 @@ class Collectives:
             raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
                              f"{shape} and dtype {a.dtype}")
         nbytes = a.nbytes
-        if self._ring_schedule(nbytes) and not isinstance(a, MaskedArray):
+        if self._own_algorithm("reduce_scatter", nbytes) and not isinstance(a, MaskedArray):
             return self._reduce_scatter_ring(a, op, out, timeout, n, shape)
         full = self._quick(a, op, None, timeout, KIND_REDUCE_SCATTER) \
             if type(a) is np.ndarray else None                     # inline: the allreduce

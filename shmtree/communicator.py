@@ -30,9 +30,8 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 
 from . import _engine, _kernels, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP, ST_IDLE,
-                    ST_LEFT, kind_name,
-                    ranks_text, states_text)
+                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP,
+                    ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .collectives import Collectives
 from .group import Group
@@ -127,7 +126,7 @@ class Communicator(Collectives):
         result, dst, copy_back = _destination(a, out)
         if src is not dst and _overlaps(src, dst):
             src = src.copy()                  # out overlaps the input without being it
-        if root is not None and self._ring_schedule(src.nbytes):  # (else: the allreduce)
+        if root is not None and self._own_algorithm("reduce", src.nbytes):  # (else: the allreduce)
             self._collective(kind, opc, dtc, src, dst if self.rank == root else None, a.shape,
                              timeout, coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
             return result if self.rank == root else None
@@ -136,11 +135,11 @@ class Communicator(Collectives):
             copy_back[...] = dst.reshape(copy_back.shape)
         return result
 
-    def _ring_schedule(self, nbytes) -> bool:
-        """Do the engine's own algorithms (chain, blocks) serve a collective other than
-        allreduce of nbytes?  The plan says (Plan.algorithm): more than one rank, and the message
-        does not travel inline."""
-        return self._plan.algorithm("broadcast", nbytes) == "chain"
+    def _own_algorithm(self, collective, nbytes) -> bool:
+        """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than
+        the allreduce?  The plan says (Plan.algorithm): more than one rank, and the message does
+        not travel inline."""
+        return self._plan.algorithm(collective, nbytes) in ("chain", "blocks")
 
     def stats(self) -> dict:
         """Counters of this rank's engine since it joined: calls (collectives completed), yields
