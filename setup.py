@@ -27,7 +27,7 @@ def ext(name):
 
 setup(
     ext_modules=cythonize(
-        [ext("_kernels"), ext("_engine")],
+        [ext("_kernels"), ext("_engine"), ext("_moving")],
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

@@ -733,14 +733,15 @@ cdef class Engine:
         return rc
 
     def quick(self, array, op, out, uint64_t small_bytes, int64_t slice_ns, timeout,
-              int kind=KIND_ALLREDUCE):
+              int kind=KIND_ALLREDUCE, tuple dims=None):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
         native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
         an ndarray of the same dtype and shape that is the input itself or does not overlap it.
         Begins the call and runs it for one time slice: slice_ns, or less when timeout (None or
         seconds, a float or int >= 0) is shorter.  kind: the descriptor's (reduce and
-        reduce_scatter run small messages as this allreduce).  Returns (rc, result), or None
-        when the general path must handle the call (validation, copies, error messages)."""
+        reduce_scatter run small messages as this allreduce); dims: the descriptor's shape when
+        it is not the array's (allgather's bytes).  Returns (rc, result), or None when the
+        general path must handle the call (validation, copies, error messages)."""
         if self.busy or type(array) is not np.ndarray:
             return None
         cdef int64_t budget_ns = slice_ns
@@ -784,10 +785,19 @@ cdef class Engine:
                 return None
             if res is not a and _ranges_overlap(a, res):
                 return None
+        cdef int64_t given[MAX_NDIM]
+        cdef int i
+        cdef int64_t *dp = <int64_t *>cnp.PyArray_DIMS(a)
+        if dims is not None:
+            if len(dims) > MAX_NDIM:
+                return None
+            nd = len(dims)
+            for i in range(nd):
+                given[i] = dims[i]
+            dp = given
         if aborted(&self.e):
             return RC_ABORTED, res
-        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd,
-                      <int64_t *>cnp.PyArray_DIMS(a), small_bytes)
+        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dp, small_bytes)
         return self._progress(budget_ns), res
 
     def cancel(self):

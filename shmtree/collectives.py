@@ -12,20 +12,20 @@ message does not travel inline, on the engine's own algorithms around the ring o
 allgather half); inline, on the allreduce - broadcast and allgather as a
 bitwise-or of bytes in which each rank contributes only its part (exact for every dtype),
 reduce and reduce_scatter as the allreduce, keeping the root's result or the rank's block.
-Before any data, broadcast exchanges every rank's claim (a digest of what it passed) with the
-root's dtype and shape, and allgather(axis=0) the lengths.
+Broadcast's first round carries every rank's claim (a digest of what it passed), the root's
+dtype and shape, and the data itself when it fits (layout in _moving.pyx, which builds and reads
+it in one C pass); allgather(axis=0) first exchanges the lengths.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import pickle
-import struct
 
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels
+from . import _engine, _kernels, _moving
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
 from .errors import CollectiveMismatchError
@@ -33,8 +33,6 @@ from .ops import reduction_codes
 
 _U1 = _kernels.DTYPE_CODES["u1"]
 _BOR = _kernels.OP_CODES["bor"]
-META_BYTES = 2048            # the root's dtype and shape in a broadcast's first round
-CLAIM_BYTES = 8              # each rank's digest of what it passed to broadcast / allgather
 
 
 def _root(root, size):
@@ -60,19 +58,6 @@ def _movable(a, what):
 def _dtype_digest(dtype) -> int:
     """A 32-bit digest of a dtype, byte order and fields included."""
     return int.from_bytes(hashlib.sha256(pickle.dumps(np.dtype(dtype))).digest()[:4], "little")
-
-
-@functools.lru_cache(maxsize=256)
-def _meta(dtype, shape) -> bytes:
-    """The root's description of a broadcast: its dtype and shape, pickled."""
-    return pickle.dumps((dtype, shape), protocol=4)
-
-
-@functools.lru_cache(maxsize=256)
-def _claim(dtype, shape) -> bytes:
-    """8 nonzero bytes naming (dtype, shape): what a rank passed."""
-    h = hashlib.sha256(pickle.dumps((np.dtype(dtype), tuple(shape)))).digest()[:CLAIM_BYTES]
-    return bytes(b | 1 for b in h[:1]) + h[1:]
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,35 +106,39 @@ class Collectives:
         """Every rank gets the root's array.  Elsewhere `array` is None (the shape and dtype come
         from the root) or an array of the root's shape and dtype whose values are ignored.
         Returns a new array on every rank, or `out`."""
-        root = _root(root, self.size)
-        me = self.rank
-        if array is None and me == root:
-            raise ValueError("shmtree: broadcast: the root must pass the array")
-        a = None if array is None else _movable(array, "broadcast")
-        P = self.size
-        body = P * CLAIM_BYTES                  # claims | meta (META_BYTES) | inline data
-        inline = max(0, self._small_bytes - body - META_BYTES)
-        buf = bytearray(body + META_BYTES + inline)       # (bytes ops: cheaper than numpy's)
-        if a is not None:
-            buf[me * CLAIM_BYTES:(me + 1) * CLAIM_BYTES] = _claim(a.dtype, a.shape)
-        if me == root:
-            meta = _meta(a.dtype, a.shape)
-            if len(meta) + 8 > META_BYTES:
-                raise TypeError(f"shmtree: broadcast: the description of dtype {a.dtype} is too "
-                                f"long ({len(meta)} bytes; at most {META_BYTES - 8})")
-            struct.pack_into("<II", buf, body, len(meta), 1)
-            buf[body + 8:body + 8 + len(meta)] = meta
-            if a.nbytes <= inline:
-                buf[body + META_BYTES:body + META_BYTES + a.nbytes] = _bytes_of(a).data
-        first = np.frombuffer(buf, np.uint8)
+        P, me = self.size, self.rank
+        if type(root) is not int or not 0 <= root < P:
+            root = _root(root, P)
+        if array is None:
+            if me == root:
+                raise ValueError("shmtree: broadcast: the root must pass the array")
+            a = None
+        else:
+            a = array if type(array) is np.ndarray and not array.dtype.hasobject \
+                else _movable(array, "broadcast")
+            if me == root and not (a.flags.c_contiguous and a.flags.aligned):
+                a = np.ascontiguousarray(a)
         kind = KIND_BROADCAST + KIND_ROOT_STEP * root
-        self._collective(kind, _BOR, _U1, first, first, first.shape, timeout)
-        n = struct.unpack_from("<I", buf, body)[0]
-        dtype, shape = _unmeta(bytes(buf[body + 8:body + 8 + n]))
-        want = _claim(dtype, shape)
-        wrong = [r for r in range(P) if buf[r * CLAIM_BYTES]
-                 and buf[r * CLAIM_BYTES:(r + 1) * CLAIM_BYTES] != want]
-        if wrong:
+        room = self._bcast_room
+        first = _moving.bcast_fill(a, me == root, me, P, room)       # claims | meta | data
+        self._bytes_round(first, kind, timeout, self._round_limit)
+        self._bcast_room = _moving.next_room(first, P, self._small_bytes)
+        got = _moving.bcast_read(first, out, P, room)
+        if type(got) is not tuple:
+            return got                        # the data came inline
+        if got[0] == "long":                  # the root's dtype and shape follow, pickled
+            meta = np.zeros(got[1], np.uint8)
+            if me == root:
+                meta[:] = np.frombuffer(_moving.long_meta(a), np.uint8)
+            self._bytes_round(meta, kind, timeout)
+            dtype, shape = _unmeta(meta.tobytes())
+            got = ("data", dtype, shape, _moving.wrong_claims(first, P,
+                                                              _moving.claim(dtype, shape)))
+            if got[3]:
+                got = ("mismatch",) + got[1:]
+        tag, dtype, shape = got[:3]
+        if tag == "mismatch":
+            wrong = got[3]
             raise CollectiveMismatchError(
                 f"shmtree: ranks disagree on the collective call: broadcast(root={root}): the "
                 f"root passed shape {tuple(shape)} and dtype {dtype}; "
@@ -158,15 +147,17 @@ class Collectives:
         result, copy_back = _out_for(out, shape, dtype, "broadcast")
         nbytes = result.nbytes
         view = _bytes_of(result) if nbytes else None
-        if nbytes <= inline:
-            if nbytes:
-                view[...] = first[body + META_BYTES:body + META_BYTES + nbytes]
+        if not nbytes:
+            pass
+        elif tag == "inline":
+            at = _moving.CLAIM_BYTES * P + _moving.META_BYTES
+            view[...] = first[at:at + nbytes]
         elif self._own_algorithm("broadcast", nbytes):
             if me == root and not np.shares_memory(result, a):
                 view[...] = _bytes_of(a)       # the chain starts from the root's output
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), timeout,
                              coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
-        else:
+        else:                                 # (a bitwise-or in which only the root has bits)
             if me == root:
                 src = _bytes_of(a)
             else:
@@ -174,6 +165,12 @@ class Collectives:
                 src = view
             self._collective(kind, _BOR, _U1, src, view, (nbytes,), timeout)
         return _finish(result, copy_back)
+
+    def _bytes_round(self, buf, kind, timeout, limit=None):
+        """One round of a uint8 array in which every rank contributes its own bytes (a bitwise
+        or), in place: on allreduce's fast path when the engine takes it."""
+        if self._quick(buf, "bor", buf, timeout, kind, limit=limit) is None:
+            self._collective(kind, _BOR, _U1, buf, buf, buf.shape, timeout, limit=limit)
 
     # ---- reduce ----
 
@@ -197,8 +194,16 @@ class Collectives:
         axis=0: concatenated along axis 0 (the other dimensions agree, lengths may differ)."""
         if axis is not None and axis != 0:
             raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
-        a = _movable(array, "allgather")
         P, me = self.size, self.rank
+        if (axis is None and type(array) is np.ndarray
+                and array.nbytes * P <= self._small_bytes and not array.dtype.hasobject
+                and array.flags.c_contiguous and array.flags.aligned):
+            got = _moving.gather_fill(array, me, P, out)             # inline, in one round
+            desc = array.shape + (array.itemsize, _dtype_digest(array.dtype))
+            if got is not None and self._quick(got[1], "bor", got[1], timeout, KIND_ALLGATHER,
+                                               desc) is not None:
+                return got[0]
+        a = _movable(array, "allgather")
         if axis is None:
             shape = (P,) + a.shape
             offsets = [r * a.nbytes for r in range(P + 1)]
@@ -214,6 +219,8 @@ class Collectives:
         desc = mine + (a.dtype.itemsize, _dtype_digest(a.dtype))
         kind = KIND_ALLGATHER
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
+        if np.may_share_memory(a, result):
+            a = a.copy()                      # (out[rank] passed as the input: in place)
         view = _bytes_of(result)
         if self._own_algorithm("allgather", view.size):
             view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
@@ -245,7 +252,7 @@ class Collectives:
         P, me = self.size, self.rank
         table = np.zeros((P, 2), np.uint64)
         table[me] = (a.shape[0] + 1,
-                     int.from_bytes(_claim(a.dtype, a.shape[1:]), "little") | 1)
+                     _moving.claim(a.dtype, a.shape[1:]))
         self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
                          table.view(np.uint8).reshape(-1), (P, 2), None)
         groups = {}

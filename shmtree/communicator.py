@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels, plan as _plan
+from . import _engine, _kernels, _moving, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP,
                     ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
@@ -66,6 +66,11 @@ class Communicator(Collectives):
         self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.plan.spin_ns,
                                       nt_bytes=group.plan.nt_bytes)
         self._small_bytes = group.plan.small_bytes
+        # broadcast's first round: claims and the root's description, then room for this much
+        # data (agreed by all ranks: the size of the previous broadcast); channel 0 has room
+        # for the header beside small_bytes of data
+        self._bcast_room = 64
+        self._round_limit = max(self._small_bytes, 64) + _moving.round_bytes(self.size, 0)
         # the ranks this one waits for (tree parent and children; ring predecessor, successor)
         self._neighbours = sorted({r for spec in specs for r in [spec.parent, *spec.children]
                                    if r >= 0})
@@ -91,17 +96,20 @@ class Communicator(Collectives):
             return result
         return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
 
-    def _quick(self, array, op, out, timeout, kind):
+    def _quick(self, array, op, out, timeout, kind, dims=None, limit=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
         of inline messages), with descriptor kind `kind`: the result, or None when the general
         path must take the call (engine.quick also declines a call while another thread of this
-        rank is inside one: that call then fails on the general path)."""
+        rank is inside one: that call then fails on the general path).  dims: the descriptor's
+        shape, when it is not the array's; limit: the largest message that travels inline
+        (small_bytes unless said)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
         t0 = 0.0 if timeout is None else time.monotonic()
         try:
-            r = eng.quick(array, op, out, self._small_bytes, SLICE_NS, timeout, kind)
+            r = eng.quick(array, op, out, limit or self._small_bytes, SLICE_NS, timeout, kind,
+                          dims)
             if r is None:
                 return None
             if r[0] != _engine.DONE:
@@ -188,9 +196,10 @@ class Communicator(Collectives):
 
     # ---- one collective ----
 
-    def _collective(self, kind, opc, dtc, src, dst, shape, timeout, coll=None):
+    def _collective(self, kind, opc, dtc, src, dst, shape, timeout, coll=None, limit=None):
         """One call of the engine: an allreduce of src into dst, or with coll = (collective,
-        nbytes, root position, block offsets) one of the engine's other collectives."""
+        nbytes, root position, block offsets) one of the engine's other collectives; limit as
+        for _quick."""
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
         deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
@@ -201,7 +210,8 @@ class Communicator(Collectives):
             itemsize = src.itemsize if src is not None else 1
             try:
                 if coll is None:
-                    rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape, self._small_bytes)
+                    rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape,
+                                   limit or self._small_bytes)
                 else:
                     rc = eng.begin_coll(coll[0], src, dst, coll[1], itemsize, opc, dtc, kind,
                                         tuple(shape), coll[2], coll[3])

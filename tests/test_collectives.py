@@ -182,6 +182,76 @@ def test_broadcast_every_root(P, tree):
             assert same_bytes(res, want), (dtype, n, root, how, rank)
 
 
+def paths_worker(comm):
+    """Small broadcasts and allgathers where ranks take different local paths (the C fast path,
+    or Python's for out=, non-contiguous arrays, long descriptions): the rounds must agree."""
+    r, P = comm.rank, comm.size
+    out = []
+    deep = np.arange(2 * 3, dtype=np.int16).reshape((1,) * 8 + (2, 3))     # 10 dims: pickled
+    rec = np.array([(1, 2.5), (3, -1.0)], dtype=[("a", "<i2"), ("b", ">f8")])
+    for root in range(P):
+        for x in (np.arange(7, dtype=np.float32) + root, deep + root, rec,
+                  np.arange(300, dtype=np.float64)[::3] + root,             # 800 B, strided
+                  np.arange(200, dtype=np.float64) * root):                 # 1600 B: 2 rounds
+            if r == root:
+                arg = x
+            elif r % 3 == 1:
+                arg = None
+            else:
+                arg = np.zeros_like(x)[..., ::-1] if x.ndim == 1 else np.zeros_like(x)
+            if r % 2:                         # out=: strided when 1-D, else contiguous
+                o = np.full((2 * x.shape[0],), 99, x.dtype)[::2] if x.ndim == 1 \
+                    else np.full(x.shape, 99, x.dtype)
+                got = comm.broadcast(arg, root=root, out=o)
+                assert got is o
+            else:
+                got = comm.broadcast(arg, root=root)
+            out.append(("b", root, wire(np.ascontiguousarray(got))))
+    for x in (np.arange(5, dtype=np.int32) * (r + 1), np.array([r + 0.5]),
+              np.full((3, 4), r, "S2")):
+        if r % 2:
+            o = np.empty((P,) + x.shape, x.dtype)
+            got = comm.allgather(x, out=o)
+            assert got is o
+        elif r % 3 == 2:
+            got = comm.allgather(np.repeat(x, 2, axis=0)[::2])                  # strided
+        else:
+            got = comm.allgather(x)
+        out.append(("g", None, wire(got)))
+    for n in (4, 50001):                      # in place: out[rank] is the input
+        o = np.zeros((P, n))
+        o[r] = np.arange(n) + r
+        assert comm.allgather(o[r], out=o) is o
+        out.append(("g", None, wire(o)))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_broadcast_and_allgather_mixed_local_paths(P):
+    outs = run_ok(paths_worker, P)
+    deep = np.arange(2 * 3, dtype=np.int16).reshape((1,) * 8 + (2, 3))
+    rec = np.array([(1, 2.5), (3, -1.0)], dtype=[("a", "<i2"), ("b", ">f8")])
+    want = []
+    for root in range(P):
+        for x in (np.arange(7, dtype=np.float32) + root, deep + root, rec,
+                  np.arange(300, dtype=np.float64)[::3] + root,
+                  np.arange(200, dtype=np.float64) * root):
+            want.append(("b", root, x))
+    for fill in (lambda r: np.arange(5, dtype=np.int32) * (r + 1), lambda r: np.array([r + 0.5]),
+                 lambda r: np.full((3, 4), r, "S2")):
+        want.append(("g", None, np.stack([fill(r) for r in range(P)])))
+    for n in (4, 50001):
+        want.append(("g", None, np.stack([np.arange(n) + r for r in range(P)]).astype(float)))
+    for rank, out in enumerate(outs):
+        assert len(out) == len(want)
+        for (kind, root, w), (k2, root2, got) in zip(want, out):
+            got = unwire(got)
+            assert (kind, root) == (k2, root2)
+            assert got.dtype == w.dtype and got.shape == w.shape, (rank, kind, root, w.dtype)
+            assert same_bytes(got, w), (rank, kind, root, w.dtype, w.shape)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("tree", ["auto", "ring"])
@@ -306,6 +376,11 @@ MISMATCHES = {
     "allgather_axis0_rest": lambda c: c.allgather(np.ones((2, 3 if c.rank else 4)), axis=0),
     "allgather_axis": lambda c: c.allgather(np.ones(2), axis=0 if c.rank else None),
     "rs_shape": lambda c: c.reduce_scatter(np.ones(6 if c.rank else 7)),
+    "bcast_deep_shape": lambda c: c.broadcast(np.ones((1,) * 9 + (2 + (c.rank == 1),)),
+                                              root=0),
+    "bcast_record_dtype": lambda c: c.broadcast(
+        np.zeros(2, [("a", "<i2"), ("b", ">f8" if c.rank != 2 else "<f8")]), root=1),
+    "bcast_two_rounds_shape": lambda c: c.broadcast(np.ones(300 + (c.rank == 0)), root=2),
     "kind": lambda c: (c.broadcast(np.ones(3)) if c.rank else c.allreduce(np.ones(3))),
     "kind2": lambda c: (c.reduce(np.ones(3)) if c.rank else c.reduce_scatter(np.ones(3))),
     # large: the engine's own ring algorithms (under tree="ring")
@@ -396,7 +471,7 @@ def bytes_worker(comm, n):
 def test_ring_algorithms_send_the_minimum(P, tree):
     """Bytes each rank publishes into rings for a message of X bytes: the allreduce 2(P-1)/P X,
     broadcast X (the chain's last rank 0), reduce X (the root 0), reduce_scatter and allgather
-    (P-1)/P X (plus the broadcast's first round: 8P + 2048 + inline bytes)."""
+    (P-1)/P X (plus the broadcast's first round: 8P + 96 + 64 bytes, up and/or down)."""
     n = 60000 * P
     X = n * 8
     # under a tree the collectives other than allreduce run on a ring channel of their own
@@ -405,7 +480,7 @@ def test_ring_algorithms_send_the_minimum(P, tree):
     order = list(plan.large_tree.ring)
     small = plan.small_tree             # the broadcast's first round goes up and down it
     for rank, got in enumerate(outs):
-        first = max(8 * P + 2048, got["small_bytes"])      # the broadcast's first round ...
+        first = 8 * P + 96 + 64          # broadcast's first round (the group's first: room 64)
         first *= (small.parent[rank] >= 0) + bool(small.children[rank])   # ... up and/or down
         if tree == "ring":
             assert got["allreduce"] == 2 * (P - 1) * X // P, got

@@ -1,0 +1,238 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The byte layouts of the rounds that move data without reducing it (collectives.py):
+broadcast's first round and allgather's inline round, built and read here in one C pass each,
+because in Python their handful of small numpy operations cost several times the round itself.
+
+Both travel as a bitwise-or of bytes (op bor on uint8) in which each rank writes only its own
+part and zeros elsewhere, so the or of all contributions is every part, exactly, for any dtype.
+
+Broadcast's first round (bcast_fill / bcast_read): F = 8P + META + room bytes, where room (the
+data room) is what the group's previous broadcast needed (next_room), so that a loop of
+broadcasts of one size sends each in one round of about its own size:
+  [0, 8P)            rank r's claim at 8r: 8 bytes naming the (dtype, shape) it passed, the low
+                     bit set; zero when it passed None
+  [8P, 8P + META)    the root's description of its array:
+                       +0 u8 1 (present)     +1 u8 long: the description follows in its own round
+                       +2 u8 ndim            +3 u8 length of dtype.str
+                       +4 u32 length of the pickled (dtype, shape) when long
+                       +8 u64 the array's nbytes
+                       +16 dtype.str (at most 16 bytes)   +32 at most 8 int64 dims
+                     long when the dtype has fields or a subarray, or its str or ndim do not fit
+  [8P + META, F)     the root's data, when it fits the room (and the description is not long)
+A claim is FNV-1a (64-bit) over the dtype's key (dtype.str for plain dtypes; its pickle for
+structured ones), then ndim and every dim; every rank checks every claim against the root's.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.ref cimport Py_INCREF
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+import pickle
+
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef enum:
+    CLAIM = 8
+    META = 96
+    MAX_STR = 16
+    MAX_INLINE_DIMS = 8
+
+CLAIM_BYTES = CLAIM
+META_BYTES = META
+
+cdef dict _KEYS = {}                  # dtype -> (key bytes, inline: plain with a short str)
+cdef dict _DTYPES = {}                # dtype.str bytes -> dtype
+
+
+cdef tuple _key(dt):
+    got = _KEYS.get(dt)
+    if got is None:
+        if len(_KEYS) > 1024:
+            _KEYS.clear()
+        plain = dt.fields is None and dt.subdtype is None
+        if plain:
+            s = dt.str.encode()
+            got = (s, len(s) <= MAX_STR)
+        else:
+            got = (pickle.dumps(dt, protocol=4), False)
+        _KEYS[dt] = got
+    return got
+
+
+cdef uint64_t _fnv(const uint8_t *p, Py_ssize_t n, uint64_t h) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        h = (h ^ p[i]) * 1099511628211ULL
+    return h
+
+
+cdef uint64_t _claim_c(bytes key, int ndim, const int64_t *dims):
+    cdef uint64_t h = _fnv(<const uint8_t *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                           1469598103934665603ULL)
+    cdef int i
+    h = (h ^ <uint64_t>ndim) * 1099511628211ULL
+    for i in range(ndim):
+        h = (h ^ <uint64_t>dims[i]) * 1099511628211ULL
+    return h | 1
+
+
+def claim(dtype, shape) -> int:
+    """The 8-byte claim (as an int, low bit set) naming (dtype, shape)."""
+    dt = np.dtype(dtype)
+    cdef int64_t dims[64]
+    cdef int i, nd = len(shape)
+    if nd > 64:
+        raise ValueError("shmtree: at most 64 dimensions")
+    for i in range(nd):
+        dims[i] = shape[i]
+    return _claim_c(_key(dt)[0], nd, dims)
+
+
+def round_bytes(int P, Py_ssize_t room):
+    """F: the size of broadcast's first round for P ranks with `room` bytes of data room."""
+    return CLAIM * P + META + room
+
+
+def bcast_fill(a, bint is_root, int rank, int P, Py_ssize_t room):
+    """This rank's contribution to broadcast's first round: a new uint8 array of F bytes.  a:
+    None, or an ndarray (on the root: C-contiguous and aligned)."""
+    cdef cnp.npy_intp n = CLAIM * P + META + room
+    cdef cnp.ndarray buf = cnp.PyArray_ZEROS(1, &n, cnp.NPY_UINT8, 0)
+    cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(buf)
+    cdef uint8_t *m = p + CLAIM * P
+    cdef cnp.ndarray arr
+    cdef int nd, i
+    cdef uint64_t c, nbytes
+    cdef bytes key, blob
+    if a is None:
+        return buf
+    arr = <cnp.ndarray>a
+    nd = cnp.PyArray_NDIM(arr)
+    key, short = _key(arr.dtype)
+    c = _claim_c(key, nd, <const int64_t *>cnp.PyArray_DIMS(arr))
+    memcpy(p + CLAIM * rank, &c, CLAIM)
+    if not is_root:
+        return buf
+    nbytes = cnp.PyArray_NBYTES(arr)
+    m[0] = 1
+    memcpy(m + 8, &nbytes, 8)
+    if not short or nd > MAX_INLINE_DIMS:
+        blob = pickle.dumps((arr.dtype, tuple(a.shape)), protocol=4)
+        m[1] = 1
+        (<uint32_t *>(m + 4))[0] = <uint32_t>len(blob)
+        return buf
+    m[2] = nd
+    m[3] = PyBytes_GET_SIZE(key)
+    memcpy(m + 16, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+    for i in range(nd):
+        (<int64_t *>(m + 32))[i] = cnp.PyArray_DIMS(arr)[i]
+    if nbytes <= <uint64_t>room and nbytes:
+        memcpy(m + META, cnp.PyArray_DATA(arr), nbytes)
+    return buf
+
+
+def next_room(cnp.ndarray buf, int P, Py_ssize_t cap):
+    """The data room of the group's next first round: the size of the broadcast this round
+    began (which every rank read from it), in whole 64-byte lines, at least 64 and at most
+    cap.  So repeated broadcasts of one size take one round, and every rank agrees on it."""
+    cdef uint64_t nbytes
+    memcpy(&nbytes, <uint8_t *>cnp.PyArray_DATA(buf) + CLAIM * P + 8, 8)
+    nbytes = (nbytes + 63) // 64 * 64
+    if nbytes < 64:
+        nbytes = 64
+    return <Py_ssize_t>nbytes if nbytes < <uint64_t>cap else cap
+
+
+def long_meta(a):
+    """The root's pickled (dtype, shape), for the round that follows a long description."""
+    return pickle.dumps((a.dtype, tuple(a.shape)), protocol=4)
+
+
+def wrong_claims(cnp.ndarray buf, int P, uint64_t want):
+    """The ranks whose claim in the first round is neither zero nor `want`."""
+    cdef const uint64_t *c = <const uint64_t *>cnp.PyArray_DATA(buf)
+    cdef int r
+    return [r for r in range(P) if c[r] != 0 and c[r] != want]
+
+
+def bcast_read(cnp.ndarray buf, out, int P, Py_ssize_t room):
+    """Read broadcast's first round (every rank's contributions or-ed together).  Returns the
+    result array when the data came inline and `out` is None or a C-contiguous, aligned,
+    writable array of the root's dtype and shape (then `out` itself).  Otherwise a tuple:
+    ("long", length) - the description follows in a round of that many bytes;
+    ("mismatch", dtype, shape, ranks) - those ranks passed another dtype or shape;
+    ("inline", dtype, shape) - the data is in the round (at CLAIM * P + META), `out` needs care;
+    ("data", dtype, shape) - the data follows."""
+    cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(buf)
+    cdef uint8_t *m = p + CLAIM * P
+    cdef uint64_t nbytes
+    cdef int nd = m[2], slen = m[3]
+    cdef cnp.ndarray res
+    if m[0] != 1:
+        raise RuntimeError("shmtree: broadcast: the root's description is missing from the "
+                           "first round")
+    if m[1]:
+        return ("long", (<uint32_t *>(m + 4))[0])
+    memcpy(&nbytes, m + 8, 8)
+    key = (<char *>(m + 16))[:slen]
+    dt = _DTYPES.get(key)
+    if dt is None:
+        if len(_DTYPES) > 1024:
+            _DTYPES.clear()
+        dt = _DTYPES[key] = np.dtype(key.decode())
+    cdef const int64_t *dims = <const int64_t *>(m + 32)
+    shape = tuple([dims[i] for i in range(nd)])
+    wrong = wrong_claims(buf, P, _claim_c(key, nd, dims))
+    if wrong:
+        return ("mismatch", dt, shape, wrong)
+    if nbytes > <uint64_t>room:
+        return ("data", dt, shape)
+    if out is None:
+        res = np.empty(shape, dt)
+    elif (type(out) is np.ndarray and (<cnp.ndarray>out).dtype == dt and out.shape == shape
+          and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+          and cnp.PyArray_ISALIGNED(<cnp.ndarray>out)
+          and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)):
+        res = <cnp.ndarray>out
+    else:
+        return ("inline", dt, shape)
+    if nbytes:
+        memcpy(cnp.PyArray_DATA(res), m + META, nbytes)
+    return res
+
+
+def gather_fill(cnp.ndarray a, int rank, int P, out=None):
+    """allgather(axis=None) inline: (result, bytes) where result is `out`, or a new (P,
+    *a.shape) array, holding zeros and, at [rank], a's values, and bytes its flat uint8 view.
+    a: C-contiguous and aligned.  None when `out` is not a C-contiguous, aligned, writable
+    array of the result's dtype and shape, clear of a (the general path handles it)."""
+    cdef cnp.npy_intp part = cnp.PyArray_NBYTES(a)
+    cdef cnp.npy_intp total = part * P
+    cdef cnp.ndarray res
+    cdef char *d
+    shape = (P,) + (<object>a).shape
+    if out is None:
+        res = np.empty(shape, a.dtype)
+    else:
+        if type(out) is not np.ndarray:
+            return None
+        res = <cnp.ndarray>out
+        if (res.dtype != a.dtype or out.shape != shape or not cnp.PyArray_IS_C_CONTIGUOUS(res)
+                or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISWRITEABLE(res)):
+            return None
+        d = <char *>cnp.PyArray_DATA(res)
+        if total and d < <char *>cnp.PyArray_DATA(a) + part \
+                and <char *>cnp.PyArray_DATA(a) < d + total:
+            return None
+    d = <char *>cnp.PyArray_DATA(res)
+    if total:
+        memset(d, 0, total)
+        memcpy(d + part * rank, cnp.PyArray_DATA(a), part)
+    cdef cnp.ndarray flat = cnp.PyArray_SimpleNewFromData(1, &total, cnp.NPY_UINT8, d)
+    Py_INCREF(res)
+    cnp.PyArray_SetBaseObject(flat, res)
+    return res, flat
