@@ -14,14 +14,17 @@ from ._version import __version__
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
                      WorkerError)
 from .topology import Topology
-from .api import (Communicator, Group, Pool, allgather, allreduce, barrier, broadcast, current,
-                  rank, reduce, reduce_scatter, run, size)
+from .api import (Communicator, Group, Pool, Request, allgather, allreduce, barrier, broadcast,
+                  current, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
+                  ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all)
 
 __all__ = [
     "__version__",
     "Group", "Communicator", "Pool", "run",
     "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier", "rank", "size",
     "current",
+    "iallreduce", "ibroadcast", "ireduce", "iallgather", "ireduce_scatter", "ibarrier",
+    "Request", "wait_all",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
     "WorkerError",

@@ -5,7 +5,8 @@ Each lives in a module of its own (README.md, "How it works"); imports point one
     pool          Pool (and its multiprocessing.pool overrides)
     launch        run                                   (pool uses its start checks)
     communicator  Communicator; current, allreduce, broadcast, reduce, allgather,
-                  reduce_scatter, barrier, rank, size
+                  reduce_scatter, barrier, their i-forms, rank, size
+    requests      Request, wait_all, the progress thread
     collectives   broadcast, reduce, allgather, reduce_scatter (Communicator's methods)
     group         Group
     plan, transport, liveness
@@ -17,11 +18,14 @@ The one call upward: Group.join imports communicator when it runs, to hand out a
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.
 """
-from .communicator import (Communicator, allgather, allreduce, barrier, broadcast, current, rank,
-                           reduce, reduce_scatter, size)
+from .communicator import (Communicator, Request, allgather, allreduce, barrier, broadcast,
+                           current, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
+                           ireduce_scatter, rank, reduce, reduce_scatter, size, wait_all)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from .launch import run
 from .pool import Pool
 
 __all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "broadcast", "reduce",
-           "allgather", "reduce_scatter", "barrier", "rank", "size", "current"]
+           "allgather", "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce",
+           "iallgather", "ireduce_scatter", "ibarrier", "Request", "wait_all", "rank", "size",
+           "current"]

@@ -19,6 +19,7 @@ it in one C pass); allgather(axis=0) first exchanges the lengths.
 from __future__ import annotations
 
 import functools
+import time
 import hashlib
 import pickle
 
@@ -98,7 +99,14 @@ def _finish(result, copy_back):
 
 class Collectives:
     """The collectives beyond allreduce and barrier, as methods of Communicator (which provides
-    rank, size, allreduce's local checks and _collective)."""
+    rank, size, the fast path _quick, _collective, and _now / _post: run a prepared call at once
+    or post it to the progress thread).
+
+    Each collective is a `_prep_<name>` that checks the arguments (a local error is raised here,
+    by the call itself) and returns the prepared call: a function that runs its rounds, in
+    order with the rank's other calls, and returns the result.  The blocking method runs it
+    (`_now`), the `i`-method posts it (`_post`); small messages of a blocking call first try a
+    fast path, when no nonblocking call is outstanding."""
 
     # ---- broadcast ----
 
@@ -106,9 +114,17 @@ class Collectives:
         """Every rank gets the root's array.  Elsewhere `array` is None (the shape and dtype come
         from the root) or an array of the root's shape and dtype whose values are ignored.
         Returns a new array on every rank, or `out`."""
+        return self._now(self._prep_broadcast(array, root, out, timeout))
+
+    def ibroadcast(self, array, root=0, *, out=None, timeout=None):
+        """broadcast, nonblocking: a Request."""
+        return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
+
+    def _prep_broadcast(self, array, root, out, timeout):
         P, me = self.size, self.rank
         if type(root) is not int or not 0 <= root < P:
             root = _root(root, P)
+        deadline = _deadline(timeout)
         if array is None:
             if me == root:
                 raise ValueError("shmtree: broadcast: the root must pass the array")
@@ -116,12 +132,16 @@ class Collectives:
         else:
             a = array if type(array) is np.ndarray and not array.dtype.hasobject \
                 else _movable(array, "broadcast")
-            if me == root and not (a.flags.c_contiguous and a.flags.aligned):
-                a = np.ascontiguousarray(a)
         kind = KIND_BROADCAST + KIND_ROOT_STEP * root
+        return lambda: self._broadcast(a, root, out, deadline, kind)
+
+    def _broadcast(self, a, root, out, deadline, kind):
+        P, me = self.size, self.rank
+        if me == root and not (a.flags.c_contiguous and a.flags.aligned):
+            a = np.ascontiguousarray(a)
         room = self._bcast_room
         first = _moving.bcast_fill(a, me == root, me, P, room)       # claims | meta | data
-        self._bytes_round(first, kind, timeout, self._round_limit)
+        self._bytes_round(first, kind, deadline, self._round_limit)
         self._bcast_room = _moving.next_room(first, P, self._small_bytes)
         got = _moving.bcast_read(first, out, P, room)
         if type(got) is not tuple:
@@ -130,7 +150,7 @@ class Collectives:
             meta = np.zeros(got[1], np.uint8)
             if me == root:
                 meta[:] = np.frombuffer(_moving.long_meta(a), np.uint8)
-            self._bytes_round(meta, kind, timeout)
+            self._bytes_round(meta, kind, deadline)
             dtype, shape = _unmeta(meta.tobytes())
             got = ("data", dtype, shape, _moving.wrong_claims(first, P,
                                                               _moving.claim(dtype, shape)))
@@ -155,7 +175,7 @@ class Collectives:
         elif self._own_algorithm("broadcast", nbytes):
             if me == root and not np.shares_memory(result, a):
                 view[...] = _bytes_of(a)       # the chain starts from the root's output
-            self._collective(kind, _BOR, _U1, None, view, (nbytes,), timeout,
+            self._collective(kind, _BOR, _U1, None, view, (nbytes,), deadline,
                              coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
         else:                                 # (a bitwise-or in which only the root has bits)
             if me == root:
@@ -163,14 +183,14 @@ class Collectives:
             else:
                 view[...] = 0
                 src = view
-            self._collective(kind, _BOR, _U1, src, view, (nbytes,), timeout)
+            self._collective(kind, _BOR, _U1, src, view, (nbytes,), deadline)
         return _finish(result, copy_back)
 
-    def _bytes_round(self, buf, kind, timeout, limit=None):
+    def _bytes_round(self, buf, kind, deadline, limit=None):
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise
         or), in place: on allreduce's fast path when the engine takes it."""
-        if self._quick(buf, "bor", buf, timeout, kind, limit=limit) is None:
-            self._collective(kind, _BOR, _U1, buf, buf, buf.shape, timeout, limit=limit)
+        if self._quick(buf, "bor", buf, deadline, kind, limit=limit) is None:
+            self._collective(kind, _BOR, _U1, buf, buf, buf.shape, deadline, limit=limit)
 
     # ---- reduce ----
 
@@ -180,38 +200,58 @@ class Collectives:
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         mine = out if self.rank == root else None
-        if type(array) is np.ndarray and array.nbytes <= self._small_bytes:
-            result = self._quick(array, op, mine, timeout, kind)     # inline: the allreduce
+        if type(array) is np.ndarray and array.nbytes <= self._small_bytes and self._idle():
+            result = self._quick(array, op, mine, _deadline(timeout), kind)   # the allreduce
             if result is not None:
                 return result if self.rank == root else None
-        result = self._reducing(array, op, mine, timeout, kind, root=root)
-        return result if self.rank == root else None
+        return self._now(self._prep_reducing(array, op, mine, timeout, kind, root=root))
+
+    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+        """reduce, nonblocking: a Request (its result None on ranks other than the root)."""
+        root = _root(root, self.size)
+        kind = KIND_REDUCE + KIND_ROOT_STEP * root
+        return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
+                                              timeout, kind, root=root), "ireduce")
 
     # ---- allgather ----
 
     def allgather(self, array, *, axis=None, out=None, timeout=None):
         """axis=None: the arrays stacked, shape (size, *array.shape), result[r] rank r's array;
         axis=0: concatenated along axis 0 (the other dimensions agree, lengths may differ)."""
-        if axis is not None and axis != 0:
-            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
-        P, me = self.size, self.rank
+        P = self.size
         if (axis is None and type(array) is np.ndarray
                 and array.nbytes * P <= self._small_bytes and not array.dtype.hasobject
-                and array.flags.c_contiguous and array.flags.aligned):
-            got = _moving.gather_fill(array, me, P, out)             # inline, in one round
+                and array.flags.c_contiguous and array.flags.aligned and self._idle()):
+            got = _moving.gather_fill(array, self.rank, P, out)      # inline, in one round
             desc = array.shape + (array.itemsize, _dtype_digest(array.dtype))
-            if got is not None and self._quick(got[1], "bor", got[1], timeout, KIND_ALLGATHER,
-                                               desc) is not None:
+            if got is not None and self._quick(got[1], "bor", got[1], _deadline(timeout),
+                                               KIND_ALLGATHER, desc) is not None:
                 return got[0]
+        return self._now(self._prep_allgather(array, axis, out, timeout))
+
+    def iallgather(self, array, *, axis=None, out=None, timeout=None):
+        """allgather, nonblocking: a Request."""
+        return self._post(self._prep_allgather(array, axis, out, timeout), "iallgather")
+
+    def _prep_allgather(self, array, axis, out, timeout):
+        if axis is not None and axis != 0:
+            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
+        deadline = _deadline(timeout)
         a = _movable(array, "allgather")
+        if axis is None:
+            _out_for(out, (self.size,) + a.shape, a.dtype, "allgather")    # (checks out)
+        elif a.ndim == 0:
+            raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
+        return lambda: self._allgather(a, axis, out, deadline)
+
+    def _allgather(self, a, axis, out, deadline):
+        P, me = self.size, self.rank
         if axis is None:
             shape = (P,) + a.shape
             offsets = [r * a.nbytes for r in range(P + 1)]
             mine = a.shape                     # the descriptor: what this rank passed
         else:
-            if a.ndim == 0:
-                raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
-            lengths = self._lengths(a)
+            lengths = self._lengths(a, deadline)
             shape = (sum(lengths),) + a.shape[1:]
             row = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
             offsets = np.concatenate([[0], np.cumsum([n * row for n in lengths])]).tolist()
@@ -224,13 +264,13 @@ class Collectives:
         view = _bytes_of(result)
         if self._own_algorithm("allgather", view.size):
             view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
-            self._collective(kind, _BOR, _U1, None, view, desc, timeout,
+            self._collective(kind, _BOR, _U1, None, view, desc, deadline,
                              coll=(_engine.ALLGATHER, view.size, 0, self._by_position(offsets)))
         else:
             if view.size:
                 view[...] = 0
                 view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
-            self._collective(kind, _BOR, _U1, view, view, desc, timeout)
+            self._collective(kind, _BOR, _U1, view, view, desc, deadline)
         return _finish(result, copy_back)
 
     def _by_position(self, offsets):
@@ -246,7 +286,7 @@ class Collectives:
                 [x for r in order for x in (offsets[r], offsets[r + 1])], np.uint64)
         return got
 
-    def _lengths(self, a):
+    def _lengths(self, a, deadline):
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
         dimensions and the dtype agree (a mismatch raises on every rank)."""
         P, me = self.size, self.rank
@@ -254,7 +294,7 @@ class Collectives:
         table[me] = (a.shape[0] + 1,
                      _moving.claim(a.dtype, a.shape[1:]))
         self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
-                         table.view(np.uint8).reshape(-1), (P, 2), None)
+                         table.view(np.uint8).reshape(-1), (P, 2), deadline)
         groups = {}
         for r in range(P):
             groups.setdefault(int(table[r, 1]), []).append(r)
@@ -270,6 +310,23 @@ class Collectives:
 
     def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
         """Rank r gets np.array_split(the full reduction, size, axis=0)[r]."""
+        if (out is None and type(array) is np.ndarray and array.ndim
+                and array.nbytes <= self._small_bytes and self._idle()):
+            full = self._quick(array, op, None, _deadline(timeout), KIND_REDUCE_SCATTER)
+            if full is not None:                                  # inline: the allreduce
+                n, P, me = array.shape[0], self.size, self.rank
+                lo = me * (n // P) + min(me, n % P)
+                return np.ascontiguousarray(full[lo:lo + n // P + (me < n % P)])
+        return self._now(self._prep_reduce_scatter(array, op, out, timeout))
+
+    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+        """reduce_scatter, nonblocking: a Request."""
+        return self._post(self._prep_reduce_scatter(array, op, out, timeout), "ireduce_scatter")
+
+    def _prep_reduce_scatter(self, array, op, out, timeout):
+        if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
+            raise TypeError("shmtree: masked arrays are not supported (the mask would be "
+                            "dropped); reduce array.filled(...) or the mask separately")
         a = array if isinstance(array, np.ndarray) else np.asarray(array)
         if a.ndim == 0:
             raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
@@ -281,21 +338,15 @@ class Collectives:
                                 or out.dtype != a.dtype or not out.flags.writeable):
             raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
                              f"{shape} and dtype {a.dtype}")
-        nbytes = a.nbytes
-        if self._own_algorithm("reduce_scatter", nbytes) and not isinstance(a, MaskedArray):
-            return self._reduce_scatter_ring(a, op, out, timeout, n, shape)
-        full = self._quick(a, op, None, timeout, KIND_REDUCE_SCATTER) \
-            if type(a) is np.ndarray else None                     # inline: the allreduce
-        if full is None:
-            full = self._reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)
-        if out is None:
-            return np.ascontiguousarray(full[lo:hi])
-        out[...] = full[lo:hi]
-        return out
-
-    def _reduce_scatter_ring(self, a, op, out, timeout, n, shape):
-        """The ring schedule's first half: each rank ends with its own block reduced."""
         opc, dtc = reduction_codes(op, a.dtype)
+        deadline = _deadline(timeout)
+        if self._own_algorithm("reduce_scatter", a.nbytes):
+            return lambda: self._reduce_scatter_ring(a, opc, dtc, out, deadline, n, shape)
+        run = self._prep_reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)   # inline: the
+        return lambda: _keep(run()[lo:hi], out)                               # allreduce
+
+    def _reduce_scatter_ring(self, a, opc, dtc, out, deadline, n, shape):
+        """The ring schedule's first half: each rank ends with its own block reduced."""
         src = a if (a.flags.c_contiguous and a.flags.aligned) else np.ascontiguousarray(a)
         row = src.nbytes // n                      # bytes per row (n > 0: the message is large)
         P = self.size
@@ -303,7 +354,24 @@ class Collectives:
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
         if np.may_share_memory(result, src):
             src = src.copy()
-        self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, timeout,
+        self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, deadline,
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
                                self._by_position(offsets)))
         return _finish(result, copy_back)
+
+
+def _keep(block, out):
+    """reduce_scatter of an inline message: this rank's block of the allreduce's result."""
+    if out is None:
+        return np.ascontiguousarray(block)
+    out[...] = block
+    return out
+
+
+def _deadline(timeout):
+    """The monotonic time at which a call posted now times out (None: never)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
+    return time.monotonic() + timeout

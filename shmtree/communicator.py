@@ -33,11 +33,14 @@ from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_S
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP,
                     ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .collectives import Collectives
+from .collectives import Collectives, _deadline
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
+from .requests import Progress, Request, wait_all
 
-__all__ = ["Communicator", "current", "allreduce", "barrier", "rank", "size"]
+__all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
+           "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
+           "ireduce_scatter", "ibarrier", "Request", "wait_all", "rank", "size"]
 
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
@@ -59,7 +62,9 @@ class Communicator(Collectives):
         self.size = int(group.size)
         self._pid = os.getpid()
         self._gen = _fork_gen                 # a forked child sees another generation
-        self._lock = threading.Lock()
+        self._exec = threading.Lock()         # held by whoever runs a call (requests.py)
+        self._progress = None                 # the progress thread, from the first i-call
+        self._posted = 0                      # calls posted to it so far
         self._closed = False
         specs = [group.layout.engine_spec(ch, rank) for ch in range(len(group.layout.channels))]
         self._seg = group._seg
@@ -91,57 +96,122 @@ class Communicator(Collectives):
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        result = self._quick(array, op, out, timeout, KIND_ALLREDUCE)
-        if result is not None:
-            return result
-        return self._reducing(array, op, out, timeout, KIND_ALLREDUCE)
+        if self._idle():
+            result = self._quick(array, op, out, _deadline(timeout), KIND_ALLREDUCE)
+            if result is not None:
+                return result
+        return self._now(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE))
 
-    def _quick(self, array, op, out, timeout, kind, dims=None, limit=None):
+    def iallreduce(self, array, op="sum", *, out=None, timeout=None):
+        """allreduce, nonblocking: a Request (docs/design.md, "Nonblocking calls")."""
+        return self._post(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE),
+                          "iallreduce")
+
+    def barrier(self, timeout=None):
+        """Return once every rank has entered the barrier."""
+        return self._now(self._prep_barrier(timeout))
+
+    def ibarrier(self, timeout=None):
+        """barrier, nonblocking: a Request whose result is None."""
+        return self._post(self._prep_barrier(timeout), "ibarrier")
+
+    def _prep_barrier(self, timeout):
+        deadline = _deadline(timeout)
+        return lambda: self._collective(KIND_BARRIER, OPS["max"], _U1, None, None, (), deadline)
+
+    # ---- running a prepared call: at once, or posted to the progress thread ----
+
+    def _idle(self) -> bool:
+        """No nonblocking call outstanding: a blocking call may run at once, in this thread."""
+        progress = self._progress
+        return progress is None or not progress.outstanding
+
+    def _now(self, run):
+        """A blocking call: run the prepared call at once when nothing is outstanding, else post
+        it behind the outstanding calls and wait for it (calls complete in issue order)."""
+        progress = self._progress
+        if progress is None or not progress.outstanding:
+            if not self._exec.acquire(False):
+                raise ShmtreeError(_CONCURRENT)
+            try:
+                return run()
+            finally:
+                self._exec.release()
+        if progress.is_current_thread():
+            raise ShmtreeError("shmtree: a collective cannot be made inside a completion "
+                               "callback (it runs in the progress thread, behind the calls "
+                               "still queued there); post it with an i-call, or make it after")
+        request = self._post(run, "call")
+        try:
+            return request.result()
+        except BaseException:
+            if not request.done():           # interrupted while waiting for a blocking call
+                self.group.abort(ABORT_FAILED, self.rank,
+                                 note="interrupted while waiting for a blocking call queued "
+                                      "behind nonblocking ones")
+            raise
+
+    def _post(self, run, name):
+        """Hand a prepared call to the progress thread (started on first use): a Request."""
+        if self._closed or self._gen != _fork_gen or self.group._closed:
+            self._check_usable()
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = Progress(f"shmtree-progress-rank{self.rank}", self._exec)
+        self._posted += 1
+        return progress.post(Request(name, self._posted, progress), run)
+
+    def _quick(self, array, op, out, deadline, kind, dims=None, limit=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
         of inline messages), with descriptor kind `kind`: the result, or None when the general
         path must take the call (engine.quick also declines a call while another thread of this
-        rank is inside one: that call then fails on the general path).  dims: the descriptor's
-        shape, when it is not the array's; limit: the largest message that travels inline
-        (small_bytes unless said)."""
+        rank is inside one: that call then fails on the general path).  deadline: None or a
+        time.monotonic() value; dims: the descriptor's shape, when it is not the array's;
+        limit: the largest message that travels inline (small_bytes unless said)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
-        t0 = 0.0 if timeout is None else time.monotonic()
         try:
-            r = eng.quick(array, op, out, limit or self._small_bytes, SLICE_NS, timeout, kind,
-                          dims)
+            r = eng.quick(array, op, out, limit or self._small_bytes, SLICE_NS,
+                          None if deadline is None else max(0.0, deadline - time.monotonic()),
+                          kind, dims)
             if r is None:
                 return None
             if r[0] != _engine.DONE:
-                self._drive(eng.seq, None if timeout is None else t0 + timeout, r[0])
+                self._drive(eng.seq, deadline, r[0])
             return r[1]
         except BaseException:
             self._interrupted(eng)
             raise
 
-    def _reducing(self, array, op, out, timeout, kind, root=None):
-        """The general path of a reducing collective (allreduce and reduce): local checks,
-        contiguous source and destination, then the call with descriptor kind `kind`.  With a
-        root (reduce) a large message runs the engine's pipelined chain to the root, and ranks
-        other than the root write nothing."""
+    def _prep_reducing(self, array, op, out, timeout, kind, root=None):
+        """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
+        and prepared: the destination is allocated now, the call runs later.  With a root
+        (reduce) a large message runs the engine's pipelined chain to the root, ranks other
+        than the root write nothing and get None."""
         if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
             raise TypeError("shmtree: masked arrays are not supported (the mask would be "
                             "dropped); reduce array.filled(...) or the mask separately")
         a = array if type(array) is np.ndarray else np.asarray(array)
         opc, dtc = reduction_codes(op, a.dtype)
-        flags = a.flags
-        src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
         result, dst, copy_back = _destination(a, out)
-        if src is not dst and _overlaps(src, dst):
-            src = src.copy()                  # out overlaps the input without being it
-        if root is not None and self._own_algorithm("reduce", src.nbytes):  # (else: the allreduce)
-            self._collective(kind, opc, dtc, src, dst if self.rank == root else None, a.shape,
-                             timeout, coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
-            return result if self.rank == root else None
-        self._collective(kind, opc, dtc, src, dst, a.shape, timeout)
-        if copy_back is not None:
-            copy_back[...] = dst.reshape(copy_back.shape)
-        return result
+        deadline = _deadline(timeout)
+        mine = root is None or root == self.rank
+
+        def run():
+            flags = a.flags
+            src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
+            if src is not dst and _overlaps(src, dst):
+                src = src.copy()              # out overlaps the input without being it
+            if root is not None and self._own_algorithm("reduce", src.nbytes):
+                self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
+                                 coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
+            else:                             # (reduce of an inline message: the allreduce)
+                self._collective(kind, opc, dtc, src, dst, a.shape, deadline)
+                if copy_back is not None and mine:
+                    copy_back[...] = dst.reshape(copy_back.shape)
+            return result if mine else None
+        return run
 
     def _own_algorithm(self, collective, nbytes) -> bool:
         """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than
@@ -161,17 +231,19 @@ class Communicator(Collectives):
         here): where the NUMA policy put them."""
         return self.group.ring_placement([self.rank])
 
-    def barrier(self, timeout=None):
-        """Return once every rank has entered the barrier."""
-        self._collective(KIND_BARRIER, OPS["max"], _kernels.DTYPE_CODES["u1"], None, None, (),
-                         timeout)
-
     def close(self):
         """Leave the group (local, not a collective): later calls raise, peers that wait for
         this rank in a collective it never made fail at once, and the process gets back the CPU
-        mask it had before it joined."""
+        mask it had before it joined.  Nonblocking calls still outstanding are waited for
+        first."""
         if self._closed:
             return
+        if self._progress is not None and self._pid == os.getpid() \
+                and self._gen == _fork_gen:
+            if self._progress.is_current_thread():
+                raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
+                                   "completion callback (its calls run in that thread)")
+            self._progress.stop()
         self._closed = True
         if self._pid == os.getpid() and self._gen == _fork_gen:
             try:
@@ -196,15 +268,14 @@ class Communicator(Collectives):
 
     # ---- one collective ----
 
-    def _collective(self, kind, opc, dtc, src, dst, shape, timeout, coll=None, limit=None):
-        """One call of the engine: an allreduce of src into dst, or with coll = (collective,
-        nbytes, root position, block offsets) one of the engine's other collectives; limit as
-        for _quick."""
+    def _collective(self, kind, opc, dtc, src, dst, shape, deadline, coll=None, limit=None):
+        """One call of the engine (by the thread that holds the executor lock): an allreduce of
+        src into dst, or with coll = (collective, nbytes, root position, block offsets) one of
+        the engine's other collectives; deadline and limit as for _quick."""
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
-        deadline = None if timeout is None else time.monotonic() + _timeout_s(timeout)
         eng = self._engine
-        if eng.in_call or not self._lock.acquire(False):
+        if eng.in_call:
             raise ShmtreeError(_CONCURRENT)
         try:
             itemsize = src.itemsize if src is not None else 1
@@ -221,8 +292,6 @@ class Communicator(Collectives):
         except BaseException:
             self._interrupted(eng)           # (only a call this thread began)
             raise
-        finally:
-            self._lock.release()
 
     def _interrupted(self, eng):
         """An exception (an interrupt, an error) left this thread's call half-done: forget it and
@@ -399,12 +468,6 @@ def _moved_text(kind, shape, nbytes):
     return f"{name}({nbytes} bytes)"
 
 
-def _timeout_s(timeout):
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
-    return float(timeout)
-
-
 def _destination(a, out):
     """(result to return, aligned C-contiguous array the engine writes, array to copy it back
     into or None)."""
@@ -523,6 +586,30 @@ def reduce_scatter(array, op="sum", *, out=None, timeout=None):
 
 def barrier(timeout=None):
     return current().barrier(timeout=timeout)
+
+
+def iallreduce(array, op="sum", *, out=None, timeout=None):
+    return current().iallreduce(array, op, out=out, timeout=timeout)
+
+
+def ibroadcast(array, root=0, *, out=None, timeout=None):
+    return current().ibroadcast(array, root, out=out, timeout=timeout)
+
+
+def ireduce(array, op="sum", root=0, *, out=None, timeout=None):
+    return current().ireduce(array, op, root, out=out, timeout=timeout)
+
+
+def iallgather(array, *, axis=None, out=None, timeout=None):
+    return current().iallgather(array, axis=axis, out=out, timeout=timeout)
+
+
+def ireduce_scatter(array, op="sum", *, out=None, timeout=None):
+    return current().ireduce_scatter(array, op, out=out, timeout=timeout)
+
+
+def ibarrier(timeout=None):
+    return current().ibarrier(timeout=timeout)
 
 
 def rank() -> int:

@@ -1,0 +1,202 @@
+"""Nonblocking collectives (docs/design.md, "Nonblocking calls"): Request, wait_all, and the
+progress thread that runs a communicator's posted calls.
+
+A nonblocking call (Communicator.iallreduce & co.) checks its arguments at once - a local error
+is raised by the posting call itself - and hands the prepared call (a function that runs its
+engine rounds) to the communicator's progress thread, which runs the posted calls one after the
+other, in the order they were posted, on the engine with the GIL released while it waits for
+peers.  A blocking call is the same prepared call run at once by the calling thread when nothing
+is outstanding, or posted and waited for when something is (so issue order always holds).
+
+Whoever runs a call holds the communicator's executor lock for its duration (the engine runs one
+call at a time).  The thread is started on a communicator's first nonblocking call, sleeps on a
+lock (a futex) when its queue is empty, and is stopped by Communicator.close after the queue has
+drained.  Completion callbacks run in it after the call is over, with no lock held; one that
+raises is logged (concurrent.futures does it) and changes nothing else.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+from .errors import ShmtreeError
+
+__all__ = ["Request", "wait_all"]
+
+_log = logging.getLogger("shmtree")
+SPIN_S = 50e-6          # an idle progress thread polls its queue this long before it sleeps
+
+
+class Request(concurrent.futures.Future):
+    """The result of a nonblocking collective, a concurrent.futures.Future: result(timeout),
+    done(), exception(timeout), add_done_callback(fn) - so concurrent.futures.wait and
+    asyncio.wrap_future work - and wait(timeout) (= result) and test() (= done).
+
+    The call's input must not be modified, nor its `out` read, until the request is done.
+    result(timeout) running out raises TimeoutError and leaves the call running; cancel()
+    returns False (every rank must make the call)."""
+
+    def __init__(self, name: str, number: int, progress: "Progress"):
+        super().__init__()
+        self.name = name              # e.g. "iallreduce"
+        self.number = number          # issue order among the communicator's calls
+        self._pid = os.getpid()
+        self._progress = progress
+
+    def cancel(self):
+        return False
+
+    def wait(self, timeout=None):
+        """The call's result (as result)."""
+        return self.result(timeout)
+
+    def test(self):
+        """Is the call over (completed or failed)?  (as done)"""
+        return self.done()
+
+    def result(self, timeout=None):
+        self._check_waitable()
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._check_waitable()
+        return super().exception(timeout)
+
+    def _check_waitable(self):
+        if self.done():
+            return
+        if os.getpid() != self._pid:
+            raise ShmtreeError(f"shmtree: {self.name} #{self.number} was posted by process "
+                               f"{self._pid}; a forked child cannot wait for it (the call "
+                               "runs in the parent)")
+        if self._progress.is_current_thread():
+            raise ShmtreeError(f"shmtree: waiting for {self.name} #{self.number} inside a "
+                               "completion callback would never end (callbacks run in the "
+                               "progress thread, which runs the calls); wait elsewhere")
+
+    def __repr__(self):
+        state = "pending" if not self.done() else (
+            "failed" if super().exception() is not None else "done")
+        return f"<shmtree.Request {self.name} #{self.number} {state}>"
+
+
+def wait_all(requests, timeout=None) -> list:
+    """The results of `requests`, once all are done, in the order given.  If any failed, raises
+    the failure of the one posted first.  timeout: seconds for all of them together (then
+    TimeoutError; the calls keep running)."""
+    requests = list(requests)
+    for r in requests:
+        if not isinstance(r, Request):
+            raise TypeError(f"shmtree.wait_all: expected shmtree.Request objects, got "
+                            f"{type(r).__name__}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for r in requests:
+        r._check_waitable()
+    done, pending = concurrent.futures.wait(
+        requests, None if deadline is None else max(0.0, deadline - time.monotonic()))
+    if pending:
+        raise TimeoutError(f"shmtree.wait_all: {len(pending)} of {len(requests)} request(s) "
+                           f"not done after {timeout} s")
+    failed = [r for r in requests if r.exception() is not None]
+    if failed:
+        raise min(failed, key=lambda r: r.number).exception()
+    return [r.result() for r in requests]
+
+
+class Progress:
+    """The progress thread of one communicator and its queue of posted calls."""
+
+    def __init__(self, name: str, executor: threading.Lock):
+        self._name = name
+        self._exec = executor             # held while a call runs (also by blocking callers)
+        self._queue = collections.deque() # (request, run)
+        self._lock = threading.Lock()     # the queue, outstanding, the sleeping flag
+        self._bell = threading.Lock()     # released to wake the sleeping thread
+        self._bell.acquire()
+        self._sleeping = False
+        self._stopping = False
+        self._thread = None
+        self.outstanding = 0              # posted and not yet over
+        self.last = None                  # the request posted last
+
+    def is_current_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def post(self, request: Request, run) -> Request:
+        with self._lock:
+            if self._stopping:
+                raise ShmtreeError("shmtree: this communicator is closed")
+            self._queue.append((request, run))
+            self.outstanding += 1
+            self.last = request
+            ring, self._sleeping = self._sleeping, False
+            start = self._thread is None
+            if start:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+        if start:
+            self._thread.start()
+        elif ring:
+            self._bell.release()
+        return request
+
+    def drain(self):
+        """Wait until every posted call is over (not from the progress thread)."""
+        last = self.last
+        if last is not None and self.outstanding:
+            concurrent.futures.wait([last])
+
+    def stop(self):
+        """Drain, then end the thread."""
+        self.drain()
+        with self._lock:
+            self._stopping = True
+            ring, self._sleeping = self._sleeping, False
+            thread = self._thread
+        if ring:
+            self._bell.release()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _loop(self):
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            request, run = item
+            request.set_running_or_notify_cancel()
+            error = result = None
+            try:
+                with self._exec:
+                    result = run()
+            except BaseException as exc:      # the request's failure
+                error = exc
+            with self._lock:
+                self.outstanding -= 1
+            try:                              # (callbacks run here, after the call)
+                if error is None:
+                    request.set_result(result)
+                else:
+                    request.set_exception(error)
+            except BaseException:             # a callback that escaped Future's own logging
+                _log.exception("shmtree: a completion callback of %r raised", request)
+
+    def _next(self):
+        """The next posted call, after a short poll and then sleeping when there is none;
+        None once stopping with nothing left."""
+        spin_end = time.monotonic() + SPIN_S
+        while True:
+            with self._lock:
+                if self._queue:
+                    return self._queue.popleft()
+                if self._stopping:
+                    return None
+                sleep = self._sleeping = time.monotonic() >= spin_end
+            if sleep:       # one release (by whoever turns _sleeping off) per acquire
+                self._bell.acquire()
+                spin_end = time.monotonic() + SPIN_S
+            else:
+                time.sleep(0)                 # (yields the GIL and the CPU)
