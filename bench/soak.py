@@ -3,6 +3,7 @@
 
     python bench/soak.py --seconds 60            # human summary
     python bench/soak.py --seconds 20 --json     # one JSON object on stdout
+    python bench/soak.py --requests 100000 --procs 2   # nonblocking: 64 outstanding
 
 What it does:
 - runs in segments (--segment-seconds); each segment is one shmtree.run of --procs ranks
@@ -158,6 +159,86 @@ def soak_worker(comm, seed, deadline, max_bytes, sleep_ms, call_timeout):
 
 
 # ---------------------------------------------------------------------------------------------
+# nonblocking: many requests outstanding (--requests N)
+
+REQUEST_KINDS = ("iallreduce", "ibroadcast", "ireduce", "iallgather", "ireduce_scatter",
+                 "ibarrier")
+
+
+def request_worker(comm, total, window, seed, max_bytes):
+    """Post `total` nonblocking calls, at most `window` outstanding, each checked when it is
+    done (oldest first); the process's threads, descriptors and resident memory are sampled
+    after a warm-up and at the end."""
+    import threading
+
+    import psutil
+
+    rng = np.random.default_rng(seed)            # the same draws on every rank
+    P, me = comm.size, comm.rank
+    proc = psutil.Process()
+    pending = []
+    checked = errors = 0
+    samples = []
+
+    def check(kind, n, i, req):
+        got = req.result()
+        want = np.full(n, float(i % 97))
+        if kind == "iallreduce":
+            ok = np.array_equal(got, want * P * (P + 1) / 2)
+        elif kind == "ibroadcast":
+            ok = np.array_equal(got, want + (i % P))
+        elif kind == "ireduce":
+            ok = (got is None) if me != i % P else np.array_equal(got, want * P * (P + 1) / 2)
+        elif kind == "iallgather":
+            ok = np.array_equal(got, np.stack([want * (r + 1) for r in range(P)]))
+        elif kind == "ireduce_scatter":
+            full = want * P * (P + 1) / 2
+            ok = np.array_equal(got, np.array_split(full, P)[me])
+        else:
+            ok = got is None
+        return ok
+
+    for i in range(total):
+        kind = REQUEST_KINDS[int(rng.integers(len(REQUEST_KINDS)))]
+        n = int(2 ** rng.uniform(0, math.log2(max(2, max_bytes // 8))))
+        x = np.full(n, float(i % 97)) * (me + 1)
+        if kind == "iallreduce":
+            req = comm.iallreduce(x)
+        elif kind == "ibroadcast":
+            root = i % P
+            req = comm.ibroadcast(np.full(n, float(i % 97)) + root if me == root else None,
+                                  root)
+        elif kind == "ireduce":
+            req = comm.ireduce(x, root=i % P)
+        elif kind == "iallgather":
+            req = comm.iallgather(x)
+        elif kind == "ireduce_scatter":
+            req = comm.ireduce_scatter(x)
+        else:
+            req = comm.ibarrier()
+        pending.append((kind, n, i, req, x))
+        if len(pending) >= window:
+            kind_, n_, i_, req_, _ = pending.pop(0)
+            errors += not check(kind_, n_, i_, req_)
+            checked += 1
+        if i == min(2000, total // 10) or i == total - 1:
+            samples.append((threading.active_count(), proc.num_fds(), proc.memory_info().rss))
+    for kind_, n_, i_, req_, _ in pending:
+        errors += not check(kind_, n_, i_, req_)
+        checked += 1
+    return dict(checked=checked, errors=errors, threads=[s[0] for s in samples],
+                fds=[s[1] for s in samples], rss_mib=[round(s[2] / 2 ** 20, 1) for s in samples])
+
+
+def request_soak(total, procs, window, seed, max_kib):
+    t0 = time.time()
+    per_rank = shmtree.run(request_worker, procs, args=(total, window, seed, max_kib << 10))
+    return dict(requests=total, procs=procs, window=window, seed=seed,
+                wall_s=round(time.time() - t0, 2), per_rank=per_rank,
+                errors=sum(r["errors"] for r in per_rank))
+
+
+# ---------------------------------------------------------------------------------------------
 # the parent
 
 def soak(seconds, procs, max_mib, seed, segment_seconds, sleep_ms, call_timeout, progress):
@@ -232,8 +313,27 @@ def main(argv=None):
                     help="timeout= of every call, s (a hang is reported, not waited out)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--progress", action="store_true", help="one line per segment on stderr")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="instead: post this many nonblocking calls (mixed collectives and "
+                         "sizes, --window outstanding), check each, and report threads, "
+                         "descriptors and memory after a warm-up and at the end")
+    ap.add_argument("--window", type=int, default=64, help="outstanding requests (default 64)")
+    ap.add_argument("--max-kib", type=int, default=256,
+                    help="largest message of --requests, KiB (default 256)")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if args.requests:
+        report = request_soak(args.requests, args.procs, args.window, seed, args.max_kib)
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            print(f"request soak: {report['requests']} requests, P={report['procs']}, "
+                  f"{report['window']} outstanding, seed {seed}, {report['wall_s']} s")
+            for r, got in enumerate(report["per_rank"]):
+                print(f"  rank {r}: {got['checked']} checked, {got['errors']} wrong; threads "
+                      f"{got['threads']}, fds {got['fds']}, RSS MiB {got['rss_mib']} "
+                      "(after warm-up, at the end)")
+        return 0 if report["errors"] == 0 else 1
     report = soak(args.seconds, args.procs, args.max_mib, seed, args.segment_seconds,
                   args.sleep_ms, args.call_timeout, args.progress)
     if args.json:

@@ -158,8 +158,8 @@ class Communicator(Collectives):
         progress = self._progress
         if progress is None:
             progress = self._progress = Progress(f"shmtree-progress-rank{self.rank}", self._exec)
-        self._posted += 1
-        return progress.post(Request(name, self._posted, progress), run)
+        n = self._posted = self._posted + 1
+        return progress.post(Request(name, n, progress), run)
 
     def _quick(self, array, op, out, deadline, kind, dims=None, limit=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
@@ -186,19 +186,21 @@ class Communicator(Collectives):
 
     def _prep_reducing(self, array, op, out, timeout, kind, root=None):
         """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
-        and prepared: the destination is allocated now, the call runs later.  With a root
+        and prepared (the result is allocated when the call runs).  With a root
         (reduce) a large message runs the engine's pipelined chain to the root, ranks other
         than the root write nothing and get None."""
-        if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
-            raise TypeError("shmtree: masked arrays are not supported (the mask would be "
-                            "dropped); reduce array.filled(...) or the mask separately")
+        if type(array) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+            if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
+                raise TypeError("shmtree: masked arrays are not supported (the mask would be "
+                                "dropped); reduce array.filled(...) or the mask separately")
         a = array if type(array) is np.ndarray else np.asarray(array)
         opc, dtc = reduction_codes(op, a.dtype)
-        result, dst, copy_back = _destination(a, out)
-        deadline = _deadline(timeout)
+        dest = None if out is None else _destination(a, out)     # (out is checked now)
+        deadline = None if timeout is None else _deadline(timeout)
         mine = root is None or root == self.rank
 
         def run():
+            result, dst, copy_back = dest or _destination(a, None)
             flags = a.flags
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
             if src is not dst and _overlaps(src, dst):

@@ -41,11 +41,31 @@ class Request(concurrent.futures.Future):
     returns False (every rank must make the call)."""
 
     def __init__(self, name: str, number: int, progress: "Progress"):
-        super().__init__()
+        if _LAZY:                     # Future.__init__ less its Condition: made on first use
+            self._state = "PENDING"
+            self._result = self._exception = None
+            self._waiters = []
+            self._done_callbacks = []
+        else:
+            super().__init__()
         self.name = name              # e.g. "iallreduce"
         self.number = number          # issue order among the communicator's calls
-        self._pid = os.getpid()
+        self._pid = _PID[0]
         self._progress = progress
+
+    def _get_condition(self):
+        """Future's lock and condition, made by whoever needs it first (most often the
+        progress thread, when the call is over): posting stays cheap."""
+        cond = self.__dict__.get("_cond")
+        if cond is None:
+            with _MAKING:
+                cond = self.__dict__.get("_cond")
+                if cond is None:
+                    cond = self.__dict__["_cond"] = threading.Condition()
+        return cond
+
+    def _set_condition(self, cond):
+        self.__dict__["_cond"] = cond
 
     def cancel(self):
         return False
@@ -82,6 +102,22 @@ class Request(concurrent.futures.Future):
         state = "pending" if not self.done() else (
             "failed" if super().exception() is not None else "done")
         return f"<shmtree.Request {self.name} #{self.number} {state}>"
+
+
+def _future_fields_are_known() -> bool:
+    """Does Future.__init__ set exactly the fields Request sets itself (the same in CPython 3.8
+    to 3.13)?  If not, Request calls it (posting then costs about a microsecond more)."""
+    f = concurrent.futures.Future()
+    return set(vars(f)) == {"_condition", "_state", "_result", "_exception", "_waiters",
+                            "_done_callbacks"} and f._state == "PENDING"
+
+
+_LAZY = _future_fields_are_known()
+_MAKING = threading.Lock()
+_PID = [os.getpid()]                  # (os.getpid, kept up to date across forks)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+if _LAZY:
+    Request._condition = property(Request._get_condition, Request._set_condition)
 
 
 def wait_all(requests, timeout=None) -> list:

@@ -7,6 +7,7 @@
                                        that collective: shmtree vs MPI and the copy
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
     shmtree-bench topology [...]       the plan a shmtree.Group with these options runs
+    shmtree-bench overlap [...]        nonblocking calls: posting cost, overlap with computation
     shmtree-bench --version            "shmtree-bench <shmtree's version>"
 
 Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
@@ -25,12 +26,12 @@ import signal
 import sys
 import threading
 
-from . import compare, machine, numa, plot, report, sweep
+from . import compare, machine, numa, overlap, plot, report, sweep
 from .harness import BenchError
 from .measure import COLLECTIVES, MOVES_ONLY, TARGET_S, Plan
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
-COMMANDS = ("allreduce", "compare", "numa", "topology")
+COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M"}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
 QUICK_TARGET_S = 0.02                       # numa --quick: seconds of timed calls per cell
@@ -160,6 +161,24 @@ def build_parser():
                    help="write the plan as JSON (trees as parent lists, schedule, chunk, slots, "
                         "small_bytes, digest)")
     _group_arguments(p)
+    p = sub.add_parser(
+        "overlap", help="nonblocking calls: posting cost, blocking cost, overlap",
+        description="Posting cost of an 8-byte iallreduce, the blocking 8-byte allreduce "
+                    "before and after nonblocking use, and how much of an allreduce of --size "
+                    "bytes hides behind a computation of the same length (sleep, numpy that "
+                    "releases the GIL, pure Python).")
+    p.add_argument("-n", "--nprocs", type=_arg(_positive), default=2,
+                   help="processes (default: 2)")
+    p.add_argument("--size", type=_arg(_positive_size), default=16 << 20,
+                   help="bytes of the overlapped allreduce (default 16M)")
+    p.add_argument("--repeats", type=_arg(_positive), default=15,
+                   help="timed repetitions of each overlap measurement (default 15)")
+    p.add_argument("--posts", type=_arg(_positive), default=2000,
+                   help="timed 8-byte calls for the posting and blocking figures (default 2000)")
+    p.add_argument("--compute", default=",".join(overlap.COMPUTES),
+                   help=f"comma-separated subset of {','.join(overlap.COMPUTES)}")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    _group_arguments(p)
     return parser
 
 
@@ -206,7 +225,7 @@ def _main(argv):
     try:
         args = parse(argv)
         return {"allreduce": cmd_allreduce, "compare": cmd_compare, "numa": cmd_numa,
-                "topology": cmd_topology}[args.command](args)
+                "topology": cmd_topology, "overlap": cmd_overlap}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1
@@ -498,3 +517,37 @@ def plan_as_dict(plan):
         "node_of": list(plan.node_of), "numa": plan.numa, "stall_timeout": plan.stall_timeout,
         "digest": plan.digest().hex(), "describe": plan.describe(),
     }
+
+
+def cmd_overlap(args):
+    computes = [c for c in args.compute.split(",") if c]
+    bad = [c for c in computes if c not in overlap.COMPUTES]
+    if bad or not computes:
+        print(f"shmtree-bench overlap: error: --compute takes {','.join(overlap.COMPUTES)}, "
+              f"got {args.compute!r}", file=sys.stderr)
+        return 2
+    options = _options(args)
+    try:
+        got = overlap.run_overlap(args.nprocs, args.size, args.repeats, computes, args.posts,
+                                  options)
+    except Exception as exc:
+        raise _shmtree_failure(exc) from exc
+    knobs = ", ".join(f"{k}={v}" for k, v in options.items()) or "default group options"
+    print(f"# shmtree {machine.shmtree_version()} overlap: {args.nprocs} processes, {knobs}, "
+          f"{_usable()} usable cores; every figure the slowest rank's median")
+    print(f"8 B iallreduce, posting only:        {got['post_us']:8.2f} us")
+    print(f"8 B allreduce, blocking, before:     {got['blocking_before_us']:8.2f} us")
+    print(f"8 B allreduce, blocking, after:      {got['blocking_after_us']:8.2f} us  "
+          f"(x{got['blocking_after_us'] / got['blocking_before_us']:.2f})")
+    T = got["T_us"]
+    print(f"\n{format_size(args.size)} allreduce, blocking: T = {T:.0f} us; O = iallreduce + "
+          "compute C + wait; O / max(T, C): 1 is full overlap, about 2 none")
+    print(f"{'compute':>8}  {'C (us)':>9}  {'O (us)':>9}  {'O/max(T,C)':>10}  {'no overlap':>10}")
+    for kind, row in got["overlap"].items():
+        print(f"{kind:>8}  {row['C_us']:9.0f}  {row['O_us']:9.0f}  {row['ratio']:10.2f}  "
+              f"{row['serial_ratio']:10.2f}")
+    if args.json:
+        report.write_json(args.json, {"command": "overlap", "argv": args.argv,
+                                      "nprocs": args.nprocs, "size": args.size,
+                                      "group_options": options, "results": got})
+    return 0
