@@ -122,25 +122,22 @@ class Communicator(Collectives):
     # ---- running a prepared call: at once, or posted to the progress thread ----
 
     def _idle(self) -> bool:
-        """No nonblocking call outstanding: a blocking call may run at once, in this thread."""
+        """No nonblocking call outstanding (and this is not the progress thread): a blocking
+        call may run at once, in this thread."""
         progress = self._progress
-        return progress is None or not progress.outstanding
+        return progress is None or not (progress.outstanding or progress.is_current_thread())
 
     def _now(self, run):
         """A blocking call: run the prepared call at once when nothing is outstanding, else post
         it behind the outstanding calls and wait for it (calls complete in issue order)."""
         progress = self._progress
-        if progress is None or not progress.outstanding:
+        if progress is None or not (progress.outstanding or progress.is_current_thread()):
             if not self._exec.acquire(False):
                 raise ShmtreeError(_CONCURRENT)
             try:
                 return run()
             finally:
                 self._exec.release()
-        if progress.is_current_thread():
-            raise ShmtreeError("shmtree: a collective cannot be made inside a completion "
-                               "callback (it runs in the progress thread, behind the calls "
-                               "still queued there); post it with an i-call, or make it after")
         request = self._post(run, "call")
         try:
             return request.result()
@@ -156,6 +153,8 @@ class Communicator(Collectives):
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
         progress = self._progress
+        if progress is not None and progress.is_current_thread():
+            raise ShmtreeError(_IN_CALLBACK)
         if progress is None:
             progress = self._progress = Progress(f"shmtree-progress-rank{self.rank}", self._exec)
         n = self._posted = self._posted + 1
@@ -518,6 +517,9 @@ def _overlaps(a, b) -> bool:
 _current: Communicator | None = None
 _pool_group = None      # (group, fork generation) in a Pool worker, even one without a rank
 _fork_gen = 0           # incremented in every forked child: communicators are not inherited
+_IN_CALLBACK = ("shmtree: a collective cannot be made inside a completion callback: callbacks "
+                "run in the progress thread, where the order of the rank's calls could no "
+                "longer be the same on every rank; make the call after waiting instead")
 _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on the same "
                "communicator; collectives of one rank must not overlap")
 

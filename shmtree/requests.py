@@ -78,18 +78,29 @@ class Request(concurrent.futures.Future):
         """Is the call over (completed or failed)?  (as done)"""
         return self.done()
 
+    def done(self):
+        if self._pid != _PID[0]:          # a forked child: the lock may have been held at fork
+            return self._state == "FINISHED"
+        return super().done()
+
     def result(self, timeout=None):
         self._check_waitable()
+        if self._pid != _PID[0]:          # (done before the fork: what the parent had then)
+            if self._exception is not None:
+                raise self._exception
+            return self._result
         return super().result(timeout)
 
     def exception(self, timeout=None):
         self._check_waitable()
+        if self._pid != _PID[0]:
+            return self._exception
         return super().exception(timeout)
 
     def _check_waitable(self):
         if self.done():
             return
-        if os.getpid() != self._pid:
+        if self._pid != _PID[0]:
             raise ShmtreeError(f"shmtree: {self.name} #{self.number} was posted by process "
                                f"{self._pid}; a forked child cannot wait for it (the call "
                                "runs in the parent)")

@@ -612,3 +612,27 @@ def test_numa_matrix_with_two_nodes(monkeypatch):
     mat = numa.matrix(1 << 20, Plan(iters=2))
     assert mat["nodes"] == [0, 1] and all(len(r) == 2 for r in mat["read_gbs"])
     assert numa.one_node_note(mat) is None
+
+
+@needs_shmtree
+@pytest.mark.timeout(120)
+def test_overlap_reports_posting_blocking_and_overlap(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert main(["overlap", "--size", "256K", "--repeats", "2", "--posts", "30",
+                 "--compute", "sleep,numpy", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "iallreduce, posting only" in text and "blocking, after" in text
+    doc = json.loads(out.read_text())
+    got = doc["results"]
+    assert set(got["overlap"]) == {"sleep", "numpy"}
+    for key in ("post_us", "blocking_before_us", "blocking_after_us", "T_us"):
+        assert got[key] > 0
+    for row in got["overlap"].values():
+        assert row["O_us"] > 0 and row["C_us"] > 0
+        assert row["ratio"] == pytest.approx(row["O_us"] / max(got["T_us"], row["C_us"]))
+
+
+@timeout
+def test_overlap_refuses_an_unknown_computation(capsys):
+    assert main(["overlap", "--compute", "sleep,gpu"]) == 2
+    assert "--compute takes sleep,numpy,python" in capsys.readouterr().err
