@@ -15,8 +15,8 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostEr
                      WorkerError)
 from .topology import Topology
 from .api import (Communicator, Group, Pool, Request, allgather, allreduce, barrier, broadcast,
-                  current, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
-                  ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all)
+                  current, empty, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
+                  ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all, zeros)
 
 __all__ = [
     "__version__",
@@ -24,7 +24,7 @@ __all__ = [
     "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier", "rank", "size",
     "current",
     "iallreduce", "ibroadcast", "ireduce", "iallgather", "ireduce_scatter", "ibarrier",
-    "Request", "wait_all",
+    "Request", "wait_all", "empty", "zeros",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
     "WorkerError",

@@ -236,3 +236,59 @@ def gather_fill(cnp.ndarray a, int rank, int P, out=None):
     Py_INCREF(res)
     cnp.PyArray_SetBaseObject(flat, res)
     return res, flat
+
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int PROT_READ, PROT_WRITE, MAP_SHARED
+    void *MAP_FAILED
+
+
+cdef class Mapping:
+    """A shared mapping of a whole memfd (shared.py), as a writable buffer; unlike mmap.mmap it
+    keeps no descriptor (the caller closes its own at once), and unmaps when it goes."""
+    cdef char *base
+    cdef readonly Py_ssize_t size
+    cdef Py_ssize_t shape[1]
+    cdef int exports
+    cdef object __weakref__
+
+    def __cinit__(self, int fd, Py_ssize_t size):
+        if size <= 0:
+            raise ValueError("shmtree: a mapping needs a positive size")
+        cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(errno, f"shmtree: mmap of {size} bytes failed")
+        self.base = <char *>p
+        self.size = size
+        self.shape[0] = size
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+
+    @property
+    def address(self):
+        return <size_t>self.base
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        view.buf = self.base
+        view.obj = self
+        view.len = self.size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = "B"
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.exports -= 1

@@ -19,13 +19,14 @@ This module only re-exports them.  `_rebuild_group` stays importable here: Group
 older versions name it as shmtree.api._rebuild_group.
 """
 from .communicator import (Communicator, Request, allgather, allreduce, barrier, broadcast,
-                           current, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
-                           ireduce_scatter, rank, reduce, reduce_scatter, size, wait_all)
+                           current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
+                           ireduce, ireduce_scatter, rank, reduce, reduce_scatter, size,
+                           wait_all, zeros)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from .launch import run
 from .pool import Pool
 
 __all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "broadcast", "reduce",
            "allgather", "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce",
-           "iallgather", "ireduce_scatter", "ibarrier", "Request", "wait_all", "rank", "size",
-           "current"]
+           "iallgather", "ireduce_scatter", "ibarrier", "Request", "wait_all", "empty", "zeros",
+           "rank", "size", "current"]

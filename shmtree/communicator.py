@@ -30,17 +30,19 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 
 from . import _engine, _kernels, _moving, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES, KIND_ROOT_STEP,
-                    ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
+                    ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
+                    KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .collectives import Collectives, _deadline
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
 from .requests import Progress, Request, wait_all
+from .shared import SINGLE_COPY_MIN, SharedArrays
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
-           "ireduce_scatter", "ibarrier", "Request", "wait_all", "rank", "size"]
+           "ireduce_scatter", "ibarrier", "Request", "wait_all", "empty", "zeros", "rank",
+           "size"]
 
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
@@ -65,6 +67,7 @@ class Communicator(Collectives):
         self._exec = threading.Lock()         # held by whoever runs a call (requests.py)
         self._progress = None                 # the progress thread, from the first i-call
         self._posted = 0                      # calls posted to it so far
+        self._shared = None                   # shared arrays (shared.py), from the first empty()
         self._closed = False
         specs = [group.layout.engine_spec(ch, rank) for ch in range(len(group.layout.channels))]
         self._seg = group._seg
@@ -96,7 +99,8 @@ class Communicator(Collectives):
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        if self._idle():
+        if self._idle() and (self._shared is None or type(array) is not np.ndarray
+                             or array.nbytes < SINGLE_COPY_MIN):
             result = self._quick(array, op, out, _deadline(timeout), KIND_ALLREDUCE)
             if result is not None:
                 return result
@@ -204,15 +208,50 @@ class Communicator(Collectives):
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
             if src is not dst and _overlaps(src, dst):
                 src = src.copy()              # out overlaps the input without being it
-            if root is not None and self._own_algorithm("reduce", src.nbytes):
+            if root is None and kind == KIND_ALLREDUCE and self._shared is not None \
+                    and self._shared.count and src.nbytes >= SINGLE_COPY_MIN \
+                    and src.nbytes > self._small_bytes and self.size > 1 \
+                    and self._shared.allreduce(src, dst, opc, kind, deadline):
+                pass                          # read and written in the shared arrays
+            elif root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
                                  coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
             else:                             # (reduce of an inline message: the allreduce)
                 self._collective(kind, opc, dtc, src, dst, a.shape, deadline)
-                if copy_back is not None and mine:
-                    copy_back[...] = dst.reshape(copy_back.shape)
+            if copy_back is not None and mine:
+                copy_back[...] = dst.reshape(copy_back.shape)
             return result if mine else None
         return run
+
+    # ---- shared arrays (shared.py) ----
+
+    def empty(self, shape, dtype=float, order="C"):
+        """A collective: a writable array every member can read, on every rank (each rank its
+        own), with the same shape and dtype everywhere.  Allreduces of such arrays (input and
+        out=) run single-copy, reading and writing them in place.  The memory lives while this
+        rank holds a reference, and is unshared when the communicator closes."""
+        if self._shared is None:
+            self._shared = SharedArrays(self)
+        return self._shared.allocate(shape, dtype, order, "empty")
+
+    def zeros(self, shape, dtype=float, order="C"):
+        """empty, filled with zeros (fresh shared memory is zero)."""
+        if self._shared is None:
+            self._shared = SharedArrays(self)
+        return self._shared.allocate(shape, dtype, order, "zeros")
+
+    def _gather_small(self, row, deadline):
+        """Inside a call: every rank's `row` (a small contiguous array), stacked, in one inline
+        round of the moving kind (allgather's layout)."""
+        result, flat = _moving.gather_fill(row, self.rank, self.size)
+        desc = row.shape + (row.itemsize, 0)
+        if self._quick(flat, "bor", flat, deadline, KIND_ALLGATHER, desc) is None:
+            self._collective(KIND_ALLGATHER, OPS["bor"], _U1, flat, flat, desc, deadline)
+        return result
+
+    def _fail_local(self, note):
+        """Something went wrong in this rank between the rounds of a call: abort the group."""
+        self.group.abort(ABORT_FAILED, self.rank, note=note)
 
     def _own_algorithm(self, collective, nbytes) -> bool:
         """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than
@@ -253,6 +292,8 @@ class Communicator(Collectives):
             except ShmtreeError:
                 pass
             _plan.unpin()
+        if self._shared is not None:
+            self._shared.close()
         self._engine = None
         global _current
         if _current is self:
@@ -614,6 +655,14 @@ def ireduce_scatter(array, op="sum", *, out=None, timeout=None):
 
 def ibarrier(timeout=None):
     return current().ibarrier(timeout=timeout)
+
+
+def empty(shape, dtype=float, order="C"):
+    return current().empty(shape, dtype, order)
+
+
+def zeros(shape, dtype=float, order="C"):
+    return current().zeros(shape, dtype, order)
 
 
 def rank() -> int:

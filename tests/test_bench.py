@@ -515,9 +515,14 @@ def test_collective_layouts_are_whole_buffers():
     assert whole_bytes("allgather", 8, "float32", 4) == 16
     with pytest.raises(ValueError, match="unknown collective"):
         layout("alltoall", 8, "float32", 2)
-    assert methods_for("allreduce") == ("shmtree", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+    from shmtree.bench.compare import default_methods
+    assert methods_for("allreduce") == ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi",
+                                        "gloo")
+    assert default_methods("allreduce") == ("shmtree", "copy", "numpy_shm", "pipe", "mpi",
+                                            "gloo")
+    assert default_methods("allreduce", shared=True)[:2] == ("shmtree", "shared")
     for name in COLLECTIVES[1:]:
-        assert methods_for(name) == ("shmtree", "copy", "mpi")
+        assert methods_for(name) == default_methods(name) == ("shmtree", "copy", "mpi")
     assert units.format_size(1048572) == "1048572 B" and units.format_size(1280) == "1.25 KiB"
 
 
@@ -636,3 +641,14 @@ def test_overlap_reports_posting_blocking_and_overlap(tmp_path, capsys):
 def test_overlap_refuses_an_unknown_computation(capsys):
     assert main(["overlap", "--compute", "sleep,gpu"]) == 2
     assert "--compute takes sleep,numpy,python" in capsys.readouterr().err
+
+
+@needs_shmtree
+@pytest.mark.timeout(120)
+def test_compare_shared_column(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["compare", "--shared", "--methods", "shmtree,shared,copy", "--sizes", "8,256K",
+                 "-n", "2", "--iters", "3", "--json", str(out)]) == 0
+    assert "shmtree shared (us)" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["shared_us"] > 0 and r["shmtree_us"] > 0 for r in rows)

@@ -523,3 +523,27 @@ def test_dead_peer_inside_a_ring_algorithm(which):
     with pytest.raises(shmtree.WorkerError) as info:
         shmtree.run(killed_inside_ring_algorithm, 3, args=(which,), tree="ring")
     assert info.value.rank == 1 and "SIGKILL" in str(info.value), info.value
+
+
+def strided_out_worker(comm, n):
+    outs = {}
+    x = np.arange(n, dtype=np.float64) + comm.rank
+    for name, call in (("reduce", lambda o: comm.reduce(x, root=1, out=o)),
+                       ("allreduce", lambda o: comm.allreduce(x, out=o))):
+        o = np.zeros((n, 2))[:, 0]                    # every other float64: not contiguous
+        got = call(o)
+        outs[name] = None if got is None else (got is o, o.tolist())
+    return outs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tree", ["ring", "auto"])
+@pytest.mark.parametrize("n", [5, 100001])
+def test_strided_out_gets_the_result(tree, n):
+    """out= that the engine cannot write directly (a strided view) is filled afterwards, also
+    when reduce runs its chain to the root."""
+    outs = run_ok(strided_out_worker, 3, args=(n,), tree=tree)
+    want = (np.arange(n, dtype=np.float64) * 3 + 3).tolist()
+    for rank, got in enumerate(outs):
+        assert got["allreduce"] == (True, want), rank
+        assert got["reduce"] == ((True, want) if rank == 1 else None), rank

@@ -135,6 +135,9 @@ def build_parser():
                    help=f"comma-separated subset of {','.join(compare.ALL_METHODS)} (default: "
                         "all of them for allreduce; shmtree,copy,mpi for the other "
                         "collectives, which numpy-shm, pipe and gloo do not measure)")
+    p.add_argument("--shared", action="store_true",
+                   help="also measure allreduce(x, out=x) on shared arrays (comm.empty): the "
+                        "single-copy path (column 'shmtree shared')")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="the collective to measure (default allreduce), root 0; a size is the "
                         "whole buffer, as in nccl-tests: allgather's result, reduce_scatter's "
@@ -349,7 +352,7 @@ def cmd_compare(args):
     plan, options = _plan(args, nprocs), _options(args)
     collective = args.collective
     given = args.methods if args.methods is not None else \
-        ",".join(compare.methods_for(collective))
+        ",".join(compare.default_methods(collective, args.shared))
     methods = [m.strip().replace("-", "_") for m in given.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(compare.ALL_METHODS))
     if unknown:

@@ -3,6 +3,8 @@
 Methods (columns), each measured with the same protocol (``measure.py``), sizes, dtype and op:
 
 - ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
+- ``shared`` (``--shared``): ``comm.allreduce(x, out=x)`` on a shared array (``comm.empty``):
+  the single-copy path; MPI's column still uses private buffers;
 - ``copy``: every process copying the same bytes at once, the memory-copy floor;
 - ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
@@ -35,8 +37,10 @@ from .measure import COLLECTIVES, layout, whole_bytes
 from .mpi_worker import FUNCTIONS
 from .units import format_size
 
-ALL_METHODS = ("shmtree", "copy", "numpy_shm", "pipe", "mpi", "gloo")
-ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's allreduce
+ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+ALLREDUCE_ONLY = ("shared", "numpy_shm", "pipe", "gloo")   # hand-written allreduce loops,
+                                                           # gloo's allreduce, shared arrays
+OPT_IN = ("shared",)                  # measured when asked for (compare --shared, --methods)
 
 
 def methods_for(collective):
@@ -45,8 +49,16 @@ def methods_for(collective):
         raise ValueError(f"unknown collective {collective!r}")
     return tuple(m for m in ALL_METHODS
                  if collective == "allreduce" or m not in ALLREDUCE_ONLY)
-LABELS = {"shmtree": "shmtree", "copy": "copy", "numpy_shm": "numpy-shm", "pipe": "pipe",
-          "gloo": "gloo"}
+
+
+def default_methods(collective, shared=False):
+    """What compare measures unless --methods says: every method for the collective, less
+    the opt-in ones (shared arrays: with --shared)."""
+    return tuple(m for m in methods_for(collective) if m not in OPT_IN or shared)
+
+
+LABELS = {"shmtree": "shmtree", "shared": "shmtree shared", "copy": "copy",
+          "numpy_shm": "numpy-shm", "pipe": "pipe", "gloo": "gloo"}
 
 
 class Column:
@@ -142,6 +154,9 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective
         if method == "shmtree":
             shm, copy = run_shmtree(sizes, nprocs, plan, options, collective)
             columns.append(shm)
+        elif method == "shared":
+            columns.append(_guarded("shared", "shmtree shared",
+                                    lambda: sweep.run_shared(sizes, nprocs, plan, options)))
         elif method == "copy":
             copy = copy or _guarded("copy", "copy",
                                     lambda: run_copy(sizes, nprocs, plan, collective))

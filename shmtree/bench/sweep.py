@@ -145,3 +145,28 @@ def row(size, dtype, nprocs, allreduce, copy=None):
     if copy is not None:
         out.update(copy_us=copy["median_s"] * 1e6, vs_copy=t / copy["median_s"])
     return out
+
+
+def _shared_worker(comm, sizes, plan):
+    """allreduce(x, out=x) of shared arrays (comm.empty): the single-copy path."""
+    out = []
+    for size in sizes:
+        n = count_for(size, plan.dtype)
+        x = comm.empty(n, plan.dtype)
+
+        def call(i, x=x):
+            comm.allreduce(x, op=plan.op, out=x, timeout=plan.timeout)
+        x[:] = comm.rank + 1             # (every input holds rank + 1, as in Buffers)
+        call(0)
+        verify(x, plan.op, comm.size, "shmtree shared")
+        x[:] = 1                         # (in place: the values change, the work does not)
+        out.append(measure(call, CommSync(comm), plan.iters, plan.target_s))
+        del x, call
+    return out
+
+
+def run_shared(sizes, nprocs, plan, options):
+    """{size: summary} of the single-copy allreduce on shared arrays."""
+    import shmtree
+    per_rank = shmtree.run(_shared_worker, nprocs, args=(sizes, plan), **options)
+    return {size: slowest([r[k] for r in per_rank]) for k, size in enumerate(sizes)}

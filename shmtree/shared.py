@@ -1,0 +1,247 @@
+"""Shared arrays (docs/design.md, "Shared arrays"): comm.empty / comm.zeros, and the single-copy
+allreduce that reads and writes them in place.
+
+Memory.  Every rank's array of an allocation is a memfd of its own (anonymous: not counted in
+/dev/shm, nor limited by its size), mapped by its owner; the peers map it too, through
+/proc/<owner pid>/fd/<fd> while the owner still holds the descriptor (same user only).  The
+allocation is a collective: the ranks exchange (pid, fd, bytes, a claim of shape and dtype) in
+one allgather, every rank checks the claims (a difference raises CollectiveMismatchError on
+every rank), maps the others, and the ranks agree that every mapping succeeded before the
+owners close their descriptors.  Then only mappings remain: rank r's memory is freed when r has
+dropped its array (every view included) and every peer has dropped its own array of the same
+allocation (a rank's mappings of the peers' arrays go with its own array: weakref.finalize on
+its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
+referenced stay valid as private memory).
+
+Single copy.  An allreduce of at least SINGLE_COPY_MIN bytes (and more than small_bytes) in a
+group that has made an allocation first exchanges, in one small allgather, what each rank
+passed: whether its input and `out` are whole, contiguous stretches of one shared allocation
+and where.  When every rank passed the same allocation and offsets, each rank computes one
+part of the result straight from every rank's input and writes it into every rank's `out`,
+a chunk at a time (reduced in cache, then copied P times): each rank reads X and writes X, one
+copy's traffic, against the private paths' copies into and out of the rings.  A barrier ends
+the call (nobody returns while someone may still read or write its arrays).  Otherwise the call
+runs on the private path, unchanged.
+
+The same bits as the private path: each part is reduced in the order the private path would
+use for those elements (docs/algorithms.md): under the ring schedule block b is the left fold
+over ring positions b, b+1, ..., b+P-1 (float16 rounded after every step, as each ring hop
+does), under the pipelined tree every node reduces its own input, then its children's partial
+results, left to right, in one fused pass.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from . import _kernels, _moving
+from .errors import CollectiveMismatchError, ShmtreeError
+
+SINGLE_COPY_MIN = 64 << 10      # smaller allreduces stay on the private paths
+CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
+_F16 = np.dtype(np.float16)
+
+
+class _Alloc:
+    """One allocation as this rank sees it: its own mapping (weakly: the user's array owns it)
+    and its place, and the peers' memory as flat uint8 arrays (None for this rank)."""
+
+    __slots__ = ("id", "own", "start", "nbytes", "peers")
+
+    def __init__(self, ident, own, nbytes, peers):
+        self.id = ident
+        self.own = weakref.ref(own)
+        self.start = own.address
+        self.nbytes = nbytes
+        self.peers = peers
+
+    def views(self, rank):
+        """Every rank's memory as a flat uint8 array (while this rank's array lives)."""
+        own = self.own()
+        if own is None:
+            raise ShmtreeError("shmtree: a shared array was dropped during a call")
+        return [np.frombuffer(own, np.uint8) if v is None else v for v in self.peers]
+
+
+class SharedArrays:
+    """A communicator's shared allocations."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.count = 0                # allocations made by the group (the same on every rank)
+        self._live = {}               # id -> _Alloc, while this rank's own array lives
+
+    # ---- allocation ----
+
+    def allocate(self, shape, dtype, order, what):
+        comm = self._comm
+        shape, dtype, order = _normalize(shape, dtype, order, what)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = max(nbytes, 1)
+        fd = os.memfd_create("shmtree-array", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            own = _moving.Mapping(fd, size)
+            claim = _moving.claim(dtype, shape) ^ (2 if order == "F" else 0)
+            mine = np.array([os.getpid(), fd, size, claim], np.uint64)
+            table = comm.allgather(mine.view(np.int64)).view(np.uint64)
+            claims = table[:, 3]
+            if (claims != claims[0]).any():
+                groups = {}
+                for r, c in enumerate(claims.tolist()):
+                    groups.setdefault(c, []).append(r)
+                raise CollectiveMismatchError(
+                    f"shmtree: ranks disagree on the collective call: {what}: "
+                    + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} "
+                                "asked for one shape, dtype and order" if i == 0 else
+                                f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} "
+                                "for another"
+                                for i, rs in enumerate(groups.values())))
+            peers, error = [], ""
+            for r in range(comm.size):
+                peers.append(None)
+                if r == comm.rank:
+                    continue
+                pid, pfd, psize = (int(v) for v in table[r, :3])
+                try:
+                    peer_fd = os.open(f"/proc/{pid}/fd/{pfd}", os.O_RDWR | os.O_CLOEXEC)
+                    try:
+                        peers[r] = np.frombuffer(_moving.Mapping(peer_fd, psize), np.uint8)
+                    finally:
+                        os.close(peer_fd)
+                except OSError as exc:
+                    error = error or f"rank {comm.rank} cannot map rank {r}'s array: {exc}"
+            # every mapping is made (or failed) before any owner closes its descriptor
+            failed = comm.allreduce(np.array([bool(error)], np.uint8), "max")[0]
+        finally:
+            os.close(fd)
+        if failed:
+            raise ShmtreeError(f"shmtree: {what}: " + (error or "a peer could not map this "
+                               "rank's array (ranks must run as the same user)"))
+        self.count += 1
+        alloc = _Alloc(self.count, own, nbytes, peers)
+        self._live[alloc.id] = alloc
+        weakref.finalize(own, self._live.pop, alloc.id, None)
+        array = np.frombuffer(own, np.uint8, nbytes) if nbytes else np.empty(0, np.uint8)
+        return array.view(dtype).reshape(shape, order=order)
+
+    def close(self):
+        """Drop every mapping of the peers' arrays (own arrays stay valid, unshared)."""
+        self._live.clear()
+
+    # ---- single copy ----
+
+    def where(self, a) -> tuple:
+        """(allocation id, byte offset) when `a` is a C-contiguous, aligned stretch of one of this
+        rank's live shared arrays, else (0, 0)."""
+        if not (a.flags.c_contiguous and a.flags.aligned) or not a.nbytes:
+            return 0, 0
+        addr = _address(a)
+        for alloc in self._live.values():
+            if alloc.start <= addr and addr + a.nbytes <= alloc.start + alloc.nbytes:
+                return alloc.id, addr - alloc.start
+        return 0, 0
+
+    def allreduce(self, src, dst, opc, kind, deadline) -> bool:
+        """Run this allreduce on the single-copy path if every rank passed shared arrays of the
+        same allocation at the same place (agreed in one small allgather); False when the
+        private path must run it instead (on every rank alike)."""
+        comm = self._comm
+        sid, soff = self.where(src)
+        did, doff = self.where(dst)
+        mine = np.array([bool(sid and did), sid, soff, did, doff, src.nbytes], np.int64)
+        table = comm._gather_small(mine, deadline)
+        if not (table[:, 0].all() and (table == table[0]).all()):
+            return False
+        alloc_in, alloc_out = self._live.get(sid), self._live.get(did)
+        try:
+            self._reduce_my_part(src, alloc_in, soff, alloc_out, doff, _kernels.op_name(opc))
+        except BaseException:
+            comm._fail_local("interrupted inside a single-copy allreduce")
+            raise
+        comm._collective(kind, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"], None, None,
+                         (), deadline)     # a barrier: nobody returns while others still work
+        return True
+
+    def _reduce_my_part(self, src, alloc_in, soff, alloc_out, doff, op):
+        comm = self._comm
+        plan = comm.group.plan
+        P, dtype, item = comm.size, src.dtype, src.itemsize
+        nbytes = src.nbytes
+        order = list(plan.large_tree.ring)
+        pos = order.index(comm.rank)
+        if plan.large_schedule == "ring":
+            block = -(-(nbytes // item) // P) * item            # the ring schedule's blocks
+            lo, hi = min(pos * block, nbytes), min((pos + 1) * block, nbytes)
+            ranks = [order[(pos + j) % P] for j in range(P)]  # block pos: positions pos, pos+1..
+            reduce_chunk = _ring_fold(ranks, op, dtype == _F16)
+        else:
+            share = -(-(nbytes // item) // P) * item            # any split: one order for all
+            lo, hi = min(comm.rank * share, nbytes), min((comm.rank + 1) * share, nbytes)
+            reduce_chunk = _tree_fold(plan.large_tree, op)
+        ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views(comm.rank)]
+        outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views(comm.rank)]
+        step = max(item, CHUNK_BYTES // item * item)
+        tmp = np.empty(step // item, dtype)
+        for a in range(lo // item, hi // item, step // item):
+            b = min(a + step // item, hi // item)
+            t = tmp[:b - a]
+            reduce_chunk(t, [x[a:b] for x in ins])
+            for o in outs:
+                o[a:b] = t
+
+
+def _ring_fold(ranks, op, pairwise):
+    """Block order of the ring schedule: ins[ranks[0]] op ins[ranks[1]] op ..., one fold (the
+    same bits as one fused pass, except float16, which every hop rounds)."""
+    def fold(t, ins):
+        srcs = [ins[r] for r in ranks]
+        if not pairwise or len(srcs) < 3:
+            _kernels.reduce_into(t, srcs, op)
+            return
+        _kernels.reduce_into(t, srcs[:2], op)
+        for s in srcs[2:]:
+            _kernels.reduce_into(t, [t, s], op)
+    return fold
+
+
+def _tree_fold(tree, op):
+    """The pipelined tree's order: every node reduces its own input, then its children's partial
+    results, left to right, in one fused pass (one rounding per node for float16)."""
+    def partial(v, ins, t):
+        kids = tree.children[v]
+        if not kids:
+            return ins[v]
+        parts = [partial(c, ins, np.empty_like(t)) for c in kids]
+        _kernels.reduce_into(t, [ins[v]] + parts, op)
+        return t
+
+    def fold(t, ins):
+        got = partial(0, ins, t)                        # (rank 0 is every tree's root)
+        if got is not t:
+            t[...] = got
+    return fold
+
+
+def _normalize(shape, dtype, order, what):
+    if order not in ("C", "F"):
+        raise ValueError(f"shmtree: {what}: order must be 'C' or 'F', got {order!r}")
+    try:
+        shape = tuple(int(n.__index__()) for n in (shape if isinstance(shape, (tuple, list))
+                                                  else (shape,)))
+    except (AttributeError, TypeError):
+        raise TypeError(f"shmtree: {what}: shape must be an int or a tuple of ints, got "
+                        f"{shape!r}") from None
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shmtree: {what}: negative dimension in shape {shape}")
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError(f"shmtree: {what}: dtype {dtype} holds Python objects, which cannot be "
+                        "shared between processes")
+    return shape, dtype, order
+
+
+def _address(a) -> int:
+    return a.__array_interface__["data"][0]
