@@ -7,7 +7,8 @@ import sys
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
-if not glob.glob(os.path.join(_ROOT, "shmtree", "_engine*.so")):
+if not all(glob.glob(os.path.join(_ROOT, "shmtree", f"{name}*.so"))
+           for name in ("_engine", "_kernels", "_moving")):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
     # and the same for the Python subprocesses the tests start (`python -m shmtree.bench` from
     # the root would otherwise import the unbuilt source tree); Python >= 3.11 reads this

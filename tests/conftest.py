@@ -36,10 +36,17 @@ goes with its last reference, which a reference cycle may keep until a collectio
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import signal
 import warnings
 
 import psutil
 import pytest
+
+# A job that a non-interactive shell starts in the background (`bash .ci/run &`) inherits SIGINT
+# ignored, and so would every worker and subprocess the tests start; the Ctrl-C tests need the
+# ordinary disposition (an ignored signal stays ignored across fork and exec, a handler does not).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from procutil import (FD_SETTLE_S, SHM_DIR, fd_and_map_problems, memfd_mappings, new_shm_entries,
                       open_fds, shm_listing)
