@@ -151,9 +151,11 @@ class SharedArrays:
         comm = self._comm
         sid, soff = self.where(src)
         did, doff = self.where(dst)
-        mine = np.array([bool(sid and did), sid, soff, did, doff, src.nbytes], np.int64)
-        table = comm._gather_small(mine, deadline)
-        if not (table[:, 0].all() and (table == table[0]).all()):
+        n = src.nbytes
+        ok = sid and did and (sid != did or soff == doff or soff + n <= doff or doff + n <= soff)
+        mine = np.array([bool(ok), sid, soff, did, doff, n], np.int64)
+        rows = comm._gather_small(mine, deadline).tolist()
+        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
             return False
         alloc_in, alloc_out = self._live.get(sid), self._live.get(did)
         try:
@@ -172,11 +174,14 @@ class SharedArrays:
         nbytes = src.nbytes
         order = list(plan.large_tree.ring)
         pos = order.index(comm.rank)
-        if plan.large_schedule == "ring":
+        direct = plan.large_schedule == "ring"
+        if direct:
             block = -(-(nbytes // item) // P) * item            # the ring schedule's blocks
             lo, hi = min(pos * block, nbytes), min((pos + 1) * block, nbytes)
             ranks = [order[(pos + j) % P] for j in range(P)]  # block pos: positions pos, pos+1..
             reduce_chunk = _ring_fold(ranks, op, dtype == _F16)
+            # this rank's input is the first operand (ranks[0]): the fold may write this rank's
+            # output at once (the same memory as the input, or none of it), then copy it on
         else:
             share = -(-(nbytes // item) // P) * item            # any split: one order for all
             lo, hi = min(comm.rank * share, nbytes), min((comm.rank + 1) * share, nbytes)
@@ -184,13 +189,15 @@ class SharedArrays:
         ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views(comm.rank)]
         outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views(comm.rank)]
         step = max(item, CHUNK_BYTES // item * item)
-        tmp = np.empty(step // item, dtype)
+        me = comm.rank
+        tmp = None if direct else np.empty(step // item, dtype)
         for a in range(lo // item, hi // item, step // item):
             b = min(a + step // item, hi // item)
-            t = tmp[:b - a]
+            t = outs[me][a:b] if direct else tmp[:b - a]
             reduce_chunk(t, [x[a:b] for x in ins])
-            for o in outs:
-                o[a:b] = t
+            for r, o in enumerate(outs):
+                if not (direct and r == me):
+                    o[a:b] = t
 
 
 def _ring_fold(ranks, op, pairwise):
@@ -243,5 +250,4 @@ def _normalize(shape, dtype, order, what):
     return shape, dtype, order
 
 
-def _address(a) -> int:
-    return a.__array_interface__["data"][0]
+_address = _moving.address
