@@ -137,14 +137,15 @@ def bcast_fill(a, bint is_root, int rank, int P, Py_ssize_t room):
 
 def next_room(cnp.ndarray buf, int P, Py_ssize_t cap):
     """The data room of the group's next first round: the size of the broadcast this round
-    began (which every rank read from it), in whole 64-byte lines, at least 64 and at most
-    cap.  So repeated broadcasts of one size take one round, and every rank agrees on it."""
+    began (which every rank read from it), in whole 64-byte lines, at least 64; 64 when it
+    was larger than cap (its data could not have come inline anyway).  So repeated broadcasts
+    of one size take one round, and every rank agrees on the room."""
     cdef uint64_t nbytes
     memcpy(&nbytes, <uint8_t *>cnp.PyArray_DATA(buf) + CLAIM * P + 8, 8)
     nbytes = (nbytes + 63) // 64 * 64
-    if nbytes < 64:
+    if nbytes < 64 or nbytes > <uint64_t>cap:
         nbytes = 64
-    return <Py_ssize_t>nbytes if nbytes < <uint64_t>cap else cap
+    return <Py_ssize_t>nbytes
 
 
 def long_meta(a):

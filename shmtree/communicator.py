@@ -208,10 +208,8 @@ class Communicator(Collectives):
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
             if src is not dst and _overlaps(src, dst):
                 src = src.copy()              # out overlaps the input without being it
-            if root is None and kind == KIND_ALLREDUCE and self._shared is not None \
-                    and self._shared.count and src.nbytes >= SINGLE_COPY_MIN \
-                    and src.nbytes > self._small_bytes and self.size > 1 \
-                    and self._shared.allreduce(src, dst, opc, kind, deadline):
+            if root is None and kind == KIND_ALLREDUCE and self._single_copy(src.nbytes) \
+                    and self._shared.allreduce(src, dst, opc, deadline):
                 pass                          # read and written in the shared arrays
             elif root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
@@ -239,6 +237,12 @@ class Communicator(Collectives):
         if self._shared is None:
             self._shared = SharedArrays(self)
         return self._shared.allocate(shape, dtype, order, "zeros")
+
+    def _single_copy(self, nbytes) -> bool:
+        """Does a call of nbytes first ask whether every rank passed shared arrays?  (The same
+        answer on every rank: allocations are collective, nbytes agreed.)"""
+        return (self._shared is not None and self._shared.count > 0 and self.size > 1
+                and nbytes >= SINGLE_COPY_MIN and nbytes > self._small_bytes)
 
     def _gather_small(self, row, deadline):
         """Inside a call: every rank's `row` (a small contiguous array), stacked, in one inline

@@ -37,6 +37,7 @@ import weakref
 import numpy as np
 
 from . import _kernels, _moving
+from .codes import KIND_BARRIER as _BARRIER
 from .errors import CollectiveMismatchError, ShmtreeError
 
 SINGLE_COPY_MIN = 64 << 10      # smaller allreduces stay on the private paths
@@ -144,7 +145,7 @@ class SharedArrays:
                 return alloc.id, addr - alloc.start
         return 0, 0
 
-    def allreduce(self, src, dst, opc, kind, deadline) -> bool:
+    def allreduce(self, src, dst, opc, deadline) -> bool:
         """Run this allreduce on the single-copy path if every rank passed shared arrays of the
         same allocation at the same place (agreed in one small allgather); False when the
         private path must run it instead (on every rank alike)."""
@@ -158,14 +159,63 @@ class SharedArrays:
         if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
             return False
         alloc_in, alloc_out = self._live.get(sid), self._live.get(did)
-        try:
-            self._reduce_my_part(src, alloc_in, soff, alloc_out, doff, _kernels.op_name(opc))
-        except BaseException:
-            comm._fail_local("interrupted inside a single-copy allreduce")
-            raise
-        comm._collective(kind, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"], None, None,
-                         (), deadline)     # a barrier: nobody returns while others still work
+        self._guarded(lambda: self._reduce_my_part(src, alloc_in, soff, alloc_out, doff,
+                                                   _kernels.op_name(opc)))
+        self._barrier(deadline)           # nobody returns while others still read or write
         return True
+
+    def broadcast(self, src, dst, root, deadline) -> bool:
+        """broadcast single-copy: every rank copies the root's array (src, a shared array on
+        the root) straight into its own `dst` (a shared array of the same allocation); False
+        when some rank's arrays do not allow it (the private path runs, on every rank)."""
+        comm = self._comm
+        sid, soff = self.where(src) if comm.rank == root else (0, 0)
+        did, doff = self.where(dst)
+        mine = np.array([bool(did and (comm.rank != root or sid == did)), sid or did, soff,
+                         dst.nbytes], np.int64)
+        rows = comm._gather_small(mine, deadline).tolist()
+        if not (all(r[0] and r[1] == rows[0][1] and r[3] == rows[0][3] for r in rows)):
+            return False
+        if comm.rank != root:
+            views = self._live[did].views(comm.rank)
+            off = rows[root][2]
+            self._guarded(lambda: dst.view(np.uint8).reshape(-1).__setitem__(
+                slice(None), views[root][off:off + dst.nbytes]))
+        elif _address(src) != _address(dst):
+            dst.view(np.uint8).reshape(-1)[:] = src.view(np.uint8).reshape(-1)
+        self._barrier(deadline)
+        return True
+
+    def allgather(self, src, dst, deadline) -> bool:
+        """allgather (equal blocks) single-copy: every rank writes its block straight into every
+        rank's `dst` (shared arrays of one allocation, at the same place); src may be private."""
+        comm = self._comm
+        did, doff = self.where(dst)
+        mine = np.array([bool(did), did, doff, dst.nbytes], np.int64)
+        rows = comm._gather_small(mine, deadline).tolist()
+        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
+            return False
+        part = src.nbytes
+        mine = src.view(np.uint8).reshape(-1)
+        lo = comm.rank * part
+
+        def push():
+            for v in self._live[did].views(comm.rank):
+                v[doff + lo:doff + lo + part] = mine
+        self._guarded(push)
+        self._barrier(deadline)
+        return True
+
+    def _guarded(self, work):
+        try:
+            work()
+        except BaseException:
+            self._comm._fail_local("interrupted inside a single-copy collective")
+            raise
+
+    def _barrier(self, deadline):
+        self._comm._collective(_BARRIER, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"],
+                               None, None, (), deadline)
 
     def _reduce_my_part(self, src, alloc_in, soff, alloc_out, doff, op):
         comm = self._comm

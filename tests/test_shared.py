@@ -185,3 +185,44 @@ def test_a_rank_killed_while_holding_shared_arrays():
     with pytest.raises(shmtree.WorkerError) as info:
         shmtree.run(killed_worker, 3)
     assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+
+
+def moves_worker(comm):
+    """broadcast and allgather straight between shared arrays, and the same calls when some
+    rank's arrays are private (the private path, on every rank)."""
+    r, P = comm.rank, comm.size
+    n = 50001
+    res = {}
+    for root in range(P):
+        x = comm.zeros(n)
+        if r == root:
+            x[:] = np.arange(n) * (root + 1)
+        before = comm.stats()["bytes_sent"]
+        got = comm.broadcast(x if r == root else None, root, out=x)
+        res[f"bcast{root}"] = (got is x, np.array_equal(x, np.arange(n) * (root + 1)),
+                               comm.stats()["bytes_sent"] - before < 4096)
+        priv = np.zeros(n) if r == (root + 1) % P else None       # one rank: a private out
+        y = comm.zeros(n)
+        if r == root:
+            y[:] = 7
+        got = comm.broadcast(y if r == root else None, root, out=priv if priv is not None else y)
+        res[f"bcast_mixed{root}"] = np.array_equal(got, np.full(n, 7.0))
+    g = comm.zeros((P, n))
+    mine = np.full(n, r + 0.5)                    # a private input is fine
+    before = comm.stats()["bytes_sent"]
+    got = comm.allgather(mine, out=g)
+    res["gather"] = (got is g, np.array_equal(g, np.repeat(np.arange(P) + 0.5, n).reshape(P, n)),
+                     comm.stats()["bytes_sent"] - before < 4096)
+    h = comm.zeros((P, n))
+    h = h if r else np.zeros((P, n))                    # rank 0 private: the private path
+    res["gather_mixed"] = np.array_equal(comm.allgather(mine, out=h),
+                                         np.repeat(np.arange(P) + 0.5, n).reshape(P, n))
+    return res
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_broadcast_and_allgather_single_copy(P):
+    for rank, res in enumerate(run_ok(moves_worker, P)):
+        for key, value in res.items():
+            assert value is True or value == (True, True, True), (rank, key, value)

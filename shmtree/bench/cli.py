@@ -359,7 +359,7 @@ def cmd_compare(args):
         raise BenchError(f"unknown --methods {unknown}: choose from {compare.ALL_METHODS}")
     refused = sorted(set(methods) - set(compare.methods_for(collective)))
     if refused:
-        raise BenchError(f"--methods {refused} measure allreduce only; for --collective "
+        raise BenchError(f"--methods {refused} do not measure {collective}; for --collective "
                          f"{collective} choose from {compare.methods_for(collective)}")
     pythons = args.mpi_python or [sys.executable]
     columns, copy = compare.run_all(args.sizes, nprocs, plan, options, methods, pythons,

@@ -3,8 +3,9 @@
 Methods (columns), each measured with the same protocol (``measure.py``), sizes, dtype and op:
 
 - ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
-- ``shared`` (``--shared``): ``comm.allreduce(x, out=x)`` on a shared array (``comm.empty``):
-  the single-copy path; MPI's column still uses private buffers;
+- ``shared`` (``--shared``): the call on shared arrays (``comm.empty``): ``allreduce(x,
+  out=x)``, ``broadcast(x, 0, out=x)``, ``allgather(x, out=shared)``, the single-copy paths;
+  MPI's column still uses private buffers;
 - ``copy``: every process copying the same bytes at once, the memory-copy floor;
 - ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
@@ -38,8 +39,8 @@ from .mpi_worker import FUNCTIONS
 from .units import format_size
 
 ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "gloo")
-ALLREDUCE_ONLY = ("shared", "numpy_shm", "pipe", "gloo")   # hand-written allreduce loops,
-                                                           # gloo's allreduce, shared arrays
+ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's
+SHARED_COLLECTIVES = ("allreduce", "broadcast", "allgather")     # single-copy paths so far
 OPT_IN = ("shared",)                  # measured when asked for (compare --shared, --methods)
 
 
@@ -48,7 +49,8 @@ def methods_for(collective):
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}")
     return tuple(m for m in ALL_METHODS
-                 if collective == "allreduce" or m not in ALLREDUCE_ONLY)
+                 if (collective == "allreduce" or m not in ALLREDUCE_ONLY)
+                 and (m != "shared" or collective in SHARED_COLLECTIVES))
 
 
 def default_methods(collective, shared=False):
@@ -145,7 +147,7 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective
     """Every requested method's column, in display order."""
     refused = sorted(set(methods) - set(methods_for(collective)))
     if refused:
-        raise ValueError(f"methods {refused} measure allreduce only, not {collective}")
+        raise ValueError(f"methods {refused} do not measure {collective}")
     columns, copy = [], None
     steps = [m for m in ALL_METHODS if m in methods]
     bar = report.Progress(len(steps), f"compare {collective}", progress)
@@ -156,7 +158,8 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective
             columns.append(shm)
         elif method == "shared":
             columns.append(_guarded("shared", "shmtree shared",
-                                    lambda: sweep.run_shared(sizes, nprocs, plan, options)))
+                                    lambda: sweep.run_shared(sizes, nprocs, plan, options,
+                                                             collective)))
         elif method == "copy":
             copy = copy or _guarded("copy", "copy",
                                     lambda: run_copy(sizes, nprocs, plan, collective))

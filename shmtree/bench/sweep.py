@@ -147,26 +147,60 @@ def row(size, dtype, nprocs, allreduce, copy=None):
     return out
 
 
-def _shared_worker(comm, sizes, plan):
-    """allreduce(x, out=x) of shared arrays (comm.empty): the single-copy path."""
+def _shared_call(comm, collective, plan, size):
+    """call(i) of `collective` on shared arrays (comm.empty), laid out as measure.layout says,
+    and a check of its result."""
+    P, r = comm.size, comm.rank
+    n_in, n_out = layout(collective, size, plan.dtype, P)
+    if collective == "allreduce":
+        x = comm.empty(n_in, plan.dtype)
+        x[:] = r + 1                     # (every input holds rank + 1, as in Buffers)
+
+        def call(i):
+            comm.allreduce(x, op=plan.op, out=x, timeout=plan.timeout)
+
+        def check():
+            verify(x, plan.op, P, "shmtree shared")
+            x[:] = 1                     # (in place: the values change, the work does not)
+    elif collective == "broadcast":
+        x = comm.empty(n_in, plan.dtype)
+        x[:] = r + 1
+
+        def call(i):
+            comm.broadcast(x if r == 0 else None, 0, out=x, timeout=plan.timeout)
+
+        def check():
+            if not np.all(x == 1):
+                raise RuntimeError("shmtree shared: wrong broadcast result")
+    elif collective == "allgather":
+        mine = np.full(n_in, r + 1, plan.dtype)
+        out = comm.empty((P, n_in), plan.dtype)
+
+        def call(i):
+            comm.allgather(mine, out=out, timeout=plan.timeout)
+
+        def check():
+            if not all(np.all(out[q] == q + 1) for q in range(P)):
+                raise RuntimeError("shmtree shared: wrong allgather result")
+    else:
+        raise ValueError(f"no shared-array measurement of {collective}")
+    return call, check
+
+
+def _shared_worker(comm, sizes, plan, collective):
+    """The collective on shared arrays (comm.empty): the single-copy path."""
     out = []
     for size in sizes:
-        n = count_for(size, plan.dtype)
-        x = comm.empty(n, plan.dtype)
-
-        def call(i, x=x):
-            comm.allreduce(x, op=plan.op, out=x, timeout=plan.timeout)
-        x[:] = comm.rank + 1             # (every input holds rank + 1, as in Buffers)
+        call, check = _shared_call(comm, collective, plan, size)
         call(0)
-        verify(x, plan.op, comm.size, "shmtree shared")
-        x[:] = 1                         # (in place: the values change, the work does not)
+        check()
         out.append(measure(call, CommSync(comm), plan.iters, plan.target_s))
-        del x, call
+        del call, check
     return out
 
 
-def run_shared(sizes, nprocs, plan, options):
-    """{size: summary} of the single-copy allreduce on shared arrays."""
+def run_shared(sizes, nprocs, plan, options, collective="allreduce"):
+    """{size: summary} of the single-copy `collective` on shared arrays."""
     import shmtree
-    per_rank = shmtree.run(_shared_worker, nprocs, args=(sizes, plan), **options)
+    per_rank = shmtree.run(_shared_worker, nprocs, args=(sizes, plan, collective), **options)
     return {size: slowest([r[k] for r in per_rank]) for k, size in enumerate(sizes)}
