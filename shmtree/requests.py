@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from _thread import get_ident as _get_ident
 
 from .errors import ShmtreeError
 
@@ -167,11 +168,12 @@ class Progress:
         self._sleeping = False
         self._stopping = False
         self._thread = None
+        self._ident = None                # the thread's ident, once it runs
         self.outstanding = 0              # posted and not yet over
         self.last = None                  # the request posted last
 
     def is_current_thread(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        return _get_ident() == self._ident
 
     def post(self, request: Request, run) -> Request:
         with self._lock:
@@ -209,6 +211,7 @@ class Progress:
             thread.join()
 
     def _loop(self):
+        self._ident = _get_ident()
         while True:
             item = self._next()
             if item is None:
