@@ -316,13 +316,17 @@ class Collectives:
 
     def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
         """Rank r gets np.array_split(the full reduction, size, axis=0)[r]."""
-        if (out is None and type(array) is np.ndarray and array.ndim
-                and array.nbytes <= self._small_bytes and self._idle()):
-            full = self._quick(array, op, None, _deadline(timeout), KIND_REDUCE_SCATTER)
-            if full is not None:                                  # inline: the allreduce
-                n, P, me = array.shape[0], self.size, self.rank
-                lo = me * (n // P) + min(me, n % P)
-                return np.ascontiguousarray(full[lo:lo + n // P + (me < n % P)])
+        if (type(array) is np.ndarray and array.ndim and array.nbytes <= self._small_bytes
+                and self._idle()):
+            n, P, me = array.shape[0], self.size, self.rank
+            lo = me * (n // P) + min(me, n % P)
+            hi = lo + n // P + (me < n % P)
+            if out is None or (type(out) is np.ndarray and out.dtype == array.dtype
+                               and out.shape == (hi - lo,) + array.shape[1:]
+                               and out.flags.writeable):
+                full = self._quick(array, op, None, _deadline(timeout), KIND_REDUCE_SCATTER)
+                if full is not None:                              # inline: the allreduce
+                    return _keep(full[lo:hi], out)
         return self._now(self._prep_reduce_scatter(array, op, out, timeout))
 
     def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
