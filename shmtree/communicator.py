@@ -211,6 +211,9 @@ class Communicator(Collectives):
             if root is None and kind == KIND_ALLREDUCE and self._single_copy(src.nbytes) \
                     and self._shared.allreduce(src, dst, opc, deadline):
                 pass                          # read and written in the shared arrays
+            elif root is not None and self._single_copy(src.nbytes) and self._shared.reduce(
+                    src, dst, root, opc, deadline):
+                pass                          # folded straight into the root's shared out
             elif root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
                                  coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))

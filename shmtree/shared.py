@@ -206,6 +206,75 @@ class SharedArrays:
         self._barrier(deadline)
         return True
 
+    def reduce_scatter(self, src, dst, lo, hi, opc, deadline) -> bool:
+        """reduce_scatter single-copy: every rank folds its own block (bytes lo..hi of the
+        message) straight from every rank's input (shared arrays of one allocation, at the same
+        place) into its `dst`, private or not, in the ring order the private path uses."""
+        comm = self._comm
+        sid, soff = self.where(src)
+        mine = np.array([bool(sid), sid, soff, src.nbytes], np.int64)
+        rows = comm._gather_small(mine, deadline).tolist()
+        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
+            return False
+        order = list(comm.group.plan.large_tree.ring)
+        P, pos = comm.size, order.index(comm.rank)
+        ranks = [order[(pos + 1 + j) % P] for j in range(P)]   # x[p+1] op ... op x[p]
+        fold = _ring_fold(ranks, _kernels.op_name(opc), src.dtype == _F16)
+        item, dtype = src.itemsize, src.dtype
+
+        def work():
+            ins = [v[soff + lo:soff + hi].view(dtype) for v in self._live[sid].views(comm.rank)]
+            out = dst.reshape(-1)
+            step = max(1, CHUNK_BYTES // item)
+            for a in range(0, (hi - lo) // item, step):
+                b = min(a + step, (hi - lo) // item)
+                fold(out[a:b], [x[a:b] for x in ins])
+        self._guarded(work)
+        self._barrier(deadline)
+        return True
+
+    def reduce(self, src, dst, root, opc, deadline) -> bool:
+        """reduce single-copy: every rank folds one part of the message straight from every
+        rank's input into the root's `out` (the input's allocation, or one every rank holds),
+        in the chain's order x[q+1] op ... op x[q] (q: the root's ring position)."""
+        comm = self._comm
+        sid, soff = self.where(src)
+        did, doff = self.where(dst) if comm.rank == root else (0, 0)
+        ok = bool(sid) and (comm.rank != root or (did and (
+            did != sid or soff == doff or soff + src.nbytes <= doff
+            or doff + src.nbytes <= soff)))
+        mine = np.array([ok, sid, soff, src.nbytes, did, doff], np.int64)
+        rows = comm._gather_small(mine, deadline).tolist()
+        did, doff = rows[root][4], rows[root][5]
+        if not (all(r[0] and r[1:4] == rows[0][1:4] for r in rows) and did in self._live):
+            # (each rank still holding the root's out allocation is checked in the same way)
+            flag = np.array([0], np.uint8)
+        else:
+            flag = np.array([1], np.uint8)
+        if not all(int(v) for v in comm._gather_small(flag, deadline).reshape(-1)):
+            return False
+        order = list(comm.group.plan.large_tree.ring)
+        P, q = comm.size, order.index(root)
+        ranks = [order[(q + 1 + j) % P] for j in range(P)]
+        fold = _ring_fold(ranks, _kernels.op_name(opc), src.dtype == _F16)
+        item, dtype, nbytes = src.itemsize, src.dtype, src.nbytes
+        share = -(-(nbytes // item) // P)
+        a0, b0 = min(comm.rank * share, nbytes // item), min((comm.rank + 1) * share,
+                                                              nbytes // item)
+
+        def work():
+            ins = [v[soff:soff + nbytes].view(dtype) for v in self._live[sid].views(comm.rank)]
+            out = self._live[did].views(comm.rank)[root][doff:doff + nbytes].view(dtype)
+            step = max(1, CHUNK_BYTES // item)
+            tmp = np.empty(step, dtype)       # (the root's out may be its input: fold aside)
+            for a in range(a0, b0, step):
+                b = min(a + step, b0)
+                fold(tmp[:b - a], [x[a:b] for x in ins])
+                out[a:b] = tmp[:b - a]
+        self._guarded(work)
+        self._barrier(deadline)
+        return True
+
     def _guarded(self, work):
         try:
             work()

@@ -226,3 +226,36 @@ def test_broadcast_and_allgather_single_copy(P):
     for rank, res in enumerate(run_ok(moves_worker, P)):
         for key, value in res.items():
             assert value is True or value == (True, True, True), (rank, key, value)
+
+
+def rooted_worker(comm, cases):
+    """reduce and reduce_scatter on shared inputs: the private path's bits, through no ring."""
+    out = []
+    for dtype, op, n in cases:
+        x = make(dtype, op, n, comm.rank)
+        sx = comm.empty(x.shape, x.dtype)
+        for root in range(comm.size):
+            want = comm.reduce(x, op=op, root=root)
+            sx[...] = x
+            before = comm.stats()["bytes_sent"]
+            got = comm.reduce(sx, op=op, root=root, out=sx if comm.rank == root else None)
+            sent = comm.stats()["bytes_sent"] - before
+            out.append(("reduce", root, got is sx if comm.rank == root else got is None,
+                        comm.rank != root or want.tobytes() == sx.tobytes(), sent < 4096))
+        want = comm.reduce_scatter(x, op=op)
+        sx[...] = x
+        before = comm.stats()["bytes_sent"]
+        got = comm.reduce_scatter(sx, op=op)
+        sent = comm.stats()["bytes_sent"] - before
+        out.append(("reduce_scatter", None, True, want.tobytes() == got.tobytes(), sent < 4096))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tree", ["ring", "auto"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_reduce_and_reduce_scatter_single_copy(P, tree):
+    cases = [(dt, op, N) for dt in ("float32", "float16", "int64") for op in ops_for(dt)[:2]]
+    for rank, out in enumerate(run_ok(rooted_worker, P, args=(cases,), tree=tree)):
+        for what, root, same, exact, quiet in out:
+            assert same and exact and quiet, (rank, what, root, same, exact, quiet)
