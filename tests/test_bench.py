@@ -523,9 +523,7 @@ def test_collective_layouts_are_whole_buffers():
     assert default_methods("allreduce", shared=True)[:2] == ("shmtree", "shared")
     for name in COLLECTIVES[1:]:
         assert default_methods(name) == ("shmtree", "copy", "mpi")
-        assert methods_for(name) == (("shmtree", "shared", "copy", "mpi")
-                                     if name in ("broadcast", "allgather") else
-                                     ("shmtree", "copy", "mpi"))
+        assert methods_for(name) == ("shmtree", "shared", "copy", "mpi")
     assert units.format_size(1048572) == "1048572 B" and units.format_size(1280) == "1.25 KiB"
 
 

@@ -4,8 +4,9 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 
 - ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
 - ``shared`` (``--shared``): the call on shared arrays (``comm.empty``): ``allreduce(x,
-  out=x)``, ``broadcast(x, 0, out=x)``, ``allgather(x, out=shared)``, the single-copy paths;
-  MPI's column still uses private buffers;
+  out=x)``, ``broadcast(x, 0, out=x)``, ``reduce(x, op, 0, out=x on the root)``,
+  ``allgather(x, out=shared)``, ``reduce_scatter(shared x)``: the single-copy paths; MPI's
+  column still uses private buffers;
 - ``copy``: every process copying the same bytes at once, the memory-copy floor;
 - ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
@@ -40,7 +41,7 @@ from .units import format_size
 
 ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "gloo")
 ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's
-SHARED_COLLECTIVES = ("allreduce", "broadcast", "allgather")     # single-copy paths so far
+SHARED_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
 OPT_IN = ("shared",)                  # measured when asked for (compare --shared, --methods)
 
 
@@ -50,7 +51,7 @@ def methods_for(collective):
         raise ValueError(f"unknown collective {collective!r}")
     return tuple(m for m in ALL_METHODS
                  if (collective == "allreduce" or m not in ALLREDUCE_ONLY)
-                 and (m != "shared" or collective in SHARED_COLLECTIVES))
+                 and (m != "shared" or collective in SHARED_COLLECTIVES))  # (all of them)
 
 
 def default_methods(collective, shared=False):

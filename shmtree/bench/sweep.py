@@ -182,6 +182,27 @@ def _shared_call(comm, collective, plan, size):
         def check():
             if not all(np.all(out[q] == q + 1) for q in range(P)):
                 raise RuntimeError("shmtree shared: wrong allgather result")
+    elif collective == "reduce":
+        x = comm.empty(n_in, plan.dtype)
+        x[:] = r + 1
+
+        def call(i):
+            comm.reduce(x, plan.op, 0, out=x if r == 0 else None, timeout=plan.timeout)
+
+        def check():
+            if r == 0:
+                verify(x, plan.op, P, "shmtree shared")
+            x[:] = 1
+    elif collective == "reduce_scatter":
+        x = comm.empty(n_in, plan.dtype)
+        x[:] = r + 1
+        out = np.empty(n_out, plan.dtype)
+
+        def call(i):
+            comm.reduce_scatter(x, plan.op, out=out, timeout=plan.timeout)
+
+        def check():
+            verify(out, plan.op, P, "shmtree shared", "reduce_scatter")
     else:
         raise ValueError(f"no shared-array measurement of {collective}")
     return call, check
