@@ -259,7 +259,9 @@ cdef class Mapping:
     cdef int exports
     cdef object __weakref__
 
-    def __cinit__(self, int fd, Py_ssize_t size):
+    def __cinit__(self, int fd, Py_ssize_t size, bint touch=False):
+        """touch: write every page once now (the owner, pinned, places its array on its own
+        NUMA node: first touch), else pages are placed by whoever writes them first."""
         if size <= 0:
             raise ValueError("shmtree: a mapping needs a positive size")
         cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
@@ -268,6 +270,13 @@ cdef class Mapping:
         self.base = <char *>p
         self.size = size
         self.shape[0] = size
+        cdef Py_ssize_t off
+        if touch:
+            with nogil:
+                off = 0
+                while off < size:
+                    (<volatile char *>(self.base + off))[0] = 0    # (zero already: memfd)
+                    off += 4096
 
     def __dealloc__(self):
         if self.base != NULL:

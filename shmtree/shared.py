@@ -84,7 +84,7 @@ class SharedArrays:
         fd = os.memfd_create("shmtree-array", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            own = _moving.Mapping(fd, size)
+            own = _moving.Mapping(fd, size, touch=True)     # first touch: the owner's node
             claim = _moving.claim(dtype, shape) ^ (2 if order == "F" else 0)
             mine = np.array([os.getpid(), fd, size, claim], np.uint64)
             table = comm.allgather(mine.view(np.int64)).view(np.uint64)
