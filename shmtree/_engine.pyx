@@ -47,6 +47,7 @@ cdef enum:
     N_TYPENUMS = 64
     PIPE_CHUNKS = 4         # a message on the bandwidth channel is cut into at least this many
     MIN_CHUNK = 4096        # chunks (down to this size), so that its pieces overlap
+    REDUCE_PIECE = 16384    # a final result is reduced and copied out this much at a time
     KIND_ALLREDUCE = 1
 
 include "engine/types.pxi"

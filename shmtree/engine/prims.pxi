@@ -117,6 +117,25 @@ cdef inline uint64_t piece(Call *k, uint64_t lo) noexcept nogil:
 # FLAG_MISMATCH (someone below saw a difference) always sets the call's mismatch, after which no
 # data moves and every slot carries the flag on.
 
+cdef inline void reduce_copy_out(Eng *e, Call *k, char *target, char *dst, const void **sv,
+                                 int nsrc, uint64_t n) noexcept nogil:
+    """A final result reduced into the slot and copied to the output piece by piece, each
+    piece while it is still in the nearest cache (not one pass over the slot and another over
+    the copy).  Moves the operand pointers in sv (scratch of this step)."""
+    cdef uint64_t off = 0, piece
+    cdef uint64_t step = REDUCE_PIECE // k.itemsize * k.itemsize
+    cdef int i
+    if step == 0:
+        step = k.itemsize
+    while off < n:
+        piece = n - off if n - off < step else step
+        k.fn(target + off, sv, nsrc, piece // k.itemsize)
+        out(e, dst + off, target + off, piece)
+        for i in range(nsrc):
+            sv[i] = <const char *>sv[i] + piece
+        off += piece
+
+
 cdef inline int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_t rj,
                            Conn *dst_ring, uint64_t sj, const char *src, char *dst,
                            uint64_t n, bint own_first, bint check,
@@ -155,9 +174,11 @@ cdef inline int generic_op(Eng *e, Chan *c, Call *k, Conn *ins, int nin, uint64_
                 out(e, target, <const char *>sv[0], n)     # received result -> the output
             else:
                 memcpy(target, sv[0], n)
+        elif copy_out and target != dst:
+            reduce_copy_out(e, k, target, dst, sv, nsrc, n)
         else:
             k.fn(target, sv, nsrc, n // k.itemsize)
-        if copy_out:
+        if copy_out and (nsrc == 1 or target == dst):
             out(e, dst, target, n)                    # keep our own copy of a final result
     if mine != NULL:
         stamp(mine, k, sj)
