@@ -246,7 +246,7 @@ cdef extern from "<errno.h>" nogil:
 cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
-    int PROT_READ, PROT_WRITE, MAP_SHARED
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_POPULATE
     void *MAP_FAILED
 
 
@@ -260,23 +260,19 @@ cdef class Mapping:
     cdef object __weakref__
 
     def __cinit__(self, int fd, Py_ssize_t size, bint touch=False):
-        """touch: write every page once now (the owner, pinned, places its array on its own
-        NUMA node: first touch), else pages are placed by whoever writes them first."""
+        """touch: fault every page in now (the owner, pinned, places its array on its own NUMA
+        node: first touch), else pages are placed by whoever touches them first."""
         if size <= 0:
             raise ValueError("shmtree: a mapping needs a positive size")
-        cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        cdef void *p
+        with nogil:                   # (MAP_POPULATE: the kernel faults every page in at once)
+            p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | (MAP_POPULATE if touch else 0), fd, 0)
         if p == MAP_FAILED:
             raise OSError(errno, f"shmtree: mmap of {size} bytes failed")
         self.base = <char *>p
         self.size = size
         self.shape[0] = size
-        cdef Py_ssize_t off
-        if touch:
-            with nogil:
-                off = 0
-                while off < size:
-                    (<volatile char *>(self.base + off))[0] = 0    # (zero already: memfd)
-                    off += 4096
 
     def __dealloc__(self):
         if self.base != NULL:
