@@ -149,14 +149,12 @@ class SharedArrays:
         """Run this allreduce on the single-copy path if every rank passed shared arrays of the
         same allocation at the same place (agreed in one small allgather); False when the
         private path must run it instead (on every rank alike)."""
-        comm = self._comm
         sid, soff = self.where(src)
         did, doff = self.where(dst)
         n = src.nbytes
-        ok = sid and did and (sid != did or soff == doff or soff + n <= doff or doff + n <= soff)
+        ok = sid and did and _same_or_apart(sid, soff, did, doff, n)
         mine = np.array([bool(ok), sid, soff, did, doff, n], np.int64)
-        rows = comm._gather_small(mine, deadline).tolist()
-        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
+        if not self._agreed(mine, deadline):
             return False
         alloc_in, alloc_out = self._live.get(sid), self._live.get(did)
         self._guarded(lambda: self._reduce_my_part(src, alloc_in, soff, alloc_out, doff,
@@ -192,8 +190,7 @@ class SharedArrays:
         comm = self._comm
         did, doff = self.where(dst)
         mine = np.array([bool(did), did, doff, dst.nbytes], np.int64)
-        rows = comm._gather_small(mine, deadline).tolist()
-        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
+        if not self._agreed(mine, deadline):
             return False
         part = src.nbytes
         mine = src.view(np.uint8).reshape(-1)
@@ -213,8 +210,7 @@ class SharedArrays:
         comm = self._comm
         sid, soff = self.where(src)
         mine = np.array([bool(sid), sid, soff, src.nbytes], np.int64)
-        rows = comm._gather_small(mine, deadline).tolist()
-        if not (all(r[0] for r in rows) and all(r == rows[0] for r in rows)):
+        if not self._agreed(mine, deadline):
             return False
         order = list(comm.group.plan.large_tree.ring)
         P, pos = comm.size, order.index(comm.rank)
@@ -224,11 +220,7 @@ class SharedArrays:
 
         def work():
             ins = [v[soff + lo:soff + hi].view(dtype) for v in self._live[sid].views(comm.rank)]
-            out = dst.reshape(-1)
-            step = max(1, CHUNK_BYTES // item)
-            for a in range(0, (hi - lo) // item, step):
-                b = min(a + step, (hi - lo) // item)
-                fold(out[a:b], [x[a:b] for x in ins])
+            _fold_range(fold, ins, 0, (hi - lo) // item, dst.reshape(-1), [])
         self._guarded(work)
         self._barrier(deadline)
         return True
@@ -240,9 +232,8 @@ class SharedArrays:
         comm = self._comm
         sid, soff = self.where(src)
         did, doff = self.where(dst) if comm.rank == root else (0, 0)
-        ok = bool(sid) and (comm.rank != root or (did and (
-            did != sid or soff == doff or soff + src.nbytes <= doff
-            or doff + src.nbytes <= soff)))
+        ok = bool(sid) and (comm.rank != root or bool(
+            did and _same_or_apart(sid, soff, did, doff, src.nbytes)))
         mine = np.array([ok, sid, soff, src.nbytes, did, doff], np.int64)
         rows = comm._gather_small(mine, deadline).tolist()
         did, doff = rows[root][4], rows[root][5]
@@ -265,15 +256,16 @@ class SharedArrays:
         def work():
             ins = [v[soff:soff + nbytes].view(dtype) for v in self._live[sid].views(comm.rank)]
             out = self._live[did].views(comm.rank)[root][doff:doff + nbytes].view(dtype)
-            step = max(1, CHUNK_BYTES // item)
-            tmp = np.empty(step, dtype)       # (the root's out may be its input: fold aside)
-            for a in range(a0, b0, step):
-                b = min(a + step, b0)
-                fold(tmp[:b - a], [x[a:b] for x in ins])
-                out[a:b] = tmp[:b - a]
+            _fold_range(fold, ins, a0, b0, None, [out])   # (out may be the root's input)
         self._guarded(work)
         self._barrier(deadline)
         return True
+
+    def _agreed(self, row, deadline) -> bool:
+        """Did every rank say it can (row[0]) with the very same row?  (One small allgather;
+        every rank gets the same answer.)"""
+        rows = self._comm._gather_small(row, deadline).tolist()
+        return all(r[0] for r in rows) and all(r == rows[0] for r in rows)
 
     def _guarded(self, work):
         try:
@@ -307,16 +299,34 @@ class SharedArrays:
             reduce_chunk = _tree_fold(plan.large_tree, op)
         ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views(comm.rank)]
         outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views(comm.rank)]
-        step = max(item, CHUNK_BYTES // item * item)
         me = comm.rank
-        tmp = None if direct else np.empty(step // item, dtype)
-        for a in range(lo // item, hi // item, step // item):
-            b = min(a + step // item, hi // item)
-            t = outs[me][a:b] if direct else tmp[:b - a]
-            reduce_chunk(t, [x[a:b] for x in ins])
-            for r, o in enumerate(outs):
-                if not (direct and r == me):
-                    o[a:b] = t
+        if direct:
+            _fold_range(reduce_chunk, ins, lo // item, hi // item, outs[me],
+                        [o for r, o in enumerate(outs) if r != me])
+        else:
+            _fold_range(reduce_chunk, ins, lo // item, hi // item, None, outs)
+
+
+def _same_or_apart(id1, off1, id2, off2, n) -> bool:
+    """Are two n-byte stretches of shared allocations the very same bytes, or apart?  (An input
+    and an output that partly overlap take the private path, which copies.)"""
+    return id1 != id2 or off1 == off2 or off1 + n <= off2 or off2 + n <= off1
+
+
+def _fold_range(fold, ins, a0, b0, target, copies):
+    """Elements a0..b0, a chunk of CHUNK_BYTES at a time: fold every input's chunk into
+    target's (or, target None, into a buffer that stays in cache), then copy it into each of
+    `copies`."""
+    if a0 >= b0:
+        return
+    step = max(1, CHUNK_BYTES // ins[0].itemsize)
+    tmp = np.empty(min(step, b0 - a0), ins[0].dtype) if target is None else None
+    for a in range(a0, b0, step):
+        b = min(a + step, b0)
+        t = tmp[:b - a] if target is None else target[a:b]
+        fold(t, [x[a:b] for x in ins])
+        for o in copies:
+            o[a:b] = t
 
 
 def _ring_fold(ranks, op, pairwise):
