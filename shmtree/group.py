@@ -13,6 +13,7 @@ this module reaches upward, with an import at call time.
 from __future__ import annotations
 
 import os
+import pickle
 import weakref
 from multiprocessing import reduction
 
@@ -119,6 +120,32 @@ class Group:
             raise ShmtreeError("shmtree: a closed group cannot be sent to another process")
         return _rebuild_group, (self.plan, reduction.DupFd(self._fd), self._nonce,
                                 self.layout.total)
+
+    def rendezvous_token(self) -> bytes:
+        """What an unrelated process of the same user (not a child: torchrun, mpiexec) needs to
+        attach to this group with Group.from_token: the plan, this process's pid and the
+        segment's descriptor number, the nonce and size.  Valid while this process keeps the
+        group open."""
+        if self._closed:
+            raise ShmtreeError("shmtree: a closed group has no rendezvous token")
+        return pickle.dumps((self.plan, os.getpid(), self._fd, self._nonce, self.layout.total),
+                            protocol=4)
+
+    @classmethod
+    def from_token(cls, token: bytes) -> "Group":
+        """Attach to the group of a rendezvous token (through /proc/<pid>/fd/<fd> of its
+        creator: only a process of the same user can open it; the segment's size and header
+        nonce are checked as for a pickled group)."""
+        plan, pid, fd_number, nonce, total = pickle.loads(token)
+        try:
+            fd = os.open(f"/proc/{int(pid)}/fd/{int(fd_number)}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmtreeError(f"shmtree: cannot attach to the group of process {pid}: {exc} "
+                               "(it must be alive and run as the same user)") from None
+        if os.fstat(fd).st_uid != os.getuid():
+            os.close(fd)
+            raise ShmtreeError("shmtree: the group's segment belongs to another user")
+        return _rebuild_group(plan, _Detached(fd), nonce, total)
 
     def _attach(self, fd, nonce, total):
         """Map the segment in a spawned process, after checking that it is this group's (the
@@ -329,6 +356,16 @@ class _ClosedSegment:
 
     def __getattr__(self, name):
         raise ShmtreeError("shmtree: the group is closed")
+
+
+class _Detached:
+    """A descriptor already open here, in the shape of multiprocessing's DupFd."""
+
+    def __init__(self, fd):
+        self._fd = fd
+
+    def detach(self):
+        return self._fd
 
 
 def _rebuild_group(plan, dupfd, nonce, total):

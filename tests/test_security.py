@@ -305,3 +305,23 @@ def test_forked_member_cannot_resize():
                 p.kill()
                 p.join(5)
     assert result == "EPERM", result
+
+
+def test_rendezvous_token_attaches_and_refuses_what_it_cannot_open():
+    import pickle
+    g = shmtree.Group(2, pin=False)
+    try:
+        token = g.rendezvous_token()
+        other = shmtree.Group.from_token(token)       # (through /proc/<pid>/fd: same user)
+        try:
+            assert other.plan == g.plan and other.size == 2
+        finally:
+            other.close()
+        plan, pid, fd, nonce, total = pickle.loads(token)
+        for bad, what in (((plan, 2 ** 22 + 7, fd, nonce, total), "cannot attach"),
+                          ((plan, pid, fd, b"x" * len(nonce), total), "nonce"),
+                          ((plan, pid, fd, nonce, total + 4096), "size")):
+            with pytest.raises(shmtree.ShmtreeError, match=what):
+                shmtree.Group.from_token(pickle.dumps(bad))
+    finally:
+        g.close()

@@ -1,0 +1,149 @@
+"""The torch.distributed backend "shmtree" (shmtree/torch.py), under torch.multiprocessing.spawn
+with a FileStore: every operation against its expected values, async work, DDP against gloo."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+mp = pytest.importorskip("torch.multiprocessing")
+
+
+def ops_worker(rank, size, store_path, outdir):
+    import torch
+    import torch.distributed as dist
+
+    import shmtree.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    got = {}
+    R = dist.ReduceOp
+    for name, op in (("sum", R.SUM), ("avg", R.AVG), ("prod", R.PRODUCT), ("min", R.MIN),
+                     ("max", R.MAX)):
+        t = torch.arange(5, dtype=torch.float64) + rank + 1
+        dist.all_reduce(t, op=op)
+        got[name] = t.tolist()
+    for name, op in (("band", R.BAND), ("bor", R.BOR), ("bxor", R.BXOR)):
+        t = torch.tensor([rank + 1, 7, 1 << rank], dtype=torch.int32)
+        dist.all_reduce(t, op=op)
+        got[name] = t.tolist()
+    big = torch.ones(100003) * (rank + 1)                 # the bandwidth path
+    dist.all_reduce(big)
+    got["big"] = float(big[0]), float(big[-1])
+    view = torch.zeros(10, 4)[:, 1]                       # a non-contiguous tensor, in place
+    view += rank + 1
+    dist.all_reduce(view)
+    got["strided"] = view.tolist()
+    w = torch.ones(3, requires_grad=True)                 # used as its detach()
+    dist.all_reduce(w.data)
+    got["grad_param"] = w.detach().tolist()
+    b = torch.full((4,), float(rank))
+    dist.broadcast(b, src=size - 1)
+    got["broadcast"] = b.tolist()
+    x = torch.full((3,), rank + 1.0)
+    dist.reduce(x, dst=size - 1)
+    got["reduce"] = x.tolist() if rank == size - 1 else None
+    outs = [torch.empty(2) for _ in range(size)]
+    dist.all_gather(outs, torch.full((2,), rank + 0.5))
+    got["all_gather"] = [o.tolist() for o in outs]
+    flat = torch.empty(size * 2)
+    dist.all_gather_into_tensor(flat, torch.full((2,), rank + 0.5))
+    got["all_gather_into_tensor"] = flat.tolist()
+    r = torch.empty(2)
+    dist.reduce_scatter_tensor(r, torch.arange(2 * size, dtype=torch.float32) * (rank + 1))
+    got["reduce_scatter_tensor"] = r.tolist()
+    r = torch.empty(2)
+    dist.reduce_scatter(r, [torch.full((2,), float(k + rank)) for k in range(size)])
+    got["reduce_scatter"] = r.tolist()
+    work = dist.all_reduce(torch.ones(2) * (rank + 1), async_op=True)
+    work.wait()
+    got["async"] = work.get_future().value()[0].tolist()
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+        got["bf16"] = None
+    except (TypeError, RuntimeError) as exc:
+        got["bf16"] = "bfloat16" in str(exc)
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(got, os.path.join(outdir, f"{rank}.pt"))
+
+
+def _spawn(fn, size, *args):
+    mp.spawn(fn, args=(size,) + args, nprocs=size, join=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_operation(tmp_path, size):
+    _spawn(ops_worker, size, str(tmp_path / "store"), str(tmp_path))
+    P = size
+    tri = P * (P + 1) / 2
+    for rank in range(P):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        base = np.arange(5.0)
+        assert got["sum"] == (base * P + tri).tolist()
+        assert got["avg"] == ((base * P + tri) / P).tolist()
+        assert got["prod"] == [float(np.prod([i + r + 1 for r in range(P)])) for i in range(5)]
+        assert got["min"] == (base + 1).tolist() and got["max"] == (base + P).tolist()
+        vals = [[r + 1, 7, 1 << r] for r in range(P)]
+        assert got["band"] == [int(np.bitwise_and.reduce(c)) for c in zip(*vals)]
+        assert got["bor"] == [int(np.bitwise_or.reduce(c)) for c in zip(*vals)]
+        assert got["bxor"] == [int(np.bitwise_xor.reduce(c)) for c in zip(*vals)]
+        assert got["big"] == (tri, tri) and got["strided"] == [tri] * 10
+        assert got["grad_param"] == [float(P)] * 3
+        assert got["broadcast"] == [float(P - 1)] * 4
+        assert got["reduce"] == ([tri] * 3 if rank == P - 1 else None)
+        assert got["all_gather"] == [[r + 0.5] * 2 for r in range(P)]
+        assert got["all_gather_into_tensor"] == [r + 0.5 for r in range(P) for _ in range(2)]
+        assert got["reduce_scatter_tensor"] == [float((2 * rank + i) * tri) for i in range(2)]
+        assert got["reduce_scatter"] == [float(sum(rank + k for k in range(P)))] * 2
+        assert got["async"] == [tri] * 2
+        assert got["bf16"] is True
+
+
+def ddp_worker(rank, size, store_path, outdir, backend):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import shmtree.torch  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)          # each rank its own data
+    for _ in range(20):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    torch.save([p.detach() for p in model.parameters()],
+               os.path.join(outdir, f"{backend}-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_ddp_trains_as_with_gloo(tmp_path):
+    for backend in ("gloo", "shmtree"):
+        _spawn(ddp_worker, 2, str(tmp_path / f"store-{backend}"), str(tmp_path), backend)
+    for rank in range(2):
+        ours = torch.load(tmp_path / f"shmtree-{rank}.pt")
+        theirs = torch.load(tmp_path / f"gloo-{rank}.pt")
+        for p, q in zip(ours, theirs):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+    first = torch.load(tmp_path / "shmtree-0.pt")
+    assert all(torch.equal(p, q) for p, q in zip(first, torch.load(tmp_path / "shmtree-1.pt")))
+
+
+def test_non_cpu_and_non_tensor_inputs_are_refused():
+    from shmtree.torch import _view
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        _view(np.ones(2))
+    with pytest.raises(ValueError, match="CPU tensors"):
+        _view(torch.ones(2, device="meta"))
