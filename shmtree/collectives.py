@@ -19,14 +19,15 @@ it in one C pass); allgather(axis=0) first exchanges the lengths.
 from __future__ import annotations
 
 import functools
-import time
 import hashlib
 import pickle
+import time
 
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels, _moving
+from . import _engine, _kernels, _moving, arrays as _arrays
+from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
 from .errors import CollectiveMismatchError
@@ -114,10 +115,13 @@ class Collectives:
         """Every rank gets the root's array.  Elsewhere `array` is None (the shape and dtype come
         from the root) or an array of the root's shape and dtype whose values are ignored.
         Returns a new array on every rank, or `out`."""
+        if _foreign(array, out):
+            return _arrays.call(self.broadcast, array, out, "broadcast", root, timeout=timeout)
         return self._now(self._prep_broadcast(array, root, out, timeout))
 
     def ibroadcast(self, array, root=0, *, out=None, timeout=None):
         """broadcast, nonblocking: a Request."""
+        array, out = _numpy_args(array, out, "ibroadcast")
         return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
 
     def _prep_broadcast(self, array, root, out, timeout):
@@ -200,6 +204,8 @@ class Collectives:
     def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
         """The root gets what allreduce would give (a new array, or `out`); the other ranks get
         None."""
+        if _foreign(array, out):
+            return _arrays.call(self.reduce, array, out, "reduce", op, root, timeout=timeout)
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         mine = out if self.rank == root else None
@@ -211,6 +217,7 @@ class Collectives:
 
     def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
         """reduce, nonblocking: a Request (its result None on ranks other than the root)."""
+        array, out = _numpy_args(array, out, "ireduce")
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
@@ -221,6 +228,9 @@ class Collectives:
     def allgather(self, array, *, axis=None, out=None, timeout=None):
         """axis=None: the arrays stacked, shape (size, *array.shape), result[r] rank r's array;
         axis=0: concatenated along axis 0 (the other dimensions agree, lengths may differ)."""
+        if _foreign(array, out):
+            return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
+                                timeout=timeout)
         P = self.size
         if (axis is None and type(array) is np.ndarray
                 and array.nbytes * P <= self._small_bytes and not array.dtype.hasobject
@@ -234,6 +244,7 @@ class Collectives:
 
     def iallgather(self, array, *, axis=None, out=None, timeout=None):
         """allgather, nonblocking: a Request."""
+        array, out = _numpy_args(array, out, "iallgather")
         return self._post(self._prep_allgather(array, axis, out, timeout), "iallgather")
 
     def _prep_allgather(self, array, axis, out, timeout):
@@ -316,6 +327,9 @@ class Collectives:
 
     def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
         """Rank r gets np.array_split(the full reduction, size, axis=0)[r]."""
+        if _foreign(array, out):
+            return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
+                                timeout=timeout)
         if (type(array) is np.ndarray and array.ndim and array.nbytes <= self._small_bytes
                 and self._idle()):
             n, P, me = array.shape[0], self.size, self.rank
@@ -331,6 +345,7 @@ class Collectives:
 
     def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
         """reduce_scatter, nonblocking: a Request."""
+        array, out = _numpy_args(array, out, "ireduce_scatter")
         return self._post(self._prep_reduce_scatter(array, op, out, timeout), "ireduce_scatter")
 
     def _prep_reduce_scatter(self, array, op, out, timeout):

@@ -28,11 +28,12 @@ import warnings
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels, _moving, plan as _plan
+from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
                     KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .collectives import Collectives, _deadline
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
@@ -99,6 +100,8 @@ class Communicator(Collectives):
 
     def allreduce(self, array, op="sum", *, out=None, timeout=None):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
+        if _foreign(array, out):
+            return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
         if self._idle() and (self._shared is None or type(array) is not np.ndarray
                              or array.nbytes < SINGLE_COPY_MIN):
             result = self._quick(array, op, out, _deadline(timeout), KIND_ALLREDUCE)
@@ -108,6 +111,7 @@ class Communicator(Collectives):
 
     def iallreduce(self, array, op="sum", *, out=None, timeout=None):
         """allreduce, nonblocking: a Request (docs/design.md, "Nonblocking calls")."""
+        array, out = _numpy_args(array, out, "iallreduce")
         return self._post(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE),
                           "iallreduce")
 

@@ -147,3 +147,65 @@ def test_non_cpu_and_non_tensor_inputs_are_refused():
         _view(np.ones(2))
     with pytest.raises(ValueError, match="CPU tensors"):
         _view(torch.ones(2, device="meta"))
+
+
+def tensors_worker(comm):
+    import torch
+    r = comm.rank
+    got = {}
+    t = torch.arange(5.0) + r
+    res = comm.allreduce(t)
+    got["new"] = (type(res).__name__, res.tolist(), t.tolist() == (torch.arange(5.0) + r).tolist())
+    o = torch.zeros(5)
+    got["out"] = (comm.allreduce(t, out=o) is o, o.tolist())
+    p = torch.nn.Parameter(torch.ones(3))                   # requires grad: its detach()
+    got["param"] = (comm.allreduce(p, out=p) is p, p.detach().tolist())
+    s = torch.zeros(6)[::2]                                  # strided, in place
+    s += r + 1
+    comm.allreduce(s, out=s)
+    got["strided"] = s.tolist()
+    b = comm.broadcast(torch.full((3,), 7.0) if r == 0 else None, 0)
+    got["broadcast"] = b.tolist()
+    g = comm.allgather(torch.full((2,), r + 0.5))
+    got["allgather"] = (type(g).__name__, g.tolist())
+    got["reduce"] = None if r else comm.reduce(torch.ones(2), root=0).tolist()
+    if r:
+        comm.reduce(torch.ones(2), root=0)
+    got["reduce_scatter"] = comm.reduce_scatter(torch.arange(4.0)).tolist()
+    got["nonblocking"] = comm.iallreduce(torch.ones(2)).wait().tolist()
+
+    class Plain:                                             # only the array interface
+        def __init__(self, a):
+            self._a = a
+            self.__array_interface__ = a.__array_interface__
+    mine = np.full(3, r + 1.0)
+    got["interface"] = comm.allreduce(Plain(mine)).tolist()
+    try:
+        comm.allreduce(torch.ones(2, dtype=torch.bfloat16))
+        got["bf16"] = None
+    except TypeError as exc:
+        got["bf16"] = "bfloat16" in str(exc)
+    got["after"] = comm.allreduce(torch.ones(1)).tolist()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_the_shmtree_api_takes_and_gives_torch_tensors():
+    import shmtree
+    from procutil import run_ok
+    for got in run_ok(tensors_worker, 2):
+        assert got["new"] == ("Tensor", [1.0, 3.0, 5.0, 7.0, 9.0], True)
+        assert got["out"] == (True, [1.0, 3.0, 5.0, 7.0, 9.0])
+        assert got["param"] == (True, [2.0] * 3) and got["strided"] == [3.0] * 3
+        assert got["broadcast"] == [7.0] * 3
+        assert got["allgather"] == ("Tensor", [[0.5, 0.5], [1.5, 1.5]])
+        assert got["reduce_scatter"] in ([0.0, 2.0], [4.0, 6.0])
+        assert got["nonblocking"] == [2.0, 2.0] and got["interface"] == [3.0] * 3
+        assert got["bf16"] is True and got["after"] == [2.0]
+    assert shmtree.arrays.is_foreign(torch.ones(1)) and not shmtree.arrays.is_foreign(np.ones(1))
+
+
+def test_arrays_on_other_devices_are_refused():
+    from shmtree.arrays import as_numpy
+    with pytest.raises(ValueError, match="CPU memory only"):
+        as_numpy(torch.ones(2, device="meta"), "allreduce")
