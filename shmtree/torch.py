@@ -28,6 +28,7 @@ from .group import Group
 
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
+INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 
 
 def _op(reduce_op):
@@ -75,10 +76,20 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     # ---- work objects ----
 
-    def _work(self, requests, finish):
-        """A Work whose future is set when the last of `requests` (they complete in order) is
-        done: with finish() (its value), or with the first failure."""
+    def _work(self, calls, nbytes, finish):
+        """Make the calls - call(blocking) makes one: the blocking collective, or its i-form
+        (a Request) - and return a Work whose future finish() sets (its value) once they are
+        done, or the first failure.  Messages of at most INLINE_BYTES run blocking, at once (a
+        hand-off to the progress thread costs more than they do); larger ones are posted, so
+        that the caller (DDP's backward pass) computes meanwhile.  Calls complete in issue
+        order either way."""
         fut = Future()
+        if nbytes <= INLINE_BYTES:
+            for call in calls:
+                call(True)
+            fut.set_result(finish())
+            return _create_work_from_future(fut)
+        requests = [call(False) for call in calls]
 
         def done(_):
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
@@ -92,100 +103,92 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 return
             fut.set_result(value)
 
-        if requests:
-            requests[-1].add_done_callback(done)
-        else:
-            fut.set_result(finish())
+        requests[-1].add_done_callback(done)
         return _create_work_from_future(fut)
+
+    def _divide(self, tensors, op, mine=True):
+        """AVG: the sum, divided by the size (where the result is)."""
+        if op == "avg" and mine:
+            for t in tensors:
+                t.detach().div_(self._comm.size)
+        return tensors
 
     # ---- collectives ----
 
     def allreduce(self, tensors, opts):
         op = _op(opts.reduceOp)
-        reqs = []
-        for t in tensors:
-            a = _view(t)
-            reqs.append(self._comm.iallreduce(a, "sum" if op == "avg" else op, out=a,
-                                              timeout=self._timeout))
-
-        def finish():
-            if op == "avg":
-                for t in tensors:
-                    t.detach().div_(self._comm.size)
-            return tensors
-        return self._work(reqs, finish)
+        comm, timeout = self._comm, self._timeout
+        arrays = [_view(t) for t in tensors]
+        calls = [_call(comm.allreduce, comm.iallreduce, a,
+                                   "sum" if op == "avg" else op, out=a, timeout=timeout)
+                 for a in arrays]
+        return self._work(calls, sum(a.nbytes for a in arrays),
+                          lambda: self._divide(tensors, op))
 
     def broadcast(self, tensors, opts):
-        root = opts.rootRank
-        reqs = [self._comm.ibroadcast(_view(t), root, out=_view(t), timeout=self._timeout)
-                for t in tensors]
-        return self._work(reqs, lambda: tensors)
+        comm, root = self._comm, opts.rootRank
+        arrays = [_view(t) for t in tensors]
+        calls = [_call(comm.broadcast, comm.ibroadcast, a, root, out=a,
+                                   timeout=self._timeout) for a in arrays]
+        return self._work(calls, sum(a.nbytes for a in arrays), lambda: tensors)
 
     def reduce(self, tensors, opts):
-        op, root, me = _op(opts.reduceOp), opts.rootRank, self._comm.rank
-        reqs = [self._comm.ireduce(_view(t), "sum" if op == "avg" else op, root,
-                                   out=_view(t) if me == root else None, timeout=self._timeout)
-                for t in tensors]
-
-        def finish():
-            if op == "avg" and me == root:
-                for t in tensors:
-                    t.detach().div_(self._comm.size)
-            return tensors
-        return self._work(reqs, finish)
+        op, root, comm = _op(opts.reduceOp), opts.rootRank, self._comm
+        arrays = [_view(t) for t in tensors]
+        calls = [_call(comm.reduce, comm.ireduce, a,
+                                   "sum" if op == "avg" else op, root,
+                                   out=a if comm.rank == root else None,
+                                   timeout=self._timeout) for a in arrays]
+        return self._work(calls, sum(a.nbytes for a in arrays),
+                          lambda: self._divide(tensors, op, comm.rank == root))
 
     def allgather(self, output_tensors, input_tensors, opts):
-        reqs = [self._comm.iallgather(_view(t), timeout=self._timeout) for t in input_tensors]
+        comm, size = self._comm, self._comm.size
+        pairs = [(_view(t), outs) for t, outs in zip(input_tensors, output_tensors)]
+        gathered = [np.empty((size,) + a.shape, a.dtype) for a, _ in pairs]
+        calls = [_call(comm.allgather, comm.iallgather, a, out=g,
+                                   timeout=self._timeout) for (a, _), g in zip(pairs, gathered)]
 
         def finish():
-            for outs, req in zip(output_tensors, reqs):
-                got = req.result()
+            for (_, outs), g in zip(pairs, gathered):
                 for r, o in enumerate(outs):
-                    o.detach().copy_(torch.from_numpy(got[r]))
+                    o.detach().copy_(torch.from_numpy(g[r]))
             return output_tensors
-        return self._work(reqs, finish)
+        return self._work(calls, sum(g.nbytes for g in gathered), finish)
 
     def _allgather_base(self, output, input, opts):
-        size = self._comm.size
-        out = _view(output).reshape((size,) + tuple(input.shape))
-        req = self._comm.iallgather(_view(input), out=out, timeout=self._timeout)
-        return self._work([req], lambda: [output])
+        comm = self._comm
+        out = _view(output).reshape((comm.size,) + tuple(input.shape))
+        calls = [_call(comm.allgather, comm.iallgather, _view(input), out=out,
+                                   timeout=self._timeout)]
+        return self._work(calls, out.nbytes, lambda: [output])
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
-        op = _op(opts.reduceOp)
-        reqs = []
-        for out, parts in zip(output_tensors, input_lists):
-            whole = np.concatenate([_view(p).reshape(-1) for p in parts])
-            reqs.append(self._comm.ireduce_scatter(whole, "sum" if op == "avg" else op,
-                                                   out=_view(out).reshape(-1),
-                                                   timeout=self._timeout))
-
-        def finish():
-            if op == "avg":
-                for t in output_tensors:
-                    t.detach().div_(self._comm.size)
-            return output_tensors
-        return self._work(reqs, finish)
+        op, comm = _op(opts.reduceOp), self._comm
+        wholes = [np.concatenate([_view(p).reshape(-1) for p in parts]) for parts in input_lists]
+        calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, w,
+                                   "sum" if op == "avg" else op, out=_view(out).reshape(-1),
+                                   timeout=self._timeout)
+                 for w, out in zip(wholes, output_tensors)]
+        return self._work(calls, sum(w.nbytes for w in wholes),
+                          lambda: self._divide(output_tensors, op))
 
     def _reduce_scatter_base(self, output, input, opts):
-        op = _op(opts.reduceOp)
-        req = self._comm.ireduce_scatter(_view(input), "sum" if op == "avg" else op,
-                                         out=_view(output).reshape(
-                                             (input.shape[0] // self._comm.size,)
-                                             + tuple(input.shape[1:])),
-                                         timeout=self._timeout)
-
-        def finish():
-            if op == "avg":
-                output.detach().div_(self._comm.size)
-            return [output]
-        return self._work([req], finish)
+        op, comm = _op(opts.reduceOp), self._comm
+        block = (input.shape[0] // comm.size,) + tuple(input.shape[1:])
+        a = _view(input)
+        calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, a,
+                                   "sum" if op == "avg" else op,
+                                   out=_view(output).reshape(block), timeout=self._timeout)]
+        return self._work(calls, a.nbytes, lambda: self._divide([output], op))
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
 
     def barrier(self, opts=None):
-        return self._work([self._comm.ibarrier(timeout=self._timeout)], lambda: [])
+        comm = self._comm
+        return self._work([_call(comm.barrier, comm.ibarrier,
+                                             timeout=self._timeout)], 0, lambda: [])
 
     def shutdown(self):
         self._comm.close()
@@ -196,6 +199,13 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             self.shutdown()
         except Exception:
             pass
+
+
+def _call(blocking, nonblocking, *args, **kwargs):
+    """A call, as _work makes it: call(True) the blocking form, call(False) the i-form."""
+    def call(now):
+        return (blocking if now else nonblocking)(*args, **kwargs)
+    return call
 
 
 def _create(store, rank, size, timeout):

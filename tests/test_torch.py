@@ -57,6 +57,19 @@ def ops_worker(rank, size, store_path, outdir):
     r = torch.empty(2)
     dist.reduce_scatter(r, [torch.full((2,), float(k + rank)) for k in range(size)])
     got["reduce_scatter"] = r.tolist()
+    n = 70001                                             # above INLINE_BYTES: posted
+    b = torch.full((n,), float(rank))
+    dist.broadcast(b, src=0)
+    x = torch.full((n,), rank + 1.0)
+    dist.reduce(x, dst=0, op=R.AVG)
+    flat = torch.empty(size * n)
+    dist.all_gather_into_tensor(flat, torch.full((n,), rank + 0.5))
+    r = torch.empty(n)
+    dist.reduce_scatter_tensor(r, torch.ones(size * n) * (rank + 1))
+    big_work = dist.all_reduce(torch.ones(n), async_op=True)
+    big_work.wait()
+    got["large"] = (float(b.sum()), float(x[0]) if rank == 0 else None,
+                    float(flat.sum()), float(r.sum()), float(big_work.get_future().value()[0][0]))
     work = dist.all_reduce(torch.ones(2) * (rank + 1), async_op=True)
     work.wait()
     got["async"] = work.get_future().value()[0].tolist()
@@ -100,6 +113,9 @@ def test_every_operation(tmp_path, size):
         assert got["reduce_scatter_tensor"] == [float((2 * rank + i) * tri) for i in range(2)]
         assert got["reduce_scatter"] == [float(sum(rank + k for k in range(P)))] * 2
         assert got["async"] == [tri] * 2
+        n = 70001
+        assert got["large"] == (0.0, tri / P if rank == 0 else None,
+                                n * sum(r + 0.5 for r in range(P)), n * tri, float(P))
         assert got["bf16"] is True
 
 
