@@ -36,7 +36,8 @@ cdef enum:
     DT_F8 = 11
     DT_C8 = 12
     DT_C16 = 13
-    N_DTYPES = 14
+    DT_BF16 = 14    # bfloat16 (ml_dtypes.bfloat16, torch.bfloat16)
+    N_DTYPES = 15
 
 # The kernel for (op, dtype), or NULL where the pair is not supported (min/max of complex,
 # band/bor/bxor of float and complex).

@@ -54,6 +54,8 @@ import numpy as np
 cdef extern from "_csrc/half.h" nogil:
     float shmt_half_to_float(uint16_t h)
     uint16_t shmt_float_to_half(float f)
+    float shmt_bf16_to_float(uint16_t b)
+    uint16_t shmt_float_to_bf16(float f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +73,17 @@ ctypedef struct c16_t:
     double re
     double im
 
-# float16 as its bit pattern; a struct so that it is a type of its own (not uint16_t).
+# float16 and bfloat16 as their bit patterns; structs so that each is a type of its own.
 ctypedef struct half_t:
     uint16_t bits
+
+ctypedef struct bf16_t:
+    uint16_t bits
+
+# The 16-bit floats, reduced through float32 blocks.
+ctypedef fused Half16:
+    half_t
+    bf16_t
 
 ctypedef fused Integer:
     uint8_t
@@ -99,10 +109,10 @@ ctypedef fused Num:
     Real
     Cplx
 
-# Every element type a kernel exists for: Num plus float16.
+# Every element type a kernel exists for: Num plus the 16-bit floats.
 ctypedef fused Elem:
     Num
-    half_t
+    Half16
 
 # Op tags: never instantiated, only their types matter.
 ctypedef struct OpSum:
@@ -297,32 +307,42 @@ cdef inline void _accumulate(Num *d, const Num *b, Py_ssize_t m, Op *op) noexcep
         d[i] = _combine(d[i], b[i], op)
 
 
-cdef inline void _widen_half(float *acc, const half_t *s, Py_ssize_t m) noexcept nogil:
+cdef inline float _to_float(Half16 x) noexcept nogil:
+    if Half16 is half_t:
+        return shmt_half_to_float(x.bits)
+    else:
+        return shmt_bf16_to_float(x.bits)
+
+
+cdef inline void _widen_half(float *acc, const Half16 *s, Py_ssize_t m) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(m):
-        acc[i] = shmt_half_to_float(s[i].bits)
+        acc[i] = _to_float(s[i])
 
 
-cdef inline void _accumulate_half(float *acc, const half_t *s, Py_ssize_t m,
+cdef inline void _accumulate_half(float *acc, const Half16 *s, Py_ssize_t m,
                                   Op *op) noexcept nogil:
     # acc op s, the same operand order as _accumulate.  (The operands were once swapped to copy
     # numpy's float16 choice of operand on -0.0/+0.0 ties in min/max; the sign rule of _min and
     # _max makes those ties independent of operand order, so no swap is needed.)
     cdef Py_ssize_t i
     for i in range(m):
-        acc[i] = _combine(acc[i], shmt_half_to_float(s[i].bits), op)
+        acc[i] = _combine(acc[i], _to_float(s[i]), op)
 
 
-cdef inline void _narrow_half(half_t *d, const float *acc, Py_ssize_t m) noexcept nogil:
+cdef inline void _narrow_half(Half16 *d, const float *acc, Py_ssize_t m) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(m):
-        d[i].bits = shmt_float_to_half(acc[i])
+        if Half16 is half_t:
+            d[i].bits = shmt_float_to_half(acc[i])
+        else:
+            d[i].bits = shmt_float_to_bf16(acc[i])
 
 
-cdef void _reduce_half(half_t *dst, const half_t **srcs, int nsrc, Py_ssize_t n,
+cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
                        Op *op) noexcept nogil:
-    """float16, nsrc >= 2: per block, widen srcs[0] to float32, fold in the other sources in
-    float32, round to half once."""
+    """float16 and bfloat16, nsrc >= 2: per block, widen srcs[0] to float32, fold in the other
+    sources in float32, round once."""
     cdef float acc[HALF_BLOCK]
     cdef Py_ssize_t start = 0, m
     cdef int j
@@ -357,7 +377,7 @@ cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
     if nsrc == 1:
         if dst != srcs[0]:
             memcpy(dst, srcs[0], <size_t>n * sizeof(Elem))
-    elif Elem is half_t:
+    elif Elem is half_t or Elem is bf16_t:
         _reduce_half(dst, srcs, nsrc, n, op)
     else:
         _reduce_num(dst, srcs, nsrc, n, op)
@@ -432,6 +452,7 @@ cdef void _build_table() noexcept:
     _set_row(DT_U4, <uint32_t *>NULL)
     _set_row(DT_U8, <uint64_t *>NULL)
     _set_row(DT_F2, <half_t *>NULL)
+    _set_row(DT_BF16, <bf16_t *>NULL)
     _set_row(DT_F4, <float *>NULL)
     _set_row(DT_F8, <double *>NULL)
     _set_row(DT_C8, <c8_t *>NULL)
@@ -467,6 +488,7 @@ DTYPE_CODES = {
     'u1': DT_U1, 'u2': DT_U2, 'u4': DT_U4, 'u8': DT_U8,
     'f2': DT_F2, 'f4': DT_F4, 'f8': DT_F8,
     'c8': DT_C8, 'c16': DT_C16,
+    'bf16': DT_BF16,            # (not a dtype.str: bfloat16 is ml_dtypes', found by its name)
 }
 
 # The one op table, by name and by numpy ufunc -> OP_* code; everything else about ops derives
@@ -482,7 +504,8 @@ _OPS_TEXT = (", ".join(repr(name) for name in OP_CODES) + " or "
              + ", ".join(f"np.{ufunc.__name__}" for ufunc in UFUNC_CODES))
 _BITWISE_OPS = (OP_BAND, OP_BOR, OP_BXOR)
 _SUPPORTED_DTYPES = ("bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, "
-                     "float16, float32, float64, complex64, complex128 (native byte order)")
+                     "float16, bfloat16, float32, float64, complex64, complex128 (native byte "
+                     "order)")
 
 
 def dtype_code(dtype):
@@ -498,7 +521,7 @@ def dtype_code(dtype):
                         f"supported: {_SUPPORTED_DTYPES}")
     code = None
     if dt.fields is None and dt.subdtype is None:
-        code = DTYPE_CODES.get(dt.str[1:])
+        code = DT_BF16 if dt.name == "bfloat16" else DTYPE_CODES.get(dt.str[1:])
     if code is None:
         raise TypeError(f"shmtree cannot reduce dtype {dt!r}; supported: {_SUPPORTED_DTYPES}")
     return code

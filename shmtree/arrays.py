@@ -2,8 +2,8 @@
 `__dlpack__` (torch tensors, JAX arrays) or the array interface, as input and as `out=`.
 
 The collectives work on numpy arrays; an array of another library is viewed as one - the same
-memory, no copy (np.from_dlpack; a tensor that requires grad through its .detach()) - and the
-call runs on the view.  `out=` is written in place and returned as given; without `out=`, a call
+memory, no copy (np.from_dlpack; a tensor that requires grad through its .detach(); torch.bfloat16 as an
+ml_dtypes.bfloat16 array) - and the call runs on the view.  `out=` is written in place and returned as given; without `out=`, a call
 given torch tensors returns a torch tensor (torch.from_numpy of the result: no copy either).
 """
 from __future__ import annotations
@@ -33,13 +33,34 @@ def as_numpy(x, what):
         if not isinstance(device[0], int) or int(device[0]) != _CPU:
             raise ValueError(f"shmtree: {what}: the array lives on device {device}; shmtree "
                              "works on CPU memory only (copy it to the CPU first)")
+        if _is_torch(x) and x.dtype == sys.modules["torch"].bfloat16:
+            return _bf16_view(x, what)
         try:
             return np.from_dlpack(x)
         except (RuntimeError, BufferError, TypeError) as exc:
             raise TypeError(f"shmtree: {what}: cannot view a {type(x).__name__} of dtype "
-                            f"{getattr(x, 'dtype', '?')} as a numpy array ({exc}); bfloat16 "
-                            "is not supported yet") from None
+                            f"{getattr(x, 'dtype', '?')} as a numpy array ({exc})") from None
     return np.asarray(x)
+
+
+def _bf16_view(t, what):
+    """A torch.bfloat16 tensor as a numpy array of ml_dtypes.bfloat16 (the same memory: numpy
+    has no bfloat16 of its own, DLPack cannot carry one into numpy)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"shmtree: {what}: bfloat16 tensors need the ml_dtypes package (pip "
+                        "install ml_dtypes), numpy has no bfloat16 of its own") from None
+    torch = sys.modules["torch"]
+    return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+
+
+def _to_torch(a):
+    """A torch tensor over numpy array a's memory (bfloat16 included)."""
+    import torch
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _is_torch(x) -> bool:
@@ -57,8 +78,7 @@ def call(fn, array, out, what, *args, **kwargs):
     if out is not None and o is not out and result is o:
         return out
     if result is not None and out is None and _is_torch(array):
-        import torch
-        return torch.from_numpy(result)
+        return _to_torch(result)
     return result
 
 

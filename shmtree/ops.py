@@ -39,4 +39,5 @@ def reduction_codes(op, dtype):
 
 
 def dtype_name(code) -> str:
-    return str(np.dtype(_DT_NAMES.get(code, "u1").replace("b1", "?")))
+    name = _DT_NAMES.get(code, "u1")
+    return "bfloat16" if name == "bf16" else str(np.dtype(name.replace("b1", "?")))

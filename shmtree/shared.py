@@ -42,7 +42,9 @@ from .errors import CollectiveMismatchError, ShmtreeError
 
 SINGLE_COPY_MIN = 64 << 10      # smaller allreduces stay on the private paths
 CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
-_F16 = np.dtype(np.float16)
+def _rounds_per_step(dtype) -> bool:
+    """float16 and bfloat16 folds round after every step of a ring or chain (as its hops do)."""
+    return dtype == np.float16 or dtype.name == "bfloat16"
 
 
 class _Alloc:
@@ -215,7 +217,7 @@ class SharedArrays:
         order = list(comm.group.plan.large_tree.ring)
         P, pos = comm.size, order.index(comm.rank)
         ranks = [order[(pos + 1 + j) % P] for j in range(P)]   # x[p+1] op ... op x[p]
-        fold = _ring_fold(ranks, _kernels.op_name(opc), src.dtype == _F16)
+        fold = _ring_fold(ranks, _kernels.op_name(opc), _rounds_per_step(src.dtype))
         item, dtype = src.itemsize, src.dtype
 
         def work():
@@ -247,7 +249,7 @@ class SharedArrays:
         order = list(comm.group.plan.large_tree.ring)
         P, q = comm.size, order.index(root)
         ranks = [order[(q + 1 + j) % P] for j in range(P)]
-        fold = _ring_fold(ranks, _kernels.op_name(opc), src.dtype == _F16)
+        fold = _ring_fold(ranks, _kernels.op_name(opc), _rounds_per_step(src.dtype))
         item, dtype, nbytes = src.itemsize, src.dtype, src.nbytes
         share = -(-(nbytes // item) // P)
         a0, b0 = min(comm.rank * share, nbytes // item), min((comm.rank + 1) * share,
@@ -290,7 +292,7 @@ class SharedArrays:
             block = -(-(nbytes // item) // P) * item            # the ring schedule's blocks
             lo, hi = min(pos * block, nbytes), min((pos + 1) * block, nbytes)
             ranks = [order[(pos + j) % P] for j in range(P)]  # block pos: positions pos, pos+1..
-            reduce_chunk = _ring_fold(ranks, op, dtype == _F16)
+            reduce_chunk = _ring_fold(ranks, op, _rounds_per_step(dtype))
             # this rank's input is the first operand (ranks[0]): the fold may write this rank's
             # output at once (the same memory as the input, or none of it), then copy it on
         else:

@@ -11,8 +11,8 @@ call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo'
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
 all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier; CPU tensors
-of the dtypes shmtree reduces (bool, ints, float16/32/64, complex64/128).  bfloat16 is refused
-(it has no numpy view yet).  torch is optional: `pip install "shmtree[torch]"`.
+of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), float32/64,
+complex64/128).  torch is optional: `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from .arrays import _to_torch, as_numpy
 from .group import Group
 
 BACKEND = "shmtree"
@@ -42,13 +43,14 @@ def _op(reduce_op):
 
 
 def _view(t):
-    """A numpy view of a CPU tensor's memory (a tensor that requires grad: of its detach())."""
+    """A numpy view of a CPU tensor's memory (a tensor that requires grad: of its detach();
+    bfloat16 as ml_dtypes.bfloat16)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"shmtree: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"shmtree: the shmtree backend takes CPU tensors, got one on {t.device}")
     if t.dtype == torch.bfloat16:
-        raise TypeError("shmtree: bfloat16 tensors are not supported by the shmtree backend yet")
+        return as_numpy(t, "the shmtree backend")
     return t.detach().numpy()
 
 
@@ -152,7 +154,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         def finish():
             for (_, outs), g in zip(pairs, gathered):
                 for r, o in enumerate(outs):
-                    o.detach().copy_(torch.from_numpy(g[r]))
+                    o.detach().copy_(_to_torch(g[r]))
             return output_tensors
         return self._work(calls, sum(g.nbytes for g in gathered), finish)
 

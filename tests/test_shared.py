@@ -259,3 +259,29 @@ def test_reduce_and_reduce_scatter_single_copy(P, tree):
     for rank, out in enumerate(run_ok(rooted_worker, P, args=(cases,), tree=tree)):
         for what, root, same, exact, quiet in out:
             assert same and exact and quiet, (rank, what, root, same, exact, quiet)
+
+
+def bf16_worker(comm):
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+    x = ((np.arange(N) % 13) * 0.37 + comm.rank * 1.01).astype(np.float32).astype(bf)
+    want = comm.allreduce(x)
+    sx = comm.empty(N, bf)
+    sx[:] = x
+    comm.allreduce(sx, out=sx)
+    rs = comm.reduce_scatter(x)
+    srs = comm.reduce_scatter(_shared_copy(comm, x))
+    return want.tobytes() == sx.tobytes(), rs.tobytes() == srs.tobytes()
+
+
+def _shared_copy(comm, x):
+    s = comm.empty(x.shape, x.dtype)
+    s[...] = x
+    return s
+
+
+@pytest.mark.timeout(120)
+def test_bfloat16_single_copy_gives_the_private_bits():
+    pytest.importorskip("ml_dtypes")
+    for res in run_ok(bf16_worker, 3, tree="ring"):
+        assert res == (True, True)

@@ -73,11 +73,12 @@ def ops_worker(rank, size, store_path, outdir):
     work = dist.all_reduce(torch.ones(2) * (rank + 1), async_op=True)
     work.wait()
     got["async"] = work.get_future().value()[0].tolist()
-    try:
-        dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
-        got["bf16"] = None
-    except (TypeError, RuntimeError) as exc:
-        got["bf16"] = "bfloat16" in str(exc)
+    h = torch.full((3,), 1.0 + rank / 128, dtype=torch.bfloat16)   # rounds in bfloat16
+    dist.all_reduce(h)
+    outs = [torch.empty(3, dtype=torch.bfloat16) for _ in range(size)]
+    dist.all_gather(outs, h)
+    got["bf16"] = (h.dtype == torch.bfloat16, h.float().tolist(),
+                   [o.float().tolist() for o in outs])
     dist.barrier()
     dist.destroy_process_group()
     torch.save(got, os.path.join(outdir, f"{rank}.pt"))
@@ -116,7 +117,8 @@ def test_every_operation(tmp_path, size):
         n = 70001
         assert got["large"] == (0.0, tri / P if rank == 0 else None,
                                 n * sum(r + 0.5 for r in range(P)), n * tri, float(P))
-        assert got["bf16"] is True
+        want = torch.tensor([sum(1.0 + r / 128 for r in range(P))] * 3).bfloat16().float()
+        assert got["bf16"] == (True, want.tolist(), [want.tolist()] * P)
 
 
 def ddp_worker(rank, size, store_path, outdir, backend):
@@ -196,11 +198,11 @@ def tensors_worker(comm):
             self.__array_interface__ = a.__array_interface__
     mine = np.full(3, r + 1.0)
     got["interface"] = comm.allreduce(Plain(mine)).tolist()
-    try:
-        comm.allreduce(torch.ones(2, dtype=torch.bfloat16))
-        got["bf16"] = None
-    except TypeError as exc:
-        got["bf16"] = "bfloat16" in str(exc)
+    b16 = torch.full((4,), 1.0 + r / 64, dtype=torch.bfloat16)
+    res = comm.allreduce(b16)
+    got["bf16"] = (res.dtype == torch.bfloat16, res.float().tolist())
+    comm.allreduce(b16, out=b16)
+    got["bf16_inplace"] = b16.float().tolist()
     got["after"] = comm.allreduce(torch.ones(1)).tolist()
     return got
 
@@ -217,7 +219,9 @@ def test_the_shmtree_api_takes_and_gives_torch_tensors():
         assert got["allgather"] == ("Tensor", [[0.5, 0.5], [1.5, 1.5]])
         assert got["reduce_scatter"] in ([0.0, 2.0], [4.0, 6.0])
         assert got["nonblocking"] == [2.0, 2.0] and got["interface"] == [3.0] * 3
-        assert got["bf16"] is True and got["after"] == [2.0]
+        want = torch.tensor([1.0 + 1.0 + 1 / 64] * 4).bfloat16().float().tolist()
+        assert got["bf16"] == (True, want) and got["bf16_inplace"] == want
+        assert got["after"] == [2.0]
     assert shmtree.arrays.is_foreign(torch.ones(1)) and not shmtree.arrays.is_foreign(np.ones(1))
 
 
@@ -225,3 +229,28 @@ def test_arrays_on_other_devices_are_refused():
     from shmtree.arrays import as_numpy
     with pytest.raises(ValueError, match="CPU memory only"):
         as_numpy(torch.ones(2, device="meta"), "allreduce")
+
+
+def test_bfloat16_kernels_round_once_from_float32():
+    """bfloat16 sum and prod accumulate in float32 and round once (to nearest even); min and max
+    are exact; inf, nan, -0.0 and subnormals survive."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from shmtree import _kernels
+    bf = ml_dtypes.bfloat16
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(10007).astype(np.float32).astype(bf) for _ in range(4)]
+    wide = [x.astype(np.float32) for x in xs]
+    for op, fold in (("sum", np.add), ("prod", np.multiply), ("min", np.minimum),
+                     ("max", np.maximum)):
+        d = np.empty(10007, bf)
+        _kernels.reduce_into(d, xs, op)
+        want = fold.reduce(np.stack(wide), axis=0).astype(bf)
+        assert (d.view(np.uint16) == want.view(np.uint16)).all(), op
+    special = np.array([np.nan, np.inf, -np.inf, 3.3e38, -0.0, 1e-40, 1.0 + 2 ** -8],
+                       np.float32).astype(bf)
+    d = np.empty_like(special)
+    _kernels.reduce_into(d, [special, special], "sum")
+    with np.errstate(over="ignore"):                # (3.3e38 * 2 is inf, as it should be)
+        want = (special.astype(np.float32) * 2).astype(bf)
+    assert np.array_equal(d.view(np.uint16)[1:], want.view(np.uint16)[1:]) and np.isnan(
+        d[0].astype(np.float32))

@@ -80,4 +80,21 @@ static inline uint16_t shmt_float_to_half(float f)
     return (uint16_t)(out | sign);
 }
 
+/* bfloat16 ("brain float": float32's sign and exponent, 7 mantissa bits) <-> binary32.  bf16 ->
+ * float is exact (the bits, shifted).  float -> bf16 rounds to nearest, ties to even (as torch
+ * and ml_dtypes do); overflow rounds to inf by itself (the carry reaches the exponent); NaN stays
+ * NaN, quieted, sign and top payload bits kept. */
+static inline float shmt_bf16_to_float(uint16_t b)
+{
+    return shmt_f32_from_bits((uint32_t)b << 16);
+}
+
+static inline uint16_t shmt_float_to_bf16(float f)
+{
+    uint32_t u = shmt_f32_bits(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)shmt_select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded);
+}
+
 #endif /* SHMTREE_HALF_H */
