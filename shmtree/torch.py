@@ -67,6 +67,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         else:
             self._group = Group.from_token(store.get(_TOKEN_KEY))
         self._comm = self._group.join(rank)
+        self._failure = None              # a posted operation's failure, for the next one
         # rank 0's descriptor must stay open until everyone has attached: meet once
         self._comm.barrier(timeout=self._timeout)
 
@@ -81,22 +82,37 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     def _work(self, calls, nbytes, finish):
         """Make the calls - call(blocking) makes one: the blocking collective, or its i-form
         (a Request) - and return a Work whose future finish() sets (its value) once they are
-        done, or the first failure.  Messages of at most INLINE_BYTES run blocking, at once (a
-        hand-off to the progress thread costs more than they do); larger ones are posted, so
-        that the caller (DDP's backward pass) computes meanwhile.  Calls complete in issue
-        order either way."""
+        done.  Messages of at most INLINE_BYTES run blocking, at once (a hand-off to the
+        progress thread costs more than they do); larger ones are posted, so that the caller
+        (DDP's backward pass) computes meanwhile.  Calls complete in issue order either way.
+        Failures are raised (as RuntimeError, which torch's C++ carries) by this call: one of
+        the blocking calls, or of a posted call that failed since the last operation."""
         fut = Future()
-        if nbytes <= INLINE_BYTES:
-            for call in calls:
-                call(True)
-            fut.set_result(finish())
-            return _create_work_from_future(fut)
-        requests = [call(False) for call in calls]
+        failed, self._failure = self._failure, None
+        if failed is not None:
+            raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
+                               f"{type(failed).__name__}: {failed}")
+        if self._group.aborted():
+            raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
+                               f"{self._group.describe_abort()}")
+        try:
+            if nbytes <= INLINE_BYTES:
+                for call in calls:
+                    call(True)
+                fut.set_result(finish())
+                return _create_work_from_future(fut)
+            requests = [call(False) for call in calls]
+        except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
         def done(_):
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
             if failed is not None:
-                fut.set_exception(failed)
+                # torch cannot take a Python exception in a future that DDP's reducer waits
+                # on (the process crashes in the autograd engine): the future completes, and
+                # the group's next operation raises the failure, in the caller's thread
+                self._failure = failed
+                fut.set_result(finish())
                 return
             try:
                 value = finish()

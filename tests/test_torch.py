@@ -254,3 +254,44 @@ def test_bfloat16_kernels_round_once_from_float32():
         want = (special.astype(np.float32) * 2).astype(bf)
     assert np.array_equal(d.view(np.uint16)[1:], want.view(np.uint16)[1:]) and np.isnan(
         d[0].astype(np.float32))
+
+
+def dead_rank_worker(rank, size, store_path, outdir):
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import shmtree.torch  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    ddp = DDP(torch.nn.Linear(512, 512))
+    t0 = None
+    try:
+        for step in range(200):
+            if step == 5 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == 5:
+                t0 = time.monotonic()
+            ddp(torch.randn(4, 512)).sum().backward()
+        outcome = "no error"
+    except Exception as exc:                       # what DDP makes of the backend's failure
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(outdir, f"dead-{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\n{outcome}")
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_under_ddp_is_an_error_not_a_hang(tmp_path):
+    ctx = mp.spawn(dead_rank_worker, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                   nprocs=2, join=False)        # (join would stop rank 0 when rank 1 dies)
+    for p in ctx.processes:
+        p.join(60)
+    assert [p.exitcode for p in ctx.processes] == [0, -9]
+    took, outcome = (tmp_path / "dead-0.txt").read_text().split("\n", 1)
+    assert "RuntimeError" in outcome and "rank 1 died" in outcome, outcome
+    assert float(took) < 10, took
