@@ -295,3 +295,49 @@ def test_a_dead_rank_under_ddp_is_an_error_not_a_hang(tmp_path):
     took, outcome = (tmp_path / "dead-0.txt").read_text().split("\n", 1)
     assert "RuntimeError" in outcome and "rank 1 died" in outcome, outcome
     assert float(took) < 10, took
+
+
+TORCHRUN_SCRIPT = """
+import sys, torch, torch.distributed as dist
+import shmtree.torch
+dist.init_process_group("shmtree")
+r = dist.get_rank()
+t = torch.ones(4) * (r + 1)
+dist.all_reduce(t)
+sums = []
+for i in range(8):                        # inline and posted broadcasts from every root
+    b = torch.full((1000 if i % 2 else 70001,), float(r))
+    dist.broadcast(b, src=i % 4)
+    sums.append(float(b.sum()) / b.numel())
+with open(sys.argv[1] + f"/result-{r}.txt", "w") as f:     # (one file each: stdout interleaves)
+    f.write(repr((dist.get_world_size(), t.tolist(), sums)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_world_of_four(tmp_path):
+    """Unrelated processes (torchrun's, rendezvous through its TCP store) form the group."""
+    import socket
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:                     # a free port for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmtree_path())))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+                           f"--master_port={port}", str(script), str(tmp_path)], env=env,
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for rank in range(4):
+        got = (tmp_path / f"result-{rank}.txt").read_text()
+        assert got == repr((4, [10.0] * 4, [float(i % 4) for i in range(8)])), (rank, got)
+
+
+def shmtree_path():
+    import shmtree
+    return shmtree.__file__
