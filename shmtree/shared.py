@@ -60,7 +60,7 @@ class _Alloc:
         self.nbytes = nbytes
         self.peers = peers
 
-    def views(self, rank):
+    def views(self):
         """Every rank's memory as a flat uint8 array (while this rank's array lives)."""
         own = self.own()
         if own is None:
@@ -177,7 +177,7 @@ class SharedArrays:
         if not (all(r[0] and r[1] == rows[0][1] and r[3] == rows[0][3] for r in rows)):
             return False
         if comm.rank != root:
-            views = self._live[did].views(comm.rank)
+            views = self._live[did].views()
             off = rows[root][2]
             self._guarded(lambda: dst.view(np.uint8).reshape(-1).__setitem__(
                 slice(None), views[root][off:off + dst.nbytes]))
@@ -199,7 +199,7 @@ class SharedArrays:
         lo = comm.rank * part
 
         def push():
-            for v in self._live[did].views(comm.rank):
+            for v in self._live[did].views():
                 v[doff + lo:doff + lo + part] = mine
         self._guarded(push)
         self._barrier(deadline)
@@ -221,7 +221,7 @@ class SharedArrays:
         item, dtype = src.itemsize, src.dtype
 
         def work():
-            ins = [v[soff + lo:soff + hi].view(dtype) for v in self._live[sid].views(comm.rank)]
+            ins = [v[soff + lo:soff + hi].view(dtype) for v in self._live[sid].views()]
             _fold_range(fold, ins, 0, (hi - lo) // item, dst.reshape(-1), [])
         self._guarded(work)
         self._barrier(deadline)
@@ -256,8 +256,8 @@ class SharedArrays:
                                                               nbytes // item)
 
         def work():
-            ins = [v[soff:soff + nbytes].view(dtype) for v in self._live[sid].views(comm.rank)]
-            out = self._live[did].views(comm.rank)[root][doff:doff + nbytes].view(dtype)
+            ins = [v[soff:soff + nbytes].view(dtype) for v in self._live[sid].views()]
+            out = self._live[did].views()[root][doff:doff + nbytes].view(dtype)
             _fold_range(fold, ins, a0, b0, None, [out])   # (out may be the root's input)
         self._guarded(work)
         self._barrier(deadline)
@@ -299,8 +299,8 @@ class SharedArrays:
             share = -(-(nbytes // item) // P) * item            # any split: one order for all
             lo, hi = min(comm.rank * share, nbytes), min((comm.rank + 1) * share, nbytes)
             reduce_chunk = _tree_fold(plan.large_tree, op)
-        ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views(comm.rank)]
-        outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views(comm.rank)]
+        ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views()]
+        outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views()]
         me = comm.rank
         if direct:
             _fold_range(reduce_chunk, ins, lo // item, hi // item, outs[me],

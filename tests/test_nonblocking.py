@@ -254,11 +254,16 @@ def test_mixed_blocking_and_nonblocking_in_issue_order(P):
 MANY = 100
 
 
+def late_rank_1(comm, seconds):
+    """Every rank meets, then rank 1 holds back its next call for `seconds`."""
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(seconds)
+
+
 def many_worker(comm):
     P, me = comm.size, comm.rank
-    comm.barrier()
-    if me == 1:
-        time.sleep(DELAY_S)                 # rank 0 holds all 100 outstanding meanwhile
+    late_rank_1(comm, DELAY_S)                 # rank 0 holds all 100 outstanding meanwhile
     reqs = [mixed_step(comm, i, False) for i in range(MANY)]
     outstanding = sum(not r.done() for r in reqs)
     errors = []
@@ -307,9 +312,7 @@ def callbacks_worker(comm):
     total = float(sum(range(1, P + 1)))
     rep = {}
     # a callback added while the request is pending runs in the progress thread
-    comm.barrier()
-    if me == 1:
-        time.sleep(0.2)
+    late_rank_1(comm, 0.2)
     seen, ev = [], threading.Event()
     req = comm.iallreduce(np.full(4, me + 1.0))
     req.add_done_callback(lambda f: (seen.append((threading.current_thread().name,
@@ -392,9 +395,7 @@ def wait_timeout_worker(comm):
     """rank 1 makes its matching call LATE_WAIT_S late; rank 0 waits with short timeouts."""
     me = comm.rank
     rep = {}
-    comm.barrier()
-    if me == 1:
-        time.sleep(LATE_WAIT_S)
+    late_rank_1(comm, LATE_WAIT_S)
     req = comm.iallreduce(np.full(5, me + 1.0))
     if me == 0:
         t0 = time.monotonic()
@@ -590,9 +591,7 @@ def local_error_calls(c):
 
 def local_errors_worker(comm):
     me = comm.rank
-    comm.barrier()
-    if me == 1:
-        time.sleep(0.2)
+    late_rank_1(comm, 0.2)
     pending = comm.iallreduce(np.full(4, me + 1.0))     # outstanding while rank 0 errs
     errs = {}
     if me == 0:
@@ -631,9 +630,7 @@ def test_local_errors_raised_by_posting_call():
 def api_worker(comm):
     me = comm.rank
     rep = {}
-    comm.barrier()
-    if me == 1:
-        time.sleep(DELAY_S)
+    late_rank_1(comm, DELAY_S)
     req = comm.iallreduce(np.full(3, me + 1.0))
     if me == 0:
         rep["types"] = (isinstance(req, shmtree.Request),
@@ -673,9 +670,7 @@ def test_cancel_test_done_wait_repr():
 
 def close_worker(comm):
     me = comm.rank
-    comm.barrier()
-    if me == 1:
-        time.sleep(DELAY_S)
+    late_rank_1(comm, DELAY_S)
     reqs = [comm.iallreduce(np.full(n, me + 1.0)) for n in (3, LARGE, 5)] + \
         [comm.ibroadcast(np.arange(4.0) if me == 0 else None), comm.ibarrier()]
     before = [r.done() for r in reqs]
@@ -888,9 +883,7 @@ def test_idle_progress_thread_burns_no_cpu():
 def callback_blocking_worker(comm):
     me = comm.rank
     rep = {}
-    comm.barrier()
-    if me == 1:
-        time.sleep(0.3)
+    late_rank_1(comm, 0.3)
     seen, ev = {}, threading.Event()
     first = comm.iallreduce(np.full(2, me + 1.0))
     second = comm.iallreduce(np.full(3, me + 1.0))          # still outstanding when the
@@ -931,9 +924,7 @@ def callback_last_request_worker(comm):
     i-call; rank 1 makes no matching call until well after their timeouts."""
     me = comm.rank
     seen, ev = {}, threading.Event()
-    comm.barrier()
-    if me == 1:
-        time.sleep(0.3)                     # (the callback is added while the call waits)
+    late_rank_1(comm, 0.3)                     # (the callback is added while the call waits)
     req = comm.iallreduce(np.full(2, me + 1.0))
     if me == 0:
 
