@@ -1,0 +1,270 @@
+"""The inter-node step: MPI (mpi4py) between the leaders of the nodes, on a thread of its own.
+
+A node's leader (its local rank 0) owns a Link: a thread that runs, in the order they were
+submitted, the steps that cross the node boundary (an allreduce of one segment of the node's
+sum, a broadcast of one segment, an allgatherv), each as nonblocking MPI requests.  While the
+link thread waits on MPI (mpi4py releases the GIL), the leader's main thread goes on with the
+next segment's intra-node step: that is the pipeline of docs/algorithms.md, "Across nodes".
+
+The allreduce of a segment has a fixed reduction order, whatever MPI's algorithms: the segment
+is cut into one piece per node; node j receives everybody's piece j and folds them in node order
+(node 0's first), then every node receives every folded piece (a reduce-scatter and an
+allgather, point to point).  Every rank of every node gets the same bits.
+
+Failure travels as a control message: a leader that fails (its node's group aborted, a timeout,
+an interrupt) sends CTRL to every leader, itself included; every link waits on its data requests
+and on the control receive at once, so a blocked step ends, its job fails, the link aborts its
+own node's group and every later job fails at once (the node's members raise PeerLostError).
+
+MPI must provide MPI_THREAD_MULTIPLE (mpi4py asks for it by default): the link thread calls MPI
+while the program's own threads may.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from . import _kernels
+from .codes import ABORT_FAILED
+from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
+
+__all__ = ["Link"]
+
+TAG_RS, TAG_AG, TAG_CTRL = 11, 12, 13
+CTRL_BYTES = 512
+IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
+WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
+
+
+class Job:
+    __slots__ = ("fn", "args", "done", "error", "value")
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.error = None
+        self.value = None
+
+
+class _Aborted(Exception):
+    pass
+
+
+class Link:
+    """The inter-node step of one node's leader: `comm` joins one leader per node (its rank is
+    the node's index); `group` is the node's Group (aborted when another node fails)."""
+
+    def __init__(self, comm, group, node_rank_text="node"):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = comm
+        self.n = comm.Get_size()
+        self.me = comm.Get_rank()
+        self.group = group
+        self._jobs = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self.failure = None                 # the text of the first failure, once aborted
+        self._ctrl_buf = bytearray(CTRL_BYTES)
+        self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG_CTRL)
+        self._sent = []                     # control sends (never waited for)
+        self._thread = threading.Thread(target=self._loop, name=f"shmtree-link-{self.me}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- the leader's side ----
+
+    def submit(self, fn, *args) -> Job:
+        """Queue fn(self, *args) to run on the link thread after the jobs already queued."""
+        job = Job(fn, args)
+        with self._cv:
+            if self.failure is not None:
+                job.error = PeerLostError(f"shmtree: {self.failure}")
+                job.done.set()
+                return job
+            self._jobs.append(job)
+            self._cv.notify()
+        return job
+
+    def wait(self, job, deadline=None):
+        """The job's value, or its error raised (PeerLostError: another node failed);
+        CollectiveTimeoutError once the monotonic `deadline` passes."""
+        while not job.done.wait(WAIT_SLICE_S):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    "shmtree: timed out waiting for the other nodes (the inter-node step of "
+                    f"node {self.me} did not complete)")
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+    def run(self, fn, *args, deadline=None):
+        return self.wait(self.submit(fn, *args), deadline)
+
+    def abort(self, text):
+        """This node failed: tell every leader (this one included) and fail every job."""
+        with self._cv:
+            if self.failure is not None:
+                return
+            self.failure = text
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        data = bytearray(text.encode("utf-8", "replace")[:CTRL_BYTES - 1])
+        data += b"\0" * (CTRL_BYTES - len(data))
+        self._ctrl_out = data
+        for j in range(self.n):
+            try:
+                self._sent.append(self.comm.Isend([data, self.MPI.BYTE], dest=j, tag=TAG_CTRL))
+            except Exception:
+                pass
+        for job in jobs:
+            job.error = PeerLostError(f"shmtree: {text}")
+            job.done.set()
+
+    def close(self):
+        """Stop the link thread (after its queued jobs) and free the control receive."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(10)
+        try:
+            if not self._ctrl.Test():
+                self._ctrl.Cancel()
+                self._ctrl.Wait()
+        except Exception:
+            pass
+
+    # ---- the link thread ----
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closing:
+                    self._cv.wait(IDLE_POLL_S)
+                    if not self._jobs and self.failure is None and self._ctrl_arrived():
+                        break
+                if self._closing and not self._jobs:
+                    return
+                job = self._jobs.popleft() if self._jobs else None
+            if job is None:
+                self._on_ctrl()
+                continue
+            try:
+                job.value = job.fn(self, *job.args)
+            except _Aborted:
+                job.error = PeerLostError(f"shmtree: {self.failure}")
+            except BaseException as exc:         # a bug or an MPI error: fail every node
+                job.error = exc
+                self.abort(f"node {self.me}: the inter-node step failed: "
+                           f"{type(exc).__name__}: {exc}")
+            job.done.set()
+
+    def _ctrl_arrived(self) -> bool:
+        try:
+            return bool(self._ctrl.Test())
+        except Exception:
+            return False
+
+    def _on_ctrl(self):
+        """A control message arrived: another node (or this one) failed."""
+        text = bytes(self._ctrl_buf).split(b"\0", 1)[0].decode("utf-8", "replace")
+        own = self.failure is not None
+        with self._cv:
+            if self.failure is None:
+                self.failure = text or "another node failed"
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for job in jobs:
+            job.error = PeerLostError(f"shmtree: {self.failure}")
+            job.done.set()
+        if not own:                 # another node failed: this node's members must stop too
+            try:
+                self.group.abort(ABORT_FAILED, 0, note=self.failure)
+            except ShmtreeError:
+                pass
+
+    def complete(self, reqs):
+        """Wait for MPI requests, or for a control message (then raise _Aborted)."""
+        MPI = self.MPI
+        if self.failure is not None:
+            raise _Aborted()
+        reqs = [r for r in reqs if r != MPI.REQUEST_NULL]
+        while reqs:
+            watched = reqs + [self._ctrl]
+            i = MPI.Request.Waitany(watched)
+            if i == len(reqs) or self._ctrl == MPI.REQUEST_NULL:
+                self._on_ctrl()
+                raise _Aborted()
+            reqs = [r for r in watched[:-1] if r != MPI.REQUEST_NULL]
+        if self.failure is not None:
+            raise _Aborted()
+
+    # ---- the steps (run on the link thread: fn(link, ...)) ----
+
+    def allreduce(self, buf, op):
+        """buf (a 1-d contiguous array, this node's sum) becomes the sum over all nodes, folded
+        in node order: a reduce-scatter and an allgather between the leaders."""
+        n, me, MPI = self.n, self.me, self.MPI
+        bounds = _pieces(buf.size, n)
+        mine = buf[bounds[me]:bounds[me + 1]]
+        if n == 1 or buf.size == 0:
+            return buf
+        got = [None] * n
+        reqs = []
+        for j in range(n):
+            if j != me:
+                got[j] = np.empty_like(mine)
+                reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=j, tag=TAG_RS))
+        for j in range(n):
+            if j != me:
+                reqs.append(self.comm.Isend([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
+                                            dest=j, tag=TAG_RS))
+        self.complete(reqs)
+        got[me] = mine
+        if mine.size:
+            if me == 0:
+                _kernels.reduce_into(mine, got, op)
+            else:
+                folded = np.empty_like(mine)
+                _kernels.reduce_into(folded, got, op)
+                mine[...] = folded
+        reqs = []
+        for j in range(n):
+            if j != me:
+                reqs.append(self.comm.Irecv([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
+                                            source=j, tag=TAG_AG))
+                reqs.append(self.comm.Isend([_raw(mine), MPI.BYTE], dest=j, tag=TAG_AG))
+        self.complete(reqs)
+        return buf
+
+    def bcast(self, buf, root):
+        """buf (bytes) from node `root`'s leader to every leader."""
+        if self.n > 1 and buf.size:
+            self.complete([self.comm.Ibcast([_raw(buf), self.MPI.BYTE], root=root)])
+        return buf
+
+    def allgatherv(self, send, recv, counts):
+        """Every node's `send` (bytes; node j's has counts[j] bytes) into recv, in node order."""
+        if self.n == 1:
+            recv[:send.size] = send
+            return recv
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        self.complete([self.comm.Iallgatherv(
+            [_raw(send), self.MPI.BYTE],
+            [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
+        return recv
+
+
+def _pieces(n, parts):
+    """np.array_split's bounds: [0, ..., n] in `parts` pieces."""
+    q, r = divmod(n, parts)
+    return [j * q + min(j, r) for j in range(parts + 1)]
+
+
+def _raw(a):
+    """The bytes of a contiguous array (any dtype, bfloat16 included) for MPI.BYTE."""
+    return a.reshape(-1).view(np.uint8)

@@ -1,0 +1,687 @@
+"""Collectives across nodes: a node's shared-memory group plus MPI between the nodes' leaders.
+
+`from_mpi(mpi_comm, node_size=None)` (docs/design.md, "Beyond one machine"): the processes of an
+MPI job that share a node form a shmtree group of their own (one creates the segment, the others
+attach through a rendezvous token: same user only), local rank 0 of each node is its leader and
+owns the inter-node Link (shmtree.inter), and the communicator returned spans every node:
+
+    rank, size          global (rank == mpi_comm.rank)
+    node, nodes         this node's index (nodes ordered by their smallest global rank), count
+    node_rank, node_size
+
+Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
+  1. agreement: every rank's description of the call (kind, root, op, dtype, shape) is gathered
+     in the node, exchanged between the leaders and broadcast back, so that a mismatch anywhere
+     raises CollectiveMismatchError on every rank of every node, naming global ranks, before
+     any data moves (the group stays usable);
+  2. the data, segment by segment (SEGMENT_BYTES): reduce to the leader in the node, the
+     inter-node step on the leader's link thread, broadcast in the node; the leader's main
+     thread works on segment i+1 in the node while its link thread carries segment i between
+     the nodes, so a large message costs about the larger of the two steps, not their sum.
+
+The reduction order is fixed by this plan (the node's own tree order, then nodes in order), not
+by MPI: the same bits on every rank of every node.
+"""
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+import numpy as np
+
+from . import arrays as _arrays, communicator as _communicator
+from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST,
+                    KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, ranks_text)
+from .collectives import _deadline, _dtype_digest, _movable, _out_for, _root
+from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
+from .group import Group
+from .ops import OP_NAMES, reduction_codes
+
+__all__ = ["from_mpi", "Spanning"]
+
+SEGMENT_BYTES = 2 << 20        # bytes per pipelined segment across the node boundary
+ROW = 10                       # int64 per rank in the agreement table
+_REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
+_ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes
+
+
+class Spanning:
+    """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
+    calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
+    allgather, reduce_scatter, barrier, their i-forms); ranks are global."""
+
+    def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
+                 mpi_comm=None):
+        self.local = local
+        self.group = local.group
+        self._link = link
+        self.rank = int(rank)
+        self._members = [list(m) for m in nodes_ranks]   # global ranks of each node, by local rank
+        self.size = sum(len(m) for m in self._members)
+        self.node = int(node)
+        self.nodes = len(self._members)
+        self.node_rank = local.rank
+        self.node_size = local.size
+        self._segment = int(segment_bytes)
+        self._order = [g for m in self._members for g in m]           # node order -> global
+        self._where = {g: (n, r) for n, m in enumerate(self._members) for r, g in enumerate(m)}
+        self._in_order = self._order == list(range(self.size))
+        self._scratch = None
+        self._mpi_comm = mpi_comm
+        self._closed = False
+        if self.nodes == 1:          # one node: its own communicator makes every call
+            for name in ("allreduce", "iallreduce", "reduce", "ireduce", "reduce_scatter",
+                         "ireduce_scatter", "broadcast", "ibroadcast", "allgather",
+                         "iallgather", "barrier", "ibarrier"):
+                setattr(self, name, getattr(local, name))
+        _ALIVE.add(self)
+
+    # the module-level calls see this object through shmtree.current()
+    @property
+    def _gen(self):
+        return self.local._gen
+
+    def __repr__(self):
+        return (f"<shmtree.Spanning rank={self.rank} size={self.size} node={self.node}/"
+                f"{self.nodes} node_rank={self.node_rank}/{self.node_size}>")
+
+    # ---- public calls ----
+
+    def allreduce(self, array, op="sum", *, out=None, timeout=None):
+        if _arrays.either_foreign(array, out):
+            return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
+        return self._now(self._prep_reducing(array, op, out, timeout, None, "allreduce"))
+
+    def iallreduce(self, array, op="sum", *, out=None, timeout=None):
+        array, out = _arrays.numpy_args(array, out, "iallreduce")
+        return self._post(self._prep_reducing(array, op, out, timeout, None, "allreduce"),
+                          "iallreduce")
+
+    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+        if _arrays.either_foreign(array, out):
+            return _arrays.call(self.reduce, array, out, "reduce", op, root, timeout=timeout)
+        root = _root(root, self.size)
+        return self._now(self._prep_reducing(array, op, out if self.rank == root else None,
+                                             timeout, root, "reduce"))
+
+    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+        array, out = _arrays.numpy_args(array, out, "ireduce")
+        root = _root(root, self.size)
+        return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
+                                              timeout, root, "reduce"), "ireduce")
+
+    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+        if _arrays.either_foreign(array, out):
+            return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
+                                timeout=timeout)
+        return self._now(self._prep_reducing(array, op, out, timeout, None, "reduce_scatter"))
+
+    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+        array, out = _arrays.numpy_args(array, out, "ireduce_scatter")
+        return self._post(self._prep_reducing(array, op, out, timeout, None, "reduce_scatter"),
+                          "ireduce_scatter")
+
+    def broadcast(self, array, root=0, *, out=None, timeout=None):
+        if _arrays.either_foreign(array, out):
+            return _arrays.call(self.broadcast, array, out, "broadcast", root, timeout=timeout)
+        return self._now(self._prep_broadcast(array, root, out, timeout))
+
+    def ibroadcast(self, array, root=0, *, out=None, timeout=None):
+        array, out = _arrays.numpy_args(array, out, "ibroadcast")
+        return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
+
+    def allgather(self, array, *, axis=None, out=None, timeout=None):
+        if _arrays.either_foreign(array, out):
+            return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
+                                timeout=timeout)
+        return self._now(self._prep_allgather(array, axis, out, timeout))
+
+    def iallgather(self, array, *, axis=None, out=None, timeout=None):
+        array, out = _arrays.numpy_args(array, out, "iallgather")
+        return self._post(self._prep_allgather(array, axis, out, timeout), "iallgather")
+
+    def barrier(self, timeout=None):
+        return self._now(self._prep_barrier(timeout))
+
+    def ibarrier(self, timeout=None):
+        return self._post(self._prep_barrier(timeout), "ibarrier")
+
+    def empty(self, shape, dtype=float, order="C"):
+        """Shared within this node (a collective of the node's members): see Communicator."""
+        return self.local.empty(shape, dtype, order)
+
+    def zeros(self, shape, dtype=float, order="C"):
+        return self.local.zeros(shape, dtype, order)
+
+    def stats(self) -> dict:
+        return self.local.stats()
+
+    def close(self):
+        """Leave: the node's communicator closes, the leader's link thread stops, and the node's
+        group is closed by the process that created it.  (Local, like Communicator.close.)"""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.local.close()
+        finally:
+            if self._link is not None:
+                self._link.close()
+            self.group.close()
+            if _communicator._current is self:
+                _communicator._set_current(None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        raise TypeError("shmtree: a communicator cannot be sent to another process")
+
+    # ---- running a call: every call is one prepared function on the node's executor ----
+
+    def _now(self, run):
+        self._check_open()
+        return self.local._now(self._guarded(run))
+
+    def _post(self, run, name):
+        self._check_open()
+        return self.local._post(self._guarded(run), name)
+
+    def _check_open(self):
+        if self._closed:
+            raise ShmtreeError("shmtree: this communicator is closed")
+        link = self._link
+        if link is not None and link.failure is not None:
+            raise PeerLostError(f"shmtree: rank {self.rank}: {link.failure}")
+
+    def _guarded(self, run):
+        """A failure inside a call (other than a mismatch, which every rank raises alike and
+        which leaves the group usable) fails every node: the node's group is aborted and the
+        leader tells the other leaders."""
+        def call():
+            try:
+                return run()
+            except CollectiveMismatchError:
+                raise
+            except BaseException as exc:
+                text = (f"node {self.node} (rank {self.rank}) failed: "
+                        f"{type(exc).__name__}: {exc}")
+                if self._link is not None:
+                    self._link.abort(text)
+                if not self.group.closed and not self.group.aborted():
+                    self.group.abort(ABORT_FAILED, self.node_rank, note=text)
+                raise
+        return call
+
+    # ---- the steps inside a node ----
+
+    def _remaining(self, deadline):
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _intra_reduce(self, seg, op, out, deadline):
+        """seg (every member's) reduced into out on the leader (None elsewhere)."""
+        return self.local._prep_reducing(seg, op, out, self._remaining(deadline), _REDUCE0,
+                                         root=0)()
+
+    def _intra_bcast(self, src, out, deadline, root=0):
+        return self.local._prep_broadcast(src, root, out, self._remaining(deadline))()
+
+    # ---- agreement ----
+
+    def _agree(self, row, deadline):
+        """Every rank's row, in global rank order (a (size, ROW) int64 table), the same on every
+        rank: gathered in the node, exchanged between the leaders, broadcast back."""
+        P, link = self.size, self._link
+        mine = np.asarray(row, np.int64)
+        if self.node_size > 1:
+            table = self.local._prep_allgather(mine, None, None,
+                                               self._remaining(deadline))()
+        else:
+            table = mine[None, :]
+        full = table if self.nodes == 1 else None
+        if link is not None:
+            counts = [len(m) * ROW * 8 for m in self._members]
+            full = np.empty((P, ROW), np.int64)
+            link.run(link.__class__.allgatherv, table.reshape(-1).view(np.uint8),
+                     full.reshape(-1).view(np.uint8), counts, deadline=deadline)
+        if self.node_size > 1:
+            full = self._intra_bcast(full, None, deadline)
+        if not self._in_order:
+            by_rank = np.empty_like(full)
+            by_rank[self._order] = full
+            full = by_rank
+        return full
+
+    def _check(self, table, compare, describe):
+        """Raise CollectiveMismatchError (the same text on every rank) unless every row agrees
+        with `compare`'s notion of the same call."""
+        seen = {}
+        for g in range(self.size):
+            seen.setdefault(compare(table[g]), []).append(g)
+        if len(seen) > 1:
+            def text(rs):
+                nodes = ",".join(str(n) for n in sorted({self._where[r][0] for r in rs}))
+                row = next((table[g] for g in rs if table[g][5] != -1), table[rs[0]])
+                return f"{ranks_text(rs)} (node {nodes}): {describe(row)}"
+            parts = "; ".join(text(rs) for rs in seen.values())
+            raise CollectiveMismatchError(
+                f"shmtree: ranks disagree on the collective call across nodes: {parts}")
+
+    # ---- allreduce, reduce, reduce_scatter ----
+
+    def _prep_reducing(self, array, op, out, timeout, root, what):
+        a = _movable(array, what)
+        opc, dtc = reduction_codes(op, a.dtype)
+        if what == "reduce_scatter":
+            if a.ndim == 0:
+                raise ValueError("shmtree: reduce_scatter needs an array of at least 1 "
+                                 "dimension")
+            n, P, me = a.shape[0], self.size, self.rank
+            lo = me * (n // P) + min(me, n % P)
+            hi = lo + n // P + (1 if me < n % P else 0)
+            shape = (hi - lo,) + a.shape[1:]
+            if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
+                                    or out.dtype != a.dtype or not out.flags.writeable):
+                raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of "
+                                 f"shape {shape} and dtype {a.dtype}")
+        elif out is not None:
+            _out_for(out, a.shape, a.dtype, what)          # (checks out now)
+        deadline = _deadline(timeout)
+        kind = {"allreduce": KIND_ALLREDUCE, "reduce": KIND_REDUCE,
+                "reduce_scatter": KIND_REDUCE_SCATTER}[what]
+        row = _row(kind, -1 if root is None else root, opc, a)
+
+        def run():
+            table = self._agree(row, deadline)
+            self._check(table, lambda r: tuple(r), _describe)
+            src = np.ascontiguousarray(a).reshape(-1)
+            deliver = root is None or self._where[root][0] == self.node
+            if what == "reduce_scatter":
+                full = np.empty(a.shape, a.dtype)
+                self._reduce_pipeline(src, full.reshape(-1), op, True, deadline)
+                block = full[lo:hi]
+                if out is None:
+                    return block
+                out[...] = block
+                return out
+            if root is not None and self.rank != root:
+                self._reduce_pipeline(src, None, op, deliver, deadline)
+                return None
+            result, copy_back = _out_for(out, a.shape, a.dtype, what)
+            flat = result.reshape(-1)
+            if _communicator._overlaps(src, flat):
+                src = src.copy()          # out overlaps the input without being it
+            self._reduce_pipeline(src, flat, op, deliver, deadline)
+            if copy_back is not None:
+                copy_back[...] = result.reshape(copy_back.shape)
+                return copy_back
+            return result
+        return run
+
+    def _scratch_for(self, dtype, count):
+        """Two segments' room on the leader, reused call after call."""
+        need = 2 * count * dtype.itemsize
+        if self._scratch is None or self._scratch.size < need:
+            self._scratch = np.empty(max(need, 1), np.uint8)
+        return [self._scratch[k * count * dtype.itemsize:(k + 1) * count * dtype.itemsize]
+                .view(dtype) for k in range(2)]
+
+    def _reduce_pipeline(self, src, dst, op, deliver, deadline):
+        """dst[:] = the reduction of every rank's src (1-d contiguous, the same size), segment
+        by segment: reduce to the leader; between the leaders; broadcast in the node (when
+        `deliver`; dst None: this rank wants nothing).  The leader reduces segment i while its
+        link thread carries segment i-1."""
+        n = src.size
+        per = max(1, self._segment // max(1, src.itemsize))
+        bounds = list(range(0, n, per)) + [n] if n else [0, 0]
+        count = len(bounds) - 1
+        link, leader = self._link, self.node_rank == 0
+        multi = self.node_size > 1
+        slots = self._scratch_for(src.dtype, per if count > 1 else n) if leader else None
+        jobs = [None] * count
+        sink = None if dst is not None else (np.empty(min(per, n), src.dtype) if deliver
+                                             else None)
+
+        def finish(j):
+            lo, hi = bounds[j], bounds[j + 1]
+            if leader:
+                buf = slots[j % 2][:hi - lo]
+                if link is not None:
+                    link.wait(jobs[j], deadline)
+                if deliver:
+                    target = dst[lo:hi] if dst is not None else sink[:hi - lo]
+                    if multi:
+                        self._intra_bcast(buf, target, deadline)
+                    else:
+                        target[...] = buf
+            elif deliver:
+                target = dst[lo:hi] if dst is not None else sink[:hi - lo]
+                self._intra_bcast(None, target, deadline)
+
+        for i in range(count):
+            lo, hi = bounds[i], bounds[i + 1]
+            seg = src[lo:hi]
+            if leader:
+                buf = slots[i % 2][:hi - lo]
+                if multi:
+                    self._intra_reduce(seg, op, buf, deadline)
+                else:
+                    buf[...] = seg
+                if link is not None:
+                    jobs[i] = link.submit(link.__class__.allreduce, buf, op)
+            else:
+                self._intra_reduce(seg, op, None, deadline)
+            if i >= 1:
+                finish(i - 1)
+        finish(count - 1)
+
+    # ---- broadcast ----
+
+    def _prep_broadcast(self, array, root, out, timeout):
+        root = _root(root, self.size)
+        deadline = _deadline(timeout)
+        if array is None:
+            if self.rank == root:
+                raise ValueError("shmtree: broadcast: the root must pass the array")
+            a = None
+        else:
+            a = _movable(array, "broadcast")
+        row = _row(KIND_BROADCAST, root, 0, a) if a is not None else \
+            [KIND_BROADCAST, root, 0, 0, 0, -1, 0, 0, 0, 0]
+
+        def run():
+            table = self._agree(row, deadline)
+            rootrow = tuple(table[root])
+
+            def key(r):          # non-roots that passed None agree with any shape and dtype
+                t = tuple(r)
+                return rootrow if t[:2] == rootrow[:2] and (r[5] == -1 or t == rootrow) else t
+            self._check(table, key, _describe)
+            rnode, rlocal = self._where[root]
+            if a is not None:
+                dtype, shape = a.dtype, a.shape
+            else:
+                dtype, shape = self._meta(None, rnode, rlocal, deadline)
+            if self.rank == root:
+                src = np.ascontiguousarray(a)
+                if any(r[5] == -1 for r in table):
+                    self._meta(src, rnode, rlocal, deadline)
+            elif a is not None and any(r[5] == -1 for r in table):
+                self._meta(None, rnode, rlocal, deadline)
+            result, copy_back = _out_for(out, shape, dtype, "broadcast")
+            view = result.reshape(-1).view(np.uint8) if result.size else \
+                np.empty(0, np.uint8)
+            if self.rank == root and result.size:
+                if not np.shares_memory(result, src):
+                    view[...] = src.reshape(-1).view(np.uint8)
+            self._bcast_pipeline(view, rnode, rlocal, deadline)
+            if copy_back is not None:
+                copy_back[...] = result.reshape(copy_back.shape)
+                return copy_back
+            return result
+        return run
+
+    def _meta(self, a, rnode, rlocal, deadline):
+        """(dtype, shape) of the root's array, for ranks that passed None: a small broadcast
+        of its pickled description through the same steps as the data."""
+        import pickle
+        blob = np.zeros(1024, np.uint8)
+        if a is not None:
+            raw = pickle.dumps((a.dtype, a.shape), protocol=4)
+            if len(raw) > blob.size - 4:
+                raise ValueError("shmtree: broadcast: the root's dtype is too complex to "
+                                 "describe to ranks that passed None; pass arrays of its "
+                                 "shape and dtype on every rank")
+            blob[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
+            blob[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        self._bcast_pipeline(blob, rnode, rlocal, deadline)
+        length = int.from_bytes(blob[:4].tobytes(), "little")
+        return pickle.loads(blob[4:4 + length].tobytes())
+
+    def _bcast_pipeline(self, view, rnode, rlocal, deadline):
+        """view (bytes; the root's data at the root) on every rank: in the root's node from the
+        root, between the leaders from the root node's leader, in the other nodes from their
+        leader, segment by segment."""
+        n = view.size
+        if n == 0:
+            return
+        per = self._segment
+        bounds = list(range(0, n, per)) + [n]
+        link, leader, multi = self._link, self.node_rank == 0, self.node_size > 1
+        count = len(bounds) - 1
+        if self.node == rnode:
+            jobs = []
+            for i in range(count):
+                seg = view[bounds[i]:bounds[i + 1]]
+                if multi:
+                    self._intra_bcast(seg if self.node_rank == rlocal else None, seg,
+                                      deadline, root=rlocal)
+                if leader and link is not None:
+                    jobs.append(link.submit(link.__class__.bcast, seg, rnode))
+            for job in jobs:
+                link.wait(job, deadline)
+            return
+        jobs = []
+        if leader and link is not None:
+            jobs = [link.submit(link.__class__.bcast, view[bounds[i]:bounds[i + 1]], rnode)
+                    for i in range(count)]
+        for i in range(count):
+            seg = view[bounds[i]:bounds[i + 1]]
+            if leader:
+                link.wait(jobs[i], deadline)
+            if multi:
+                self._intra_bcast(seg if leader else None, seg, deadline)
+
+    # ---- allgather ----
+
+    def _prep_allgather(self, array, axis, out, timeout):
+        if axis is not None and axis != 0:
+            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
+        a = _movable(array, "allgather")
+        if axis == 0 and a.ndim == 0:
+            raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
+        if axis is None:
+            _out_for(out, (self.size,) + a.shape, a.dtype, "allgather")
+        deadline = _deadline(timeout)
+        row = _row(KIND_ALLGATHER, -1 if axis is None else 0, 0, a)
+
+        def run():
+            table = self._agree(row, deadline)
+            if axis is None:
+                self._check(table, lambda r: tuple(r), _describe)
+                lengths = [1] * self.size
+                shape = (self.size,) + a.shape
+            else:      # lengths along axis 0 may differ: compare the rest
+                self._check(table, lambda r: (tuple(r[:5]), tuple(r[6:7]), tuple(r[8:])),
+                            _describe)
+                lengths = [int(table[g, 7]) for g in range(self.size)]
+                shape = (sum(lengths),) + a.shape[1:]
+            rowbytes = a.dtype.itemsize * (int(np.prod(a.shape, dtype=np.int64)) if axis is None
+                                           else int(np.prod(a.shape[1:], dtype=np.int64)))
+            result, copy_back = _out_for(out, shape, a.dtype, "allgather")
+            mine = np.ascontiguousarray(a)
+            # this node's blocks, by local rank, on every member
+            if self.node_size > 1:
+                node_blocks = self.local._prep_allgather(mine, axis, None,
+                                                         self._remaining(deadline))()
+            else:
+                node_blocks = mine if axis == 0 else mine[None]
+            sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
+            total = sum(sizes)
+            flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
+            if self._link is not None:
+                gathered = flat if self._in_order else np.empty(total, np.uint8)
+                self._link.run(self._link.__class__.allgatherv,
+                               np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8),
+                               gathered, sizes, deadline=deadline)
+                if not self._in_order:
+                    self._place(gathered, flat, lengths, rowbytes)
+            if self.node_size > 1 and total:
+                self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
+            if copy_back is not None:
+                copy_back[...] = result.reshape(copy_back.shape)
+                return copy_back
+            return result
+        return run
+
+    def _place(self, gathered, flat, lengths, rowbytes):
+        """Blocks gathered in node order, moved to global rank order."""
+        starts = np.concatenate([[0], np.cumsum([n * rowbytes for n in lengths])]).tolist()
+        at = 0
+        for g in self._order:
+            nb = lengths[g] * rowbytes
+            flat[starts[g]:starts[g] + nb] = gathered[at:at + nb]
+            at += nb
+
+    # ---- barrier ----
+
+    def _prep_barrier(self, timeout):
+        deadline = _deadline(timeout)
+        row = [KIND_BARRIER, -1, 0, 0, 0, 0, 0, 0, 0, 0]
+
+        def run():
+            table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
+            self._check(table, lambda r: tuple(r), _describe)
+        return run
+
+
+def _row(kind, root, opc, a):
+    """A rank's description of its call: kind, root, op, dtype digest, dtype number, byte count,
+    ndim, first two dimensions, shape digest."""
+    shape = a.shape
+    d0 = shape[0] if len(shape) > 0 else 0
+    d1 = shape[1] if len(shape) > 1 else 0
+    digest = hash(shape[1:]) & 0x7fffffffffffffff if kind == KIND_ALLGATHER and root == 0 \
+        else hash(shape) & 0x7fffffffffffffff
+    return [kind, root, opc, _dtype_digest(a.dtype), a.dtype.num, a.nbytes, len(shape),
+            d0, d1, digest]
+
+
+def _dtype_text(num):
+    """A dtype's name from its number (numpy's builtin types; bfloat16 when ml_dtypes is
+    loaded), else its number."""
+    for t in list(np.sctypeDict.values()):
+        try:
+            if np.dtype(t).num == num:
+                return np.dtype(t).name
+        except TypeError:
+            pass
+    import sys
+    ml = sys.modules.get("ml_dtypes")
+    if ml is not None and np.dtype(ml.bfloat16).num == num:
+        return "bfloat16"
+    return f"#{num}"
+
+
+def _describe(r):
+    kind, root, opc = int(r[0]), int(r[1]), int(r[2])
+    name = KIND_NAMES.get(kind, "collective")
+    if kind == KIND_BARRIER:
+        return "barrier"
+    if r[5] == -1:
+        return f"{name}(root={root}, None)"
+    ndim = int(r[6])
+    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
+    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+    parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE) else []
+    parts.append(f"shape={shape}")
+    parts.append(f"dtype={_dtype_text(int(r[4]))}")
+    if kind in (KIND_ALLREDUCE, KIND_REDUCE, KIND_REDUCE_SCATTER):
+        parts.append(f"op={OP_NAMES.get(opc, opc)!r}")
+    if kind == KIND_ALLGATHER:
+        parts.append("axis=None" if root == -1 else "axis=0")
+    return f"{name}({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# forming the communicator from an MPI job
+
+
+def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
+    """A communicator spanning the processes of `mpi_comm` (mpi4py), one shmtree group per node.
+
+    Collective over mpi_comm.  Processes that share a node (MPI's COMM_TYPE_SHARED split; with
+    `node_size=k`, consecutive blocks of k ranks instead, to simulate nodes on one machine)
+    form a group through a rendezvous: the node's first process creates the segment, the others
+    attach (same user only).  comm.rank == mpi_comm.rank.  group_options are Group's (pin
+    defaults to False here: the MPI launcher places the processes)."""
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ShmtreeError("shmtree.from_mpi: MPI was initialised without MPI_THREAD_MULTIPLE "
+                           "(the inter-node step runs on a thread of its own); leave "
+                           "mpi4py.rc.thread_level at its default, 'multiple'")
+    rank = mpi_comm.Get_rank()
+    if node_size is None:
+        node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    else:
+        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+            raise ValueError(f"shmtree.from_mpi: node_size must be a positive int, got "
+                             f"{node_size!r}")
+        node_comm = mpi_comm.Split(rank // node_size, key=rank)
+    try:
+        node_rank, nsize = node_comm.Get_rank(), node_comm.Get_size()
+        first = node_comm.allreduce(rank, op=MPI.MIN)
+        everyone = mpi_comm.allgather((first, node_rank))
+        firsts = sorted({f for f, _ in everyone})
+        members = [[] for _ in firsts]
+        for g, (f, r) in enumerate(everyone):
+            members[firsts.index(f)].append((r, g))
+        members = [[g for _, g in sorted(m)] for m in members]
+        node = firsts.index(first)
+        options = dict(group_options)
+        options.setdefault("pin", False)
+        token, err = None, None
+        if node_rank == 0:
+            try:
+                group = Group(nsize, **options)
+                token = group.rendezvous_token()
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+        token, err = node_comm.bcast((token, err), root=0)
+        if err is not None:
+            raise ShmtreeError(f"shmtree.from_mpi: node {node} could not create its group: "
+                               f"{err}")
+        local = None
+        try:
+            if node_rank != 0:
+                group = Group.from_token(token)
+            local = group.join(node_rank)
+            ok = 1
+        except Exception as exc:
+            ok, err = 0, f"rank {rank}: {type(exc).__name__}: {exc}"
+        if not all(node_comm.allgather(ok)):
+            errs = [e for e in node_comm.allgather(err) if e]
+            if local is not None:
+                local.close()
+            raise ShmtreeError(f"shmtree.from_mpi: the processes of node {node} could not form "
+                               f"a group: {'; '.join(errs)}")
+        node_comm.Barrier()            # every member attached before the creator goes on
+    finally:
+        node_comm.Free()
+    leaders = mpi_comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, key=node)
+    link = None
+    if node_rank == 0 and len(members) > 1:
+        from .inter import Link
+        link = Link(leaders, group)
+    elif leaders != MPI.COMM_NULL:
+        leaders.Free()
+    comm = Spanning(local, link, rank, members, node,
+                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, mpi_comm)
+    _communicator._set_current(comm)
+    return comm
+
+
+@atexit.register
+def _close_all():
+    """Before mpi4py finalizes MPI (its atexit hook was registered before this one): stop every
+    link thread."""
+    for comm in list(_ALIVE):
+        try:
+            comm.close()
+        except Exception:
+            pass
+
