@@ -17,6 +17,7 @@ from .topology import Topology
 from .api import (Communicator, Group, Pool, Request, allgather, allreduce, barrier, broadcast,
                   current, empty, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
                   ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all, zeros)
+from .nodes import from_mpi
 
 __all__ = [
     "__version__",
@@ -24,7 +25,7 @@ __all__ = [
     "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier", "rank", "size",
     "current",
     "iallreduce", "ibroadcast", "ireduce", "iallgather", "ireduce_scatter", "ibarrier",
-    "Request", "wait_all", "empty", "zeros",
+    "Request", "wait_all", "empty", "zeros", "from_mpi",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
     "WorkerError",

@@ -22,6 +22,7 @@ while the program's own threads may.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 
@@ -35,6 +36,7 @@ __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL = 11, 12, 13
 CTRL_BYTES = 512
+SPINS = 64                  # MPI tests before each yield of the CPU
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
 
@@ -67,6 +69,7 @@ class Link:
         self._jobs = collections.deque()
         self._cv = threading.Condition()
         self._closing = False
+        self._running = False               # a job is running (on the thread, or inline)
         self.failure = None                 # the text of the first failure, once aborted
         self._ctrl_buf = bytearray(CTRL_BYTES)
         self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG_CTRL)
@@ -102,7 +105,27 @@ class Link:
         return job.value
 
     def run(self, fn, *args, deadline=None):
-        return self.wait(self.submit(fn, *args), deadline)
+        """fn's value, now: in the calling thread when the link is idle (no thread handoff: the
+        latency of a small step), else after the queued jobs."""
+        with self._cv:
+            inline = (deadline is None and not self._jobs and not self._running
+                      and self.failure is None)
+            if inline:
+                self._running = True
+        if not inline:
+            return self.wait(self.submit(fn, *args), deadline)
+        try:
+            return fn(self, *args)
+        except _Aborted:
+            raise PeerLostError(f"shmtree: {self.failure}") from None
+        except BaseException as exc:
+            self.abort(f"node {self.me}: the inter-node step failed: {type(exc).__name__}: "
+                       f"{exc}")
+            raise
+        finally:
+            with self._cv:
+                self._running = False
+                self._cv.notify()
 
     def abort(self, text):
         """This node failed: tell every leader (this one included) and fail every job."""
@@ -143,13 +166,16 @@ class Link:
     def _loop(self):
         while True:
             with self._cv:
-                while not self._jobs and not self._closing:
+                while (not self._jobs or self._running) and not self._closing:
                     self._cv.wait(IDLE_POLL_S)
-                    if not self._jobs and self.failure is None and self._ctrl_arrived():
+                    if not self._jobs and not self._running and self.failure is None \
+                            and self._ctrl_arrived():
                         break
                 if self._closing and not self._jobs:
                     return
-                job = self._jobs.popleft() if self._jobs else None
+                job = self._jobs.popleft() if self._jobs and not self._running else None
+                if job is not None:
+                    self._running = True
             if job is None:
                 self._on_ctrl()
                 continue
@@ -161,6 +187,8 @@ class Link:
                 job.error = exc
                 self.abort(f"node {self.me}: the inter-node step failed: "
                            f"{type(exc).__name__}: {exc}")
+            with self._cv:
+                self._running = False
             job.done.set()
 
     def _ctrl_arrived(self) -> bool:
@@ -192,14 +220,14 @@ class Link:
         MPI = self.MPI
         if self.failure is not None:
             raise _Aborted()
-        reqs = [r for r in reqs if r != MPI.REQUEST_NULL]
-        while reqs:
-            watched = reqs + [self._ctrl]
-            i = MPI.Request.Waitany(watched)
-            if i == len(reqs) or self._ctrl == MPI.REQUEST_NULL:
+        spins = 0
+        while not MPI.Request.Testall(reqs):
+            if self._ctrl.Test():
                 self._on_ctrl()
                 raise _Aborted()
-            reqs = [r for r in watched[:-1] if r != MPI.REQUEST_NULL]
+            spins += 1
+            if spins > SPINS:          # let this node's members (and MPI's peers) run
+                os.sched_yield()
         if self.failure is not None:
             raise _Aborted()
 

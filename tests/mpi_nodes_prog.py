@@ -1,0 +1,171 @@
+"""Run under mpiexec by tests/test_multinode.py: shmtree.from_mpi on simulated nodes.
+
+    mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
+
+Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
+prints "OK <mode>" at the end.  Modes: collectives, mismatch, failure, kill.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import shmtree
+
+W = MPI.COMM_WORLD
+
+
+def same_everywhere(a, what):
+    """The same bytes on every rank (global), or fail."""
+    blobs = W.allgather(np.ascontiguousarray(a).tobytes() if a is not None else None)
+    assert all(b == blobs[0] for b in blobs), f"{what}: ranks got different bits"
+
+
+def inputs(rank, n, dtype, seed):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if dtype == "float16":          # (small integers: every partial sum exact in half)
+        return rng.integers(-8, 8, n).astype(dtype)
+    if np.dtype(dtype).kind == "f":
+        return (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+    return rng.integers(0, 50, n).astype(dtype)
+
+
+def mode_collectives(c):
+    P, me = c.size, c.rank
+    assert me == W.rank and P == W.size
+    sizes = W.allgather((c.node, c.node_rank, c.node_size, c.nodes))
+    assert len({s[3] for s in sizes}) == 1
+    for node in range(c.nodes):
+        ranks = [g for g, s in enumerate(sizes) if s[0] == node]
+        assert sorted(sizes[g][1] for g in ranks) == list(range(len(ranks)))
+    cases = [("float64", "sum"), ("float32", "sum"), ("float32", "max"), ("int64", "prod"),
+             ("int32", "bxor"), ("float16", "sum"), ("uint8", "min")]
+    for seed, n in enumerate([0, 1, 5, 1000, 70001, 400003]):
+        for dtype, op in cases:
+            if n > 70001 and dtype not in ("float32", "int32"):
+                continue
+            xs = [inputs(r, n, dtype, seed) for r in range(P)]
+            fold = {"sum": np.add, "max": np.maximum, "prod": np.multiply,
+                    "bxor": np.bitwise_xor, "min": np.minimum}[op]
+            ref = xs[0].copy()
+            for x in xs[1:]:
+                ref = fold(ref, x)
+            got = c.allreduce(xs[me], op)
+            same_everywhere(got, f"allreduce {dtype} {op} {n}")
+            if dtype in ("float32", "float64") and op == "sum":
+                assert np.allclose(got, ref, rtol=1e-4, atol=1e-3 * P), (dtype, n)
+            else:
+                assert np.array_equal(got, ref), (dtype, op, n)
+            # in place, and the non-blocking form: the same bits
+            x = xs[me].copy()
+            assert c.allreduce(x, op, out=x) is x and np.array_equal(x.view(np.uint8),
+                                                                     got.view(np.uint8))
+            req = c.iallreduce(xs[me], op)
+            assert np.array_equal(req.wait().view(np.uint8), got.view(np.uint8))
+            root = (seed + 1) % P
+            r = c.reduce(xs[me], op, root=root)
+            if me == root:
+                assert np.array_equal(r.view(np.uint8), got.view(np.uint8))
+            else:
+                assert r is None
+            if n >= 1:
+                rs = c.reduce_scatter(xs[me], op)
+                assert np.array_equal(rs.view(np.uint8),
+                                      np.array_split(got, P)[me].view(np.uint8))
+        # non-contiguous input and output
+        if n:
+            big = inputs(me, 2 * n, "float64", seed)
+            out = np.zeros(2 * n)
+            c.allreduce(big[::2], out=out[1::2])
+            ref = sum(inputs(r, 2 * n, "float64", seed)[::2] for r in range(P))
+            assert np.allclose(out[1::2], ref) and not out[::2].any()
+        # broadcast from every root, some ranks passing None
+        for root in range(P):
+            data = np.arange(n * 3, dtype=np.int16).reshape(n, 3) + root
+            b = c.broadcast(data if me == root else (None if me % 2 else np.empty_like(data)),
+                            root=root)
+            assert b.dtype == np.int16 and np.array_equal(b, data), (root, n)
+        # allgather: stacked, and along axis 0 with lengths that differ between ranks
+        g = c.allgather(np.full((n, 2), me, np.float32))
+        assert g.shape == (P, n, 2) and all((g[r] == r).all() for r in range(P))
+        g0 = c.allgather(np.full(me + n, me, np.int32), axis=0)
+        assert np.array_equal(g0, np.concatenate([np.full(r + n, r, np.int32)
+                                                  for r in range(P)]))
+        c.barrier()
+    # module-level calls go to this communicator
+    assert shmtree.current() is c and shmtree.rank() == me and shmtree.size() == P
+    assert float(shmtree.allreduce(np.ones(1))[0]) == P
+
+
+def mode_mismatch(c):
+    P, me = c.size, c.rank
+    bad = P - 1
+    for call in ("shape", "op", "kind"):
+        try:
+            if call == "shape":
+                c.allreduce(np.ones(4 if me == bad else 3))
+            elif call == "op":
+                c.allreduce(np.ones(3), "max" if me == bad else "sum")
+            else:
+                c.broadcast(np.ones(3), root=0) if me == bad else c.allreduce(np.ones(3))
+        except shmtree.CollectiveMismatchError as exc:
+            text = str(exc)
+            assert f"rank {bad} (node {c.nodes - 1})" in text, text
+            same_everywhere(np.frombuffer(text.encode(), np.uint8), "the message")
+        else:
+            raise AssertionError(f"rank {me}: no mismatch raised for {call}")
+        # the group stays usable
+        assert float(c.allreduce(np.ones(1))[0]) == P
+
+
+def mode_failure(c):
+    """Rank P-1 times out in its node (its node peer arrives late): every rank of every node
+    raises (PeerLostError or the timeout), none hangs."""
+    P, me = c.size, c.rank
+    c.allreduce(np.ones(8))
+    t0 = time.monotonic()
+    try:
+        if me == P - 1:
+            c.allreduce(np.ones(1 << 16), timeout=0.5)
+        else:
+            if c.node == c.nodes - 1:
+                time.sleep(2)
+            c.allreduce(np.ones(1 << 16))
+    except (shmtree.PeerLostError, shmtree.CollectiveTimeoutError) as exc:
+        took = time.monotonic() - t0
+        assert took < 10, took
+        print(f"rank {me} raised {type(exc).__name__} after {took:.1f} s: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: no error")
+    try:
+        c.allreduce(np.ones(1))
+    except shmtree.PeerLostError:
+        pass
+    else:
+        raise AssertionError(f"rank {me}: the communicator still works after a failure")
+
+
+def mode_kill(c):
+    P, me = c.size, c.rank
+    c.allreduce(np.ones(8))
+    if me == P - 1:
+        os.kill(os.getpid(), 9)
+    c.allreduce(np.ones(1 << 18))
+    time.sleep(60)
+
+
+def main():
+    mode, node_size = sys.argv[1], int(sys.argv[2])
+    c = shmtree.from_mpi(W, node_size=node_size)
+    globals()[f"mode_{mode}"](c)
+    if mode != "failure":
+        c.close()
+    W.Barrier()
+    if W.rank == 0:
+        print(f"OK {mode}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""shmtree.from_mpi across simulated nodes: tests/mpi_nodes_prog.py under the mpich wheel's
+mpiexec, in a session of its own (killed whole on a timeout), nothing left behind."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("mpi4py")
+
+PROG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_nodes_prog.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mpiexec():
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+def _shm():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _launch(nprocs, mode, node_size, timeout=120):
+    """(returncode, output, seconds) of `mpiexec -n nprocs prog mode node_size`."""
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    before = _shm()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    t0 = time.monotonic()
+    proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, PROG, mode,
+                             str(node_size)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {nprocs} {mode} hung:\n{out.decode(errors='replace')[-3000:]}")
+    finally:
+        _reap(proc.pid)
+        for name in _shm() - before:          # MPICH's own segment, after a killed job
+            if name.startswith("mpich_shm_"):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+    left = _shm() - before
+    assert not left, f"left in /dev/shm: {left}"
+    return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0
+
+
+def _import_root():
+    """Where `import shmtree` finds this checkout's package (an in-place build), else None:
+    the installed one is used."""
+    import shmtree
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(shmtree.__file__)))
+    return pkg
+
+
+def _reap(pgid):
+    """No process of the job's session may outlive the test."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    pytest.fail("processes of the MPI job were still alive 10 s after it ended")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nprocs,node_size", [(4, 2), (3, 2), (4, 3), (3, 1), (5, 2)],
+                         ids=["2x2", "2+1", "3+1", "1+1+1", "2+2+1"])
+def test_every_collective_across_nodes(nprocs, node_size):
+    rc, out, _ = _launch(nprocs, "collectives", node_size)
+    assert rc == 0 and "OK collectives" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size", [(4, 2), (3, 1)])
+def test_mismatch_raises_on_every_rank_of_every_node(nprocs, node_size):
+    rc, out, _ = _launch(nprocs, "mismatch", node_size)
+    assert rc == 0 and "OK mismatch" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_one_node_reaches_every_node():
+    rc, out, _ = _launch(4, "failure", 2)
+    assert rc == 0 and "OK failure" in out, out[-4000:]
+    raised = [line for line in out.splitlines() if " raised " in line]
+    assert len(raised) == 4, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_ends_the_job():
+    rc, out, took = _launch(4, "kill", 2)
+    assert rc != 0 and "OK kill" not in out, out[-4000:]
+    assert took < 30, took
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_refuses_another_users_segment():
+    """A group created by a process of another user: from_token refuses it (root may open the
+    descriptor, the owner check still refuses)."""
+    import pickle  # noqa: F401
+    import shmtree
+    if os.getuid() != 0:
+        pytest.skip("needs root to create a process of another user")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                    # the other user's process
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            g = shmtree.Group(2, pin=False)
+            os.write(w, len(g.rendezvous_token()).to_bytes(4, "little") + g.rendezvous_token())
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            n = int.from_bytes(f.read(4), "little")
+            token = f.read(n)
+        with pytest.raises(shmtree.ShmtreeError, match="another user"):
+            shmtree.Group.from_token(token)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
