@@ -26,12 +26,12 @@ import signal
 import sys
 import threading
 
-from . import compare, machine, numa, overlap, plot, report, sweep
+from . import compare, machine, multinode, numa, overlap, plot, report, sweep
 from .harness import BenchError
 from .measure import COLLECTIVES, MOVES_ONLY, TARGET_S, Plan
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
-COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap")
+COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M"}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
 QUICK_TARGET_S = 0.02                       # numa --quick: seconds of timed calls per cell
@@ -182,6 +182,26 @@ def build_parser():
                    help=f"comma-separated subset of {','.join(overlap.COMPUTES)}")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _group_arguments(p)
+    p = sub.add_parser(
+        "multinode", help="allreduce across simulated nodes (from_mpi) beside MPI",
+        description="Launches mpiexec (beside this interpreter) with -n processes grouped in "
+                    "simulated nodes of --node-size consecutive ranks; per size, the median "
+                    "float32 sum allreduce of shmtree.from_mpi (hier), COMM_WORLD.Allreduce "
+                    "(mpi), the nodes' own allreduce alone (intra) and the leaders' inter-node "
+                    "step alone (inter).  Needs mpi4py and an MPI (pip install "
+                    "\"shmtree[mpi]\").")
+    p.add_argument("-n", "--nprocs", type=_arg(_positive), default=4,
+                   help="processes (default: 4)")
+    p.add_argument("--node-size", type=_arg(_positive), default=2,
+                   help="processes per simulated node (default: 2)")
+    p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(multinode.DEFAULT_SIZES),
+                   help=f"message sizes (default {multinode.DEFAULT_SIZES})")
+    p.add_argument("--repeats", type=_arg(_positive), default=5,
+                   help="timed calls per size at 8 MiB and above (more below; default 5)")
+    p.add_argument("--segment", type=_arg(_positive_size),
+                   help="bytes per pipelined segment across the node boundary (default: "
+                        "shmtree.nodes.SEGMENT_BYTES)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     return parser
 
 
@@ -228,7 +248,8 @@ def _main(argv):
     try:
         args = parse(argv)
         return {"allreduce": cmd_allreduce, "compare": cmd_compare, "numa": cmd_numa,
-                "topology": cmd_topology, "overlap": cmd_overlap}[args.command](args)
+                "topology": cmd_topology, "overlap": cmd_overlap,
+                "multinode": cmd_multinode}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1
@@ -520,6 +541,14 @@ def plan_as_dict(plan):
         "node_of": list(plan.node_of), "numa": plan.numa, "stall_timeout": plan.stall_timeout,
         "digest": plan.digest().hex(), "describe": plan.describe(),
     }
+
+
+def cmd_multinode(args):
+    doc = multinode.run(args.nprocs, args.node_size, args.sizes, args.repeats, args.segment)
+    print(multinode.table(doc))
+    if args.json:
+        report.write_json(args.json, dict(doc, command="multinode", argv=args.argv))
+    return 0
 
 
 def cmd_overlap(args):
