@@ -40,7 +40,7 @@ from .ops import OP_NAMES, reduction_codes
 
 __all__ = ["from_mpi", "Spanning"]
 
-SEGMENT_BYTES = 2 << 20        # bytes per pipelined segment across the node boundary
+SEGMENT_BYTES = 4 << 20        # bytes per pipelined segment across the node boundary
 ROW = 10                       # int64 per rank in the agreement table
 _REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes

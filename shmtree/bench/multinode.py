@@ -80,11 +80,10 @@ def run(nprocs, node_size, sizes, repeats=5, segment=None, timeout=900):
     from .harness import BenchError
     from .mpi import _kill_group, _mpiexec_setup, _remove_mpi_leftovers, _shm_names, \
         find_mpiexec
-    try:
-        import mpi4py  # noqa: F401  (is it there?)
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("mpi4py") is None:
         raise BenchError('multinode needs mpi4py and an MPI: pip install "shmtree[mpi]" '
-                         "(mpi4py mpich)") from None
+                         "(mpi4py mpich)")
     mpiexec = find_mpiexec(sys.executable)
     if mpiexec is None:
         raise BenchError("no mpiexec beside this interpreter nor on PATH: pip install mpich")
