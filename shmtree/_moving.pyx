@@ -303,3 +303,65 @@ cdef class Mapping:
 def address(cnp.ndarray a):
     """The address of a's first byte (shared.py looks arrays up by it)."""
     return <size_t>cnp.PyArray_DATA(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# words of a Mapping shared between processes: the mailbox of a node's proxy (mailbox.py)
+
+cdef extern from "sched.h" nogil:
+    int sched_yield()
+
+cdef extern from "_csrc/shm_sync.h" nogil:
+    uint32_t shm_load_seqcst32(const volatile uint32_t *p)
+    void shm_store_seqcst32(volatile uint32_t *p, uint32_t v)
+    void shm_cpu_relax()
+    int64_t shm_now_ns()
+    int shm_futex_wait(volatile uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+    void shm_futex_wake_all(volatile uint32_t *addr)
+
+
+cdef volatile uint32_t *_word(Mapping m, Py_ssize_t off) except NULL:
+    if off < 0 or off + 4 > m.size or off % 4:
+        raise ValueError(f"shmtree: word offset {off} outside the mapping or unaligned")
+    return <volatile uint32_t *>(m.base + off)
+
+
+def word_load(Mapping m, Py_ssize_t off):
+    """The 32-bit word at byte `off` (sequentially consistent load)."""
+    return shm_load_seqcst32(_word(m, off))
+
+
+def word_store(Mapping m, Py_ssize_t off, uint32_t value):
+    """Store the word (sequentially consistent: everything written before is visible first)
+    and wake every process sleeping on it."""
+    cdef volatile uint32_t *w = _word(m, off)
+    shm_store_seqcst32(w, value)
+    shm_futex_wake_all(w)
+
+
+def word_wait(Mapping m, Py_ssize_t off, uint32_t expected, double timeout_s,
+              int64_t spin_ns=50000):
+    """Wait, with the GIL released, while the word equals `expected`: spin for spin_ns, then
+    yield the CPU a few times, then sleep on a futex; at most timeout_s.  Returns the word."""
+    cdef volatile uint32_t *w = _word(m, off)
+    cdef int64_t start, now, limit
+    cdef uint32_t v
+    cdef int yields = 0
+    with nogil:
+        start = shm_now_ns()
+        limit = start + <int64_t>(timeout_s * 1e9)
+        while True:
+            v = shm_load_seqcst32(w)
+            if v != expected:
+                break
+            now = shm_now_ns()
+            if now >= limit:
+                break
+            if now - start < spin_ns:
+                shm_cpu_relax()
+            elif yields < 16:
+                yields += 1
+                sched_yield()
+            else:
+                shm_futex_wait(w, expected, min(limit - now, <int64_t>5000000))
+    return v

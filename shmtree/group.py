@@ -56,8 +56,9 @@ class Group:
 
     def __init__(self, size, *, topology=None, tree=None, chunk_bytes=None, pin=None, slots=None,
                  placement="compact", numa="auto", small_bytes=None, spin_us=None,
-                 nt_bytes=None, stall_timeout=None):
+                 nt_bytes=None, stall_timeout=None, inter=None, segment_bytes=None):
         self._closed = True                 # until the segment exists
+        self._span = self._proxy = None
         self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
                                pin=pin, slots=slots, placement=placement, numa=numa,
                                small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
@@ -72,6 +73,15 @@ class Group:
             os.close(self._fd)
             raise
         self._closed = False
+        if inter is not None:               # one node of several: this process is its proxy
+            from . import nodes             # (shmtree.mailbox, docs/design.md "Across nodes")
+            try:
+                self._span, self._proxy = nodes.start_proxy(self, inter, segment_bytes)
+            except BaseException:
+                self.close()
+                raise
+        elif segment_bytes is not None:
+            raise ValueError("shmtree: segment_bytes is an option of groups with inter=")
 
     def _adopt(self, plan: Plan):
         """Take a plan: the layout of the segment follows from it."""
@@ -118,8 +128,12 @@ class Group:
     def __reduce__(self):
         if self._closed:
             raise ShmtreeError("shmtree: a closed group cannot be sent to another process")
+        span = None
+        if self._span is not None:          # (node, node sizes, segment, the mailbox)
+            node, sizes, segment, box_fd = self._span
+            span = (node, sizes, segment, reduction.DupFd(box_fd))
         return _rebuild_group, (self.plan, reduction.DupFd(self._fd), self._nonce,
-                                self.layout.total)
+                                self.layout.total, span)
 
     def rendezvous_token(self) -> bytes:
         """What an unrelated process of the same user (not a child: torchrun, mpiexec) needs to
@@ -207,7 +221,18 @@ class Group:
         comm = communicator.Communicator(self, rank)
         self._comm = weakref.ref(comm)
         communicator._set_current(comm)
+        if self._span is not None:          # a node of several: the communicator spans them
+            from . import nodes
+            comm = nodes.spanning_member(self, comm)
+            communicator._set_current(comm)
         return comm
+
+    def global_rank(self, rank) -> int:
+        """The rank across nodes of this group's local `rank` (itself without inter=)."""
+        if self._span is None:
+            return rank
+        node, sizes = self._span[0], self._span[1]
+        return sum(sizes[:node]) + rank
 
     def _place_rings(self, rank):
         """Bind the rings this rank produces to the NUMA node(s) the policy names, then touch
@@ -314,12 +339,25 @@ class Group:
             comm.close()
         if self._creator == os.getpid():
             self._seg.set_abort(ABORT_CLOSED, -1)
+            if self._proxy is not None:
+                self._proxy.close()
         self._closed = True
+        self._close_mailbox()
         self._seg = _ClosedSegment()
         try:
             os.close(self._fd)
         except OSError:
             pass
+
+    def _close_mailbox(self):
+        """A member's descriptor of its launcher's mailbox (the launcher's own is its proxy's)."""
+        if self._span is not None and self._proxy is None and self._span[3] is not None:
+            node, sizes, segment, fd = self._span
+            self._span = (node, sizes, segment, None)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     @property
     def closed(self) -> bool:
@@ -338,6 +376,7 @@ class Group:
             if not self._closed:
                 self._closed = True
                 os.close(self._fd)
+                self._close_mailbox()
         except Exception:
             pass
 
@@ -368,16 +407,20 @@ class _Detached:
         return self._fd
 
 
-def _rebuild_group(plan, dupfd, nonce, total):
+def _rebuild_group(plan, dupfd, nonce, total, span=None):
     """Unpickle a group: its creator's plan, and the segment's descriptor (closed again here
-    if anything is wrong with it)."""
+    if anything is wrong with it); with inter=, the node's place and its proxy's mailbox."""
     fd = dupfd.detach()
     try:
         group = Group.__new__(Group)
         group._closed = True            # until attached
+        group._span = group._proxy = None
         group._adopt(plan)
         group._attach(fd, nonce, total)
     except BaseException:
         os.close(fd)
         raise
+    if span is not None:
+        node, sizes, segment, box = span
+        group._span = (node, sizes, segment, box.detach())
     return group

@@ -57,7 +57,9 @@ class _Aborted(Exception):
 
 class Link:
     """The inter-node step of one node's leader: `comm` joins one leader per node (its rank is
-    the node's index); `group` is the node's Group (aborted when another node fails)."""
+    the node's index; the link owns it and frees it when it closes: pass a Dup of a
+    communicator the program uses); `group` is the node's Group (aborted when another node
+    fails)."""
 
     def __init__(self, comm, group, node_rank_text="node"):
         from mpi4py import MPI
@@ -74,6 +76,8 @@ class Link:
         self._ctrl_buf = bytearray(CTRL_BYTES)
         self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG_CTRL)
         self._sent = []                     # control sends (never waited for)
+        self.interrupt = None               # or a function: a failure text of this node, else
+                                            # None (checked while a step waits on MPI)
         self._thread = threading.Thread(target=self._loop, name=f"shmtree-link-{self.me}",
                                         daemon=True)
         self._thread.start()
@@ -158,6 +162,11 @@ class Link:
             if not self._ctrl.Test():
                 self._ctrl.Cancel()
                 self._ctrl.Wait()
+            for req in self._sent:             # (control messages: small, sent eagerly)
+                if not req.Test():
+                    req.Free()
+            self._sent = []
+            self.comm.Free()                   # (the link's own communicator)
         except Exception:
             pass
 
@@ -228,6 +237,10 @@ class Link:
             spins += 1
             if spins > SPINS:          # let this node's members (and MPI's peers) run
                 os.sched_yield()
+                if self.interrupt is not None and spins % 256 == 0:
+                    text = self.interrupt()
+                    if text:
+                        self.abort(text)
         if self.failure is not None:
             raise _Aborted()
 

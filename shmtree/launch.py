@@ -151,7 +151,7 @@ def _collect(group, procs, conns):
             break                                # the rest are stopped by run's finally
     if failures:
         lost, r, text, tb = sorted(failures, key=lambda f: f[0])[0]   # root causes first
-        raise WorkerError(r, text, tb or text)
+        raise WorkerError(group.global_rank(r), text, tb or text)
     return results
 
 

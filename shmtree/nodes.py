@@ -36,6 +36,7 @@ from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, 
 from .collectives import _deadline, _dtype_digest, _movable, _out_for, _root
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .group import Group
+from .inter import Link
 from .ops import OP_NAMES, reduction_codes
 
 __all__ = ["from_mpi", "Spanning"]
@@ -246,7 +247,7 @@ class Spanning:
         if link is not None:
             counts = [len(m) * ROW * 8 for m in self._members]
             full = np.empty((P, ROW), np.int64)
-            link.run(link.__class__.allgatherv, table.reshape(-1).view(np.uint8),
+            link.run(Link.allgatherv, table.reshape(-1).view(np.uint8),
                      full.reshape(-1).view(np.uint8), counts, deadline=deadline)
         if self.node_size > 1:
             full = self._intra_bcast(full, None, deadline)
@@ -341,7 +342,11 @@ class Spanning:
         count = len(bounds) - 1
         link, leader = self._link, self.node_rank == 0
         multi = self.node_size > 1
-        slots = self._scratch_for(src.dtype, per if count > 1 else n) if leader else None
+        slots = None
+        if leader:
+            room = per if count > 1 else n
+            slots = link.scratch(src.dtype, room) if hasattr(link, "scratch") else \
+                self._scratch_for(src.dtype, room)
         jobs = [None] * count
         sink = None if dst is not None else (np.empty(min(per, n), src.dtype) if deliver
                                              else None)
@@ -372,7 +377,7 @@ class Spanning:
                 else:
                     buf[...] = seg
                 if link is not None:
-                    jobs[i] = link.submit(link.__class__.allreduce, buf, op)
+                    jobs[i] = link.submit(Link.allreduce, buf, op)
             else:
                 self._intra_reduce(seg, op, None, deadline)
             if i >= 1:
@@ -453,28 +458,32 @@ class Spanning:
         bounds = list(range(0, n, per)) + [n]
         link, leader, multi = self._link, self.node_rank == 0, self.node_size > 1
         count = len(bounds) - 1
-        if self.node == rnode:
-            jobs = []
-            for i in range(count):
-                seg = view[bounds[i]:bounds[i + 1]]
+        root_node = self.node == rnode
+        jobs = {}
+
+        def post(i):                 # (at most two steps in flight: the proxy's two slots)
+            if leader and link is not None and i < count:
+                jobs[i] = link.submit(Link.bcast, view[bounds[i]:bounds[i + 1]],
+                                      rnode)
+        if not root_node:
+            post(0)
+        for i in range(count):
+            seg = view[bounds[i]:bounds[i + 1]]
+            if root_node:
                 if multi:
                     self._intra_bcast(seg if self.node_rank == rlocal else None, seg,
                                       deadline, root=rlocal)
-                if leader and link is not None:
-                    jobs.append(link.submit(link.__class__.bcast, seg, rnode))
-            for job in jobs:
-                link.wait(job, deadline)
-            return
-        jobs = []
-        if leader and link is not None:
-            jobs = [link.submit(link.__class__.bcast, view[bounds[i]:bounds[i + 1]], rnode)
-                    for i in range(count)]
-        for i in range(count):
-            seg = view[bounds[i]:bounds[i + 1]]
-            if leader:
-                link.wait(jobs[i], deadline)
-            if multi:
-                self._intra_bcast(seg if leader else None, seg, deadline)
+                if i >= 1 and leader and link is not None:
+                    link.wait(jobs.pop(i - 1), deadline)
+                post(i)
+            else:
+                post(i + 1)
+                if leader:
+                    link.wait(jobs.pop(i), deadline)
+                if multi:
+                    self._intra_bcast(seg if leader else None, seg, deadline)
+        for i in sorted(jobs):
+            link.wait(jobs.pop(i), deadline)
 
     # ---- allgather ----
 
@@ -513,11 +522,23 @@ class Spanning:
             sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
             total = sum(sizes)
             flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
-            if self._link is not None:
+            link = self._link
+            if link is not None:
                 gathered = flat if self._in_order else np.empty(total, np.uint8)
-                self._link.run(self._link.__class__.allgatherv,
-                               np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8),
-                               gathered, sizes, deadline=deadline)
+                mine_raw = np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8)
+                room = getattr(link, "capacity", None)
+                # (the same choice on every node: the largest node's block decides)
+                if room is None or 8 * self.nodes + max(sizes) + total <= room:
+                    link.run(Link.allgatherv, mine_raw, gathered, sizes,
+                             deadline=deadline)
+                else:                # (too big for the proxy's mailbox: node by node)
+                    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+                    gathered[starts[self.node]:starts[self.node + 1]] = mine_raw
+                    for m in range(self.nodes):
+                        part = gathered[starts[m]:starts[m + 1]]
+                        for lo in range(0, part.size, room):
+                            link.run(Link.bcast, part[lo:lo + room], m,
+                                     deadline=deadline)
                 if not self._in_order:
                     self._place(gathered, flat, lengths, rowbytes)
             if self.node_size > 1 and total:
@@ -598,6 +619,43 @@ def _describe(r):
 
 
 # ---------------------------------------------------------------------------------------------
+# the launcher-per-node way in: Group(size, inter=mpi_comm) (shmtree.mailbox)
+
+
+def start_proxy(group, inter, segment_bytes):
+    """In a launcher creating its node's group: agree with the other launchers (collective over
+    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node."""
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ShmtreeError("shmtree: inter= needs MPI initialised with MPI_THREAD_MULTIPLE "
+                           "(the proxy runs MPI on a thread of its own); leave "
+                           "mpi4py.rc.thread_level at its default, 'multiple'")
+    segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
+    if segment < 4096:
+        raise ValueError(f"shmtree: segment_bytes must be at least 4096, got {segment_bytes!r}")
+    info = inter.allgather((group.size, segment))
+    if len({g for _, g in info}) > 1:
+        raise ValueError(f"shmtree: the launchers passed different segment_bytes: "
+                         f"{[g for _, g in info]}")
+    if len(info) == 1:
+        return None, None
+    from .mailbox import Proxy
+    proxy = Proxy(group, inter, segment)
+    return (inter.Get_rank(), [s for s, _ in info], segment, proxy.fd), proxy
+
+
+def spanning_member(group, comm):
+    """Group.join in a worker of a node of several: the communicator across nodes around the
+    node's own (`comm`); local rank 0 reaches the other nodes through its launcher."""
+    from .mailbox import Mailbox, ProxyLink
+    node, sizes, segment, box_fd = group._span
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    members = [list(range(starts[n], starts[n + 1])) for n in range(len(sizes))]
+    link = ProxyLink(Mailbox(box_fd, segment)) if comm.rank == 0 else None
+    return Spanning(comm, link, starts[node] + comm.rank, members, node, segment)
+
+
+# ---------------------------------------------------------------------------------------------
 # forming the communicator from an MPI job
 
 
@@ -665,7 +723,6 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
     leaders = mpi_comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, key=node)
     link = None
     if node_rank == 0 and len(members) > 1:
-        from .inter import Link
         link = Link(leaders, group)
     elif leaders != MPI.COMM_NULL:
         leaders.Free()

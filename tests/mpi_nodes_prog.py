@@ -1,10 +1,14 @@
-"""Run under mpiexec by tests/test_multinode.py: shmtree.from_mpi on simulated nodes.
+"""Run under mpiexec by tests/test_multinode.py: shmtree across simulated nodes.
 
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
+from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
+failure, kill.  Launcher modes (N launchers, one per node, node n forking NODE_SIZE + n workers
+through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-mismatch, launch-kill.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
-prints "OK <mode>" at the end.  Modes: collectives, mismatch, failure, kill.
+prints "OK <mode>" at the end.
 """
+import hashlib
 import os
 import sys
 import time
@@ -15,12 +19,23 @@ from mpi4py import MPI
 import shmtree
 
 W = MPI.COMM_WORLD
+# PROG_SEGMENT=bytes: segments that small (many of them per message, and allgathers too big
+# for a launcher's mailbox)
+SEGMENT = {"segment_bytes": int(os.environ["PROG_SEGMENT"])} if "PROG_SEGMENT" in os.environ \
+    else {}
 
 
-def same_everywhere(a, what):
-    """The same bytes on every rank (global), or fail."""
-    blobs = W.allgather(np.ascontiguousarray(a).tobytes() if a is not None else None)
-    assert all(b == blobs[0] for b in blobs), f"{what}: ranks got different bits"
+def same_everywhere(a, what, comm=None):
+    """The same bytes on every rank (global), or fail: compared through MPI, or (workers of a
+    launcher, which never call MPI) through comm itself."""
+    raw = np.ascontiguousarray(a).tobytes() if a is not None else b""
+    if comm is None:
+        blobs = W.allgather(raw)
+        assert all(b == blobs[0] for b in blobs), f"{what}: ranks got different bits"
+        return
+    digest = np.frombuffer(hashlib.sha256(raw).digest(), np.uint8)
+    every = comm.allgather(digest)
+    assert (every == every[0]).all(), f"{what}: ranks got different bits"
 
 
 def inputs(rank, n, dtype, seed):
@@ -32,10 +47,13 @@ def inputs(rank, n, dtype, seed):
     return rng.integers(0, 50, n).astype(dtype)
 
 
-def mode_collectives(c):
+def mode_collectives(c, launched=False):
     P, me = c.size, c.rank
-    assert me == W.rank and P == W.size
-    sizes = W.allgather((c.node, c.node_rank, c.node_size, c.nodes))
+    check = c if launched else None
+    if not launched:
+        assert me == W.rank and P == W.size
+    sizes = [tuple(int(v) for v in row) for row in
+             c.allgather(np.array([c.node, c.node_rank, c.node_size, c.nodes]))]
     assert len({s[3] for s in sizes}) == 1
     for node in range(c.nodes):
         ranks = [g for g, s in enumerate(sizes) if s[0] == node]
@@ -53,7 +71,7 @@ def mode_collectives(c):
             for x in xs[1:]:
                 ref = fold(ref, x)
             got = c.allreduce(xs[me], op)
-            same_everywhere(got, f"allreduce {dtype} {op} {n}")
+            same_everywhere(got, f"allreduce {dtype} {op} {n}", check)
             if dtype in ("float32", "float64") and op == "sum":
                 assert np.allclose(got, ref, rtol=1e-4, atol=1e-3 * P), (dtype, n)
             else:
@@ -99,7 +117,7 @@ def mode_collectives(c):
     assert float(shmtree.allreduce(np.ones(1))[0]) == P
 
 
-def mode_mismatch(c):
+def mode_mismatch(c, launched=False):
     P, me = c.size, c.rank
     bad = P - 1
     for call in ("shape", "op", "kind"):
@@ -113,7 +131,8 @@ def mode_mismatch(c):
         except shmtree.CollectiveMismatchError as exc:
             text = str(exc)
             assert f"rank {bad} (node {c.nodes - 1})" in text, text
-            same_everywhere(np.frombuffer(text.encode(), np.uint8), "the message")
+            same_everywhere(np.frombuffer(text.encode(), np.uint8), "the message",
+                            c if launched else None)
         else:
             raise AssertionError(f"rank {me}: no mismatch raised for {call}")
         # the group stays usable
@@ -156,9 +175,50 @@ def mode_kill(c):
     time.sleep(60)
 
 
+def launched(comm, mode):
+    """A worker of a launcher: the mode's checks on the communicator across nodes."""
+    if mode == "kill":
+        comm.allreduce(np.ones(8))
+        if comm.rank == comm.size - 1:
+            os.kill(os.getpid(), 9)
+        comm.allreduce(np.ones(1 << 18))
+        raise AssertionError(f"rank {comm.rank}: the allreduce survived a dead peer")
+    if mode == "exit":                 # collectives until the launcher of node 1 is killed
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            comm.allreduce(np.ones(1 << 12))
+        raise AssertionError(f"rank {comm.rank}: still running after 60 s")
+    globals()[f"mode_{mode}"](comm, launched=True)
+    return comm.rank, comm.node, comm.node_rank
+
+
+def main_launcher(mode, base):
+    workers = base + W.rank
+    t0 = time.monotonic()
+    if mode == "exit" and W.rank == 1:
+        import threading
+        threading.Timer(1.0, os.kill, (os.getpid(), 9)).start()
+    try:
+        got = shmtree.run(launched, workers, args=(mode,), inter=W, **SEGMENT)
+    except shmtree.WorkerError as exc:
+        took = time.monotonic() - t0
+        assert mode == "kill", exc
+        print(f"launcher {W.rank}: WorkerError rank {exc.rank} after {took:.1f} s: {exc}",
+              flush=True)
+        return
+    assert mode != "kill"
+    offset = sum(W.allgather(workers)[:W.rank])
+    assert got == [(offset + r, W.rank, r) for r in range(workers)], got
+    W.Barrier()
+    if W.rank == 0:
+        print(f"OK launch-{mode}", flush=True)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
-    c = shmtree.from_mpi(W, node_size=node_size)
+    if mode.startswith("launch-"):
+        return main_launcher(mode[len("launch-"):], node_size)
+    c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
     if mode != "failure":
         c.close()

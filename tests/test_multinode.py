@@ -27,14 +27,17 @@ def _shm():
         return set()
 
 
-def _launch(nprocs, mode, node_size, timeout=120):
-    """(returncode, output, seconds) of `mpiexec -n nprocs prog mode node_size`."""
+def _launch(nprocs, mode, node_size, timeout=120, segment=None):
+    """(returncode, output, seconds) of `mpiexec -n nprocs prog mode node_size` (segment: the
+    segment_bytes option)."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec (pip install mpich)")
     before = _shm()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    if segment is not None:
+        env["PROG_SEGMENT"] = str(segment)
     t0 = time.monotonic()
     proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, PROG, mode,
                              str(node_size)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -90,6 +93,17 @@ def test_every_collective_across_nodes(nprocs, node_size):
     assert rc == 0 and "OK collectives" in out, out[-4000:]
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode,nprocs,size", [("collectives", 3, 2),
+                                              ("launch-collectives", 2, 1)],
+                         ids=["from_mpi 2+1", "launchers 1+2"])
+def test_small_segments(mode, nprocs, size):
+    """4 KiB segments: every message of more than 4 KiB is pipelined in many segments, and the
+    launchers' allgathers no longer fit the mailbox (they go node by node)."""
+    rc, out, _ = _launch(nprocs, mode, size, segment=4096)
+    assert rc == 0 and f"OK {mode}" in out, out[-4000:]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs,node_size", [(4, 2), (3, 1)])
 def test_mismatch_raises_on_every_rank_of_every_node(nprocs, node_size):
@@ -110,6 +124,55 @@ def test_a_killed_rank_ends_the_job():
     rc, out, took = _launch(4, "kill", 2)
     assert rc != 0 and "OK kill" not in out, out[-4000:]
     assert took < 30, took
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nprocs,base", [(2, 1), (3, 1)], ids=["1+2", "1+2+3"])
+def test_launchers_every_collective(nprocs, base):
+    """mpiexec starts one launcher per node; each forks its workers with run(..., inter=);
+    the workers never call MPI (their results are checked through shmtree itself)."""
+    rc, out, _ = _launch(nprocs, "launch-collectives", base)
+    assert rc == 0 and "OK launch-collectives" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_launchers_mismatch():
+    rc, out, _ = _launch(2, "launch-mismatch", 1)
+    assert rc == 0 and "OK launch-mismatch" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_launchers_worker_killed_on_a_remote_node():
+    """A worker of node 1 is SIGKILLed: every launcher's run raises WorkerError (the dead one's
+    global rank on its own node), mpiexec exits, nothing is left."""
+    rc, out, took = _launch(2, "launch-kill", 1)
+    assert rc == 0, out[-4000:]
+    lines = sorted(line for line in out.splitlines() if "WorkerError" in line)
+    assert len(lines) == 2, out[-4000:]
+    assert lines[1].startswith("launcher 1: WorkerError rank 2 ") and "SIGKILL" in lines[1]
+    assert "PeerLostError" in lines[0]
+    assert took < 30, took
+
+
+@pytest.mark.timeout(120)
+def test_launcher_killed_ends_the_job_and_its_workers():
+    rc, out, took = _launch(2, "launch-exit", 1)
+    assert rc != 0 and "OK" not in out, out[-4000:]
+    assert took < 30, took
+    assert not _alive_of_prog(), "workers outlived their launcher"
+
+
+def _alive_of_prog():
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if PROG in " ".join(p.info["cmdline"] or []) and \
+                    p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.mark.timeout(60)

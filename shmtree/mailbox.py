@@ -1,0 +1,320 @@
+"""The launcher-per-node way across nodes: `Group(size, inter=mpi_comm)` (and run / Pool).
+
+mpiexec starts one launching process per node; each creates its node's group with `inter=`, a
+communicator of the launchers (its rank is the node's index), and forks or spawns its workers as
+usual.  Workers never call MPI: the launcher is the node's proxy.  It holds the Link of
+shmtree.inter (MPI between the launchers) and a thread serving a mailbox: a shared memory file
+through which the node's leader (worker of local rank 0) hands it the steps that cross the node
+boundary, the same steps a from_mpi leader runs on its own link.  The worker side (ProxyLink)
+has the Link's interface (submit / wait / run / abort / failure), so the collectives of
+shmtree.nodes are the same code for both ways in.
+
+The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT bytes of data:
+
+    header  +0  u32 abort request (the leader failed: text at +64)
+            +4  u32 failed (the proxy's link failed: text at +1024)
+    slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
+            +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV      +12 i32 root
+            +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)
+            +64 op name, +96 dtype (numpy str, or "bfloat16"), 32 bytes each
+            +1024 the failure text
+    data    allreduce/bcast: the buffer, in place; allgatherv: N u64 counts, send, receive
+
+The leader submits to slots in turn (0, 1, 0, ...) and waits for each in order; the proxy serves
+them in the same order.  Words are stored sequentially consistent and waited on with futexes
+(_moving.word_wait), the waiting side spinning briefly first.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from . import _moving
+from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .transport import create_memfd
+
+__all__ = ["Proxy", "ProxyLink", "Mailbox"]
+
+PAGE = 4096
+SLOTS = 2
+IDLE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
+ALLREDUCE, BCAST, ALLGATHERV = 1, 2, 3
+TEXT = 512
+POLL_S = 0.01               # the proxy looks at the group and the link this often when idle
+WAIT_SLICE_S = 0.05
+
+
+class Mailbox:
+    """A mapping of the mailbox file: `segment` data bytes per slot."""
+
+    def __init__(self, fd, segment):
+        self.segment = int(segment)
+        self.slot_bytes = PAGE + self.segment
+        self.size = PAGE + SLOTS * self.slot_bytes
+        self.map = _moving.Mapping(fd, self.size)
+        self.bytes = np.frombuffer(self.map, np.uint8)
+
+    @classmethod
+    def create(cls, segment):
+        fd = create_memfd(PAGE + SLOTS * (PAGE + int(segment)))
+        return cls(fd, segment), fd
+
+    def ctl(self, k):
+        return PAGE + k * self.slot_bytes
+
+    def data(self, k):
+        at = self.ctl(k) + PAGE
+        return self.bytes[at:at + self.segment]
+
+    def put_u64(self, at, value):
+        self.bytes[at:at + 8].view(np.uint64)[0] = value
+
+    def get_u64(self, at):
+        return int(self.bytes[at:at + 8].view(np.uint64)[0])
+
+    def put_text(self, at, text, size=TEXT):
+        raw = text.encode("utf-8", "replace")[:size - 1]
+        self.bytes[at:at + size] = 0
+        self.bytes[at:at + len(raw)] = np.frombuffer(raw, np.uint8)
+
+    def get_text(self, at, size=TEXT):
+        return self.bytes[at:at + size].tobytes().split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    def word(self, at):
+        return _moving.word_load(self.map, at)
+
+    def set_word(self, at, value):
+        _moving.word_store(self.map, at, value)
+
+    def wait_word(self, at, while_value, timeout_s):
+        return _moving.word_wait(self.map, at, while_value, timeout_s)
+
+
+def _dtype_key(dtype):
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+
+
+def _dtype_of(key):
+    if key == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side: the node's leader
+
+
+class _Job:
+    __slots__ = ("slot", "step", "out", "at")
+
+    def __init__(self, slot, step, out, at):
+        self.slot, self.step, self.out, self.at = slot, step, out, at   # at: result offset
+
+
+class ProxyLink:
+    """The leader's link through its launcher: the interface of shmtree.inter.Link."""
+
+    def __init__(self, mailbox):
+        self.box = mailbox
+        self.capacity = mailbox.segment
+        self._next = 0
+
+    @property
+    def failure(self):
+        box = self.box
+        return box.get_text(1024) or "another node failed" if box.word(4) else None
+
+    def scratch(self, dtype, count):
+        """The data areas of the next two submissions, as arrays of `count` items: the leader
+        reduces straight into them (no copy into the mailbox)."""
+        return [self.box.data((self._next + k) % SLOTS)[:count * dtype.itemsize].view(dtype)
+                for k in range(2)]
+
+    def submit(self, fn, *args):
+        from .inter import Link
+        box, k = self.box, self._next
+        self._next = (k + 1) % SLOTS
+        ctl, data = box.ctl(k), box.data(k)
+        if box.word(ctl) == SUBMITTED:
+            raise ShmtreeError("shmtree: the proxy's mailbox is full (a bug: at most two steps "
+                               "may be in flight)")
+        if box.word(4):
+            raise PeerLostError(f"shmtree: {self.failure}")
+        if fn is Link.allreduce:
+            buf, op = args
+            step, out, at = ALLREDUCE, buf, 0
+            raw = buf.reshape(-1).view(np.uint8)
+            box.put_text(ctl + 64, str(op), 32)
+            box.put_text(ctl + 96, _dtype_key(buf.dtype), 32)
+        elif fn is Link.bcast:
+            buf, root = args
+            step, out, at = BCAST, buf, 0
+            raw = buf.reshape(-1).view(np.uint8)
+            box.bytes[ctl + 12:ctl + 16].view(np.int32)[0] = root
+        elif fn is Link.allgatherv:
+            send, recv, counts = args
+            step, out = ALLGATHERV, recv
+            n = len(counts)
+            need = 8 * n + send.size + recv.size
+            if need > box.segment:
+                raise ShmtreeError(f"shmtree: {need} bytes do not fit the mailbox's "
+                                   f"{box.segment}")
+            data[:8 * n].view(np.uint64)[:] = counts
+            data[8 * n:8 * n + send.size] = send
+            raw, at = None, 8 * n + send.size
+            box.put_u64(ctl + 24, recv.size)
+            box.put_u64(ctl + 16, send.size)
+        else:
+            raise ShmtreeError(f"shmtree: the proxy has no step {fn!r}")
+        if raw is not None:
+            if raw.size > box.segment:
+                raise ShmtreeError(f"shmtree: a step of {raw.size} bytes does not fit the "
+                                   f"mailbox's {box.segment}")
+            if raw.size and raw.__array_interface__["data"][0] != \
+                    data.__array_interface__["data"][0]:
+                data[:raw.size] = raw
+            box.put_u64(ctl + 16, raw.size)
+        box.bytes[ctl + 8:ctl + 12].view(np.uint32)[0] = step
+        box.set_word(ctl, SUBMITTED)
+        return _Job(k, step, out, at)
+
+    def wait(self, job, deadline=None):
+        import time
+        box = self.box
+        ctl = box.ctl(job.slot)
+        while True:
+            state = box.wait_word(ctl, SUBMITTED, WAIT_SLICE_S)
+            if state != SUBMITTED:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    "shmtree: timed out waiting for the other nodes (the launcher's inter-node "
+                    "step did not complete)")
+        if state == FAILED:
+            raise PeerLostError(f"shmtree: {box.get_text(ctl + 1024) or self.failure}")
+        data = box.data(job.slot)
+        raw = job.out.reshape(-1).view(np.uint8)
+        at = job.at
+        if raw.size and raw.__array_interface__["data"][0] != \
+                data[at:].__array_interface__["data"][0]:
+            raw[...] = data[at:at + raw.size]
+        return job.out
+
+    def run(self, fn, *args, deadline=None):
+        return self.wait(self.submit(fn, *args), deadline)
+
+    def abort(self, text):
+        box = self.box
+        if box.word(0):
+            return
+        box.put_text(64, text)
+        box.set_word(0, 1)
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the launcher side
+
+
+class Proxy:
+    """The launcher's part: the mailbox, the Link to the other launchers, the thread serving the
+    mailbox.  `group` is the node's Group (this process created it)."""
+
+    def __init__(self, group, inter, segment):
+        from .inter import Link
+        self.group = group
+        self.box, self.fd = Mailbox.create(segment)
+        self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
+        self.link.interrupt = self._interrupt
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        box, k = self.box, 0
+        told = False
+        while not self._stop:
+            ctl = box.ctl(k)
+            state = box.wait_word(ctl, IDLE, POLL_S)
+            if state == SUBMITTED:
+                self._step(k)
+                k = (k + 1) % SLOTS
+                continue
+            if state in (DONE, FAILED):       # (the leader reuses a slot: its state stays
+                state = box.wait_word(ctl, state, POLL_S)   # DONE until it submits again)
+                if state == SUBMITTED:
+                    self._step(k)
+                    k = (k + 1) % SLOTS
+                    continue
+            if not told:
+                told = self._watch()
+
+    def _interrupt(self):
+        """Checked by the link while a step waits on MPI: this node failed (the leader asked
+        to abort, or the group is aborted): the text, else None."""
+        box = self.box
+        if box.word(0):
+            return box.get_text(64)
+        if not self.group.closed and self.group.aborted():
+            return f"node {self.link.me}: {self.group.describe_abort()}"
+        return None
+
+    def _watch(self) -> bool:
+        """Idle: carry a failure of this node to the others, and another node's to this one's
+        leader.  True once the link has failed (nothing more to watch)."""
+        box, link = self.box, self.link
+        if box.word(0) and link.failure is None:
+            link.abort(box.get_text(64))
+        elif link.failure is None and not self.group.closed and self.group.aborted():
+            link.abort(f"node {link.me}: {self.group.describe_abort()}")
+        if link.failure is not None:
+            box.put_text(1024, link.failure)
+            box.set_word(4, 1)
+            return True
+        return False
+
+    def _step(self, k):
+        from .inter import Link
+        box, link = self.box, self.link
+        ctl, data = box.ctl(k), box.data(k)
+        step = int(box.bytes[ctl + 8:ctl + 12].view(np.uint32)[0])
+        nbytes = box.get_u64(ctl + 16)
+        try:
+            if step == ALLREDUCE:
+                dtype = _dtype_of(box.get_text(ctl + 96, 32))
+                op = box.get_text(ctl + 64, 32)
+                link.run(Link.allreduce, data[:nbytes].view(dtype), op)
+            elif step == BCAST:
+                root = int(box.bytes[ctl + 12:ctl + 16].view(np.int32)[0])
+                link.run(Link.bcast, data[:nbytes], root)
+            elif step == ALLGATHERV:
+                n = link.n
+                counts = data[:8 * n].view(np.uint64).astype(np.int64).tolist()
+                recv_bytes = box.get_u64(ctl + 24)
+                send = data[8 * n:8 * n + nbytes]
+                recv = data[8 * n + nbytes:8 * n + nbytes + recv_bytes]
+                link.run(Link.allgatherv, send, recv, counts)
+            else:
+                raise ShmtreeError(f"shmtree: unknown proxy step {step}")
+            box.set_word(ctl, DONE)
+        except BaseException as exc:
+            text = link.failure or f"{type(exc).__name__}: {exc}"
+            box.put_text(ctl + 1024, text)
+            box.put_text(1024, text)
+            box.set_word(4, 1)
+            box.set_word(ctl, FAILED)
+
+    def close(self):
+        self._stop = True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        self.link.close()
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
