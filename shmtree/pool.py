@@ -104,6 +104,7 @@ def _run_as_task(fn, args, kwargs):
     the stall detector looks for), and a task that raises while other members wait for this one
     in a collective aborts the group, saying why, instead of leaving them waiting."""
     comm = communicator._current
+    comm = getattr(comm, "local", comm)       # (across nodes: this node's communicator)
     if comm is None or comm._closed or comm.group.closed or comm._gen != communicator._fork_gen:
         return fn(*args, **kwargs)
     seg, r = comm._seg, comm.rank
@@ -152,12 +153,13 @@ def _spmd_task(fn, args, kwargs):
     failure's payload ranks how likely it is the root cause: 0 the task's own exception, 1 a
     shmtree error this rank found (a stall, a peer gone), 2 the group aborted elsewhere."""
     comm = communicator.current()
+    r = getattr(comm, "local", comm).rank     # (this node's rank, across nodes)
     try:
         comm.barrier()
-        return comm.rank, True, _run_as_task(fn, (comm,) + tuple(args), kwargs)
+        return r, True, _run_as_task(fn, (comm,) + tuple(args), kwargs)
     except BaseException as exc:
         cause = 2 if isinstance(exc, PeerLostError) else 1 if isinstance(exc, ShmtreeError) else 0
-        return comm.rank, False, (type(exc).__name__, str(exc), traceback.format_exc(), cause)
+        return r, False, (type(exc).__name__, str(exc), traceback.format_exc(), cause)
 
 
 # =============================================================================================
@@ -246,7 +248,7 @@ class Pool(_PoolInternals):
                  stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
         self._mark_starting()
         self._shm_group = None
-        bad = sorted(set(group_options) - set(GROUP_OPTIONS))
+        bad = sorted(set(group_options) - set(GROUP_OPTIONS) - {"inter", "segment_bytes"})
         if "maxtasksperchild" in bad:
             raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker is a "
                             "rank of the group for the pool's whole life (a worker that exits "
@@ -254,7 +256,7 @@ class Pool(_PoolInternals):
         if bad:
             raise TypeError(f"shmtree.Pool: unknown option(s) {', '.join(bad)}; Pool takes "
                             f"processes, initializer, initargs, context and the Group options "
-                            f"{', '.join(GROUP_OPTIONS)}")
+                            f"{', '.join(GROUP_OPTIONS + ('inter', 'segment_bytes'))}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"shmtree.Pool: initializer must be callable, got {initializer!r}")
         ctx = _context(context)
@@ -351,13 +353,14 @@ class Pool(_PoolInternals):
                 name, text, tb, cause = payload
                 failures.append((cause, r, f"{name}: {text}", tb))
         roots = sorted(f for f in failures if f[0] < 2)      # the task's own exceptions first
+        at = self._shm_group.global_rank
         if roots:
             cause, r, text, tb = roots[0]
-            raise WorkerError(r, text, tb)
+            raise WorkerError(at(r), text, tb)
         self._check_group()                  # every failure was a consequence: say its cause
         if failures:
             cause, r, text, tb = failures[0]
-            raise WorkerError(r, text, tb)
+            raise WorkerError(at(r), text, tb)
         return results
 
     def terminate(self):

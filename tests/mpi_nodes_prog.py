@@ -192,7 +192,36 @@ def launched(comm, mode):
     return comm.rank, comm.node, comm.node_rank
 
 
+def pool_task(x):
+    return float(shmtree.allreduce(np.array([x], float))[0]), shmtree.rank(), shmtree.size()
+
+
+def pool_spmd(comm):
+    return comm.rank, comm.node, int(comm.allreduce(np.ones(3, np.int64))[0])
+
+
+def main_pool(base):
+    """A Pool per node across nodes: pool.run (SPMD) and map, whose tasks of one round meet in
+    an allreduce across nodes (every node deals 3 rounds)."""
+    workers = base + W.rank
+    counts = W.allgather(workers)
+    offset, P = sum(counts[:W.rank]), sum(counts)
+    with shmtree.Pool(workers, inter=W, **SEGMENT) as pool:
+        assert pool.run(pool_spmd) == [(offset + r, W.rank, P) for r in range(workers)]
+        got = pool.map(pool_task, range(3 * workers))
+    xs = W.allgather(list(range(3 * workers)))
+    for k in range(3):          # round k: tasks k*w .. k*w+w-1 of every node
+        want = float(sum(x for n, w in enumerate(counts) for x in xs[n][k * w:(k + 1) * w]))
+        assert all(v == want and s == P for v, _, s in got[k * workers:(k + 1) * workers]), got
+    assert sorted(r for _, r, _ in got[:workers]) == [offset + r for r in range(workers)]
+    W.Barrier()
+    if W.rank == 0:
+        print("OK launch-pool", flush=True)
+
+
 def main_launcher(mode, base):
+    if mode == "pool":
+        return main_pool(base)
     workers = base + W.rank
     t0 = time.monotonic()
     if mode == "exit" and W.rank == 1:

@@ -136,6 +136,12 @@ def test_launchers_every_collective(nprocs, base):
 
 
 @pytest.mark.timeout(120)
+def test_launchers_pools():
+    rc, out, _ = _launch(2, "launch-pool", 1)
+    assert rc == 0 and "OK launch-pool" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
 def test_launchers_mismatch():
     rc, out, _ = _launch(2, "launch-mismatch", 1)
     assert rc == 0 and "OK launch-mismatch" in out, out[-4000:]
