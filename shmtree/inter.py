@@ -9,7 +9,8 @@ next segment's intra-node step: that is the pipeline of docs/algorithms.md, "Acr
 The allreduce of a segment has a fixed reduction order, whatever MPI's algorithms: the segment
 is cut into one piece per node; node j receives everybody's piece j and folds them in node order
 (node 0's first), then every node receives every folded piece (a reduce-scatter and an
-allgather, point to point).  Every rank of every node gets the same bits.
+allgather, point to point).  A small segment is one allgather instead, after which every leader
+folds all of it, in the same node order.  Every rank of every node gets the same bits.
 
 Failure travels as a control message: a leader that fails (its node's group aborted, a timeout,
 an interrupt) sends CTRL to every leader, itself included; every link waits on its data requests
@@ -36,6 +37,8 @@ __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL = 11, 12, 13
 CTRL_BYTES = 512
+GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
+                            # allgather, each leader folding every node's part in node order
 SPINS = 64                  # MPI tests before each yield of the CPU
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
@@ -250,10 +253,16 @@ class Link:
         """buf (a 1-d contiguous array, this node's sum) becomes the sum over all nodes, folded
         in node order: a reduce-scatter and an allgather between the leaders."""
         n, me, MPI = self.n, self.me, self.MPI
-        bounds = _pieces(buf.size, n)
-        mine = buf[bounds[me]:bounds[me + 1]]
         if n == 1 or buf.size == 0:
             return buf
+        if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
+            every = np.empty((n,) + buf.shape, buf.dtype)
+            self.complete([self.comm.Iallgather([_raw(buf), MPI.BYTE],
+                                                [_raw(every), MPI.BYTE])])
+            _kernels.reduce_into(buf, list(every), op)
+            return buf
+        bounds = _pieces(buf.size, n)
+        mine = buf[bounds[me]:bounds[me + 1]]
         got = [None] * n
         reqs = []
         for j in range(n):

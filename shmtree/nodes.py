@@ -355,7 +355,7 @@ class Spanning:
             lo, hi = bounds[j], bounds[j + 1]
             if leader:
                 buf = slots[j % 2][:hi - lo]
-                if link is not None:
+                if jobs[j] is not None:
                     link.wait(jobs[j], deadline)
                 if deliver:
                     target = dst[lo:hi] if dst is not None else sink[:hi - lo]
@@ -376,7 +376,9 @@ class Spanning:
                     self._intra_reduce(seg, op, buf, deadline)
                 else:
                     buf[...] = seg
-                if link is not None:
+                if link is not None and count == 1:     # (no pipeline: no thread handoff)
+                    link.run(Link.allreduce, buf, op, deadline=deadline)
+                elif link is not None:
                     jobs[i] = link.submit(Link.allreduce, buf, op)
             else:
                 self._intra_reduce(seg, op, None, deadline)
@@ -462,7 +464,10 @@ class Spanning:
         jobs = {}
 
         def post(i):                 # (at most two steps in flight: the proxy's two slots)
-            if leader and link is not None and i < count:
+            if leader and link is not None and count == 1 and i == 0:
+                link.run(Link.bcast, view, rnode, deadline=deadline)    # (no handoff)
+                jobs[i] = None
+            elif leader and link is not None and i < count:
                 jobs[i] = link.submit(Link.bcast, view[bounds[i]:bounds[i + 1]],
                                       rnode)
         if not root_node:
@@ -474,16 +479,16 @@ class Spanning:
                     self._intra_bcast(seg if self.node_rank == rlocal else None, seg,
                                       deadline, root=rlocal)
                 if i >= 1 and leader and link is not None:
-                    link.wait(jobs.pop(i - 1), deadline)
+                    _wait(link, jobs.pop(i - 1), deadline)
                 post(i)
             else:
                 post(i + 1)
                 if leader:
-                    link.wait(jobs.pop(i), deadline)
+                    _wait(link, jobs.pop(i), deadline)
                 if multi:
                     self._intra_bcast(seg if leader else None, seg, deadline)
         for i in sorted(jobs):
-            link.wait(jobs.pop(i), deadline)
+            _wait(link, jobs.pop(i), deadline)
 
     # ---- allgather ----
 
@@ -568,6 +573,11 @@ class Spanning:
             table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
             self._check(table, lambda r: tuple(r), _describe)
         return run
+
+
+def _wait(link, job, deadline):
+    if job is not None:              # (None: the step ran at once, in this thread)
+        link.wait(job, deadline)
 
 
 def _row(kind, root, opc, a):
