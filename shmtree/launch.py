@@ -10,6 +10,7 @@ The start-method and pickling checks here (`_context`, `_check_picklable`) serve
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 import traceback
@@ -59,6 +60,28 @@ def _check_picklable(who, ctx, **things):
                             ) from exc
 
 
+class no_mpi_init:
+    """Starting the workers of a node of several (inter=) with spawn or forkserver: a new
+    interpreter imports the program's main module again, and with it mpi4py, which would
+    initialise MPI there (and fail: the worker is no MPI process).  mpi4py reads its rc options
+    from the environment (MPI4PY_RC_INITIALIZE): set it while the worker starts."""
+
+    def __init__(self, group, ctx):
+        self.on = group._span is not None and ctx.get_start_method() != "fork"
+
+    def __enter__(self):
+        if self.on:
+            self.old = os.environ.get("MPI4PY_RC_INITIALIZE")
+            os.environ["MPI4PY_RC_INITIALIZE"] = "0"
+
+    def __exit__(self, *exc):
+        if self.on:
+            if self.old is None:
+                os.environ.pop("MPI4PY_RC_INITIALIZE", None)
+            else:
+                os.environ["MPI4PY_RC_INITIALIZE"] = self.old
+
+
 def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
     die_with_parent()
     if parent is not None:
@@ -100,7 +123,8 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
                 p = ctx.Process(target=_run_worker,
                                 args=(group, r, fn, args, kwargs, send, me),
                                 name=f"shmtree-rank-{r}")
-                p.start()
+                with no_mpi_init(group, ctx):
+                    p.start()
                 send.close()
                 procs.append(p)
                 conns.append(recv)

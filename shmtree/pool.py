@@ -24,7 +24,7 @@ from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_N
                     ST_IDLE, ranks_text)
 from .errors import PeerLostError, ShmtreeError, WorkerError
 from .group import Group
-from .launch import _check_picklable, _context
+from .launch import _check_picklable, _context, no_mpi_init
 from .liveness import identity, start_parent_watch
 from .plan import OPTIONS as GROUP_OPTIONS, usable_cpus
 
@@ -265,8 +265,10 @@ class Pool(_PoolInternals):
                                 stall_timeout=stall_timeout, **group_options)
         try:
             parent = identity()
-            super().__init__(self._shm_group.size, _pool_worker_init,
-                             (self._shm_group, initializer, tuple(initargs), parent), context=ctx)
+            with no_mpi_init(self._shm_group, ctx):
+                super().__init__(self._shm_group.size, _pool_worker_init,
+                                 (self._shm_group, initializer, tuple(initargs), parent),
+                                 context=ctx)
         except BaseException:
             self._shm_group.close()
             raise

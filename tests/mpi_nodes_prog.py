@@ -228,7 +228,9 @@ def main_launcher(mode, base):
         import threading
         threading.Timer(1.0, os.kill, (os.getpid(), 9)).start()
     try:
-        got = shmtree.run(launched, workers, args=(mode,), inter=W, **SEGMENT)
+        got = shmtree.run(launched, workers, args=(mode,), inter=W, **SEGMENT,
+                          **({"start_method": os.environ["PROG_START"]}
+                             if "PROG_START" in os.environ else {}))
     except shmtree.WorkerError as exc:
         took = time.monotonic() - t0
         assert mode == "kill", exc

@@ -27,9 +27,9 @@ def _shm():
         return set()
 
 
-def _launch(nprocs, mode, node_size, timeout=120, segment=None):
+def _launch(nprocs, mode, node_size, timeout=120, segment=None, start=None):
     """(returncode, output, seconds) of `mpiexec -n nprocs prog mode node_size` (segment: the
-    segment_bytes option)."""
+    segment_bytes option; start: the launchers' start method)."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec (pip install mpich)")
@@ -38,6 +38,8 @@ def _launch(nprocs, mode, node_size, timeout=120, segment=None):
         [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
     if segment is not None:
         env["PROG_SEGMENT"] = str(segment)
+    if start is not None:
+        env["PROG_START"] = start
     t0 = time.monotonic()
     proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, PROG, mode,
                              str(node_size)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -135,6 +137,13 @@ def test_launchers_every_collective(nprocs, base):
     assert rc == 0 and "OK launch-collectives" in out, out[-4000:]
 
 
+@pytest.mark.timeout(200)
+def test_launchers_spawn_their_workers():
+    """Spawned workers import the program again, mpi4py with it: MPI must not start there."""
+    rc, out, _ = _launch(2, "launch-mismatch", 1, start="spawn")
+    assert rc == 0 and "OK launch-mismatch" in out, out[-4000:]
+
+
 @pytest.mark.timeout(120)
 def test_launchers_pools():
     rc, out, _ = _launch(2, "launch-pool", 1)
@@ -185,7 +194,6 @@ def _alive_of_prog():
 def test_rendezvous_refuses_another_users_segment():
     """A group created by a process of another user: from_token refuses it (root may open the
     descriptor, the owner check still refuses)."""
-    import pickle  # noqa: F401
     import shmtree
     if os.getuid() != 0:
         pytest.skip("needs root to create a process of another user")
