@@ -133,7 +133,7 @@ class Group:
             node, sizes, segment, box_fd = self._span
             span = (node, sizes, segment, reduction.DupFd(box_fd))
         return _rebuild_group, (self.plan, reduction.DupFd(self._fd), self._nonce,
-                                self.layout.total, span)
+                                self.layout.total) + ((span,) if span is not None else ())
 
     def rendezvous_token(self) -> bytes:
         """What an unrelated process of the same user (not a child: torchrun, mpiexec) needs to
