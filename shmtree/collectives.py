@@ -355,14 +355,8 @@ class Collectives:
         a = array if isinstance(array, np.ndarray) else np.asarray(array)
         if a.ndim == 0:
             raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
-        n, P, me = a.shape[0], self.size, self.rank
-        lo = me * (n // P) + min(me, n % P)                 # np.array_split's blocks
-        hi = lo + n // P + (1 if me < n % P else 0)
-        shape = (hi - lo,) + a.shape[1:]
-        if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
-                                or out.dtype != a.dtype or not out.flags.writeable):
-            raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
-                             f"{shape} and dtype {a.dtype}")
+        n, P = a.shape[0], self.size
+        lo, hi, shape = _scatter_block(a, out, P, self.rank)
         opc, dtc = reduction_codes(op, a.dtype)
         deadline = _deadline(timeout)
         if self._own_algorithm("reduce_scatter", a.nbytes):
@@ -387,6 +381,20 @@ class Collectives:
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
                                self._by_position(offsets)))
         return _finish(result, copy_back)
+
+
+def _scatter_block(a, out, P, me):
+    """reduce_scatter: rank me's rows [lo, hi) of `a` (np.array_split's blocks) and its result
+    shape, after checking `out` against it."""
+    n = a.shape[0]
+    lo = me * (n // P) + min(me, n % P)
+    hi = lo + n // P + (1 if me < n % P else 0)
+    shape = (hi - lo,) + a.shape[1:]
+    if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
+                            or out.dtype != a.dtype or not out.flags.writeable):
+        raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
+                         f"{shape} and dtype {a.dtype}")
+    return lo, hi, shape
 
 
 def _keep(block, out):

@@ -33,7 +33,8 @@ import numpy as np
 from . import arrays as _arrays, communicator as _communicator
 from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST,
                     KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, ranks_text)
-from .collectives import _deadline, _dtype_digest, _movable, _out_for, _root
+from .collectives import (_deadline, _dtype_digest, _finish, _movable, _out_for, _root,
+                          _scatter_block)
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .group import Group
 from .inter import Link
@@ -281,14 +282,7 @@ class Spanning:
             if a.ndim == 0:
                 raise ValueError("shmtree: reduce_scatter needs an array of at least 1 "
                                  "dimension")
-            n, P, me = a.shape[0], self.size, self.rank
-            lo = me * (n // P) + min(me, n % P)
-            hi = lo + n // P + (1 if me < n % P else 0)
-            shape = (hi - lo,) + a.shape[1:]
-            if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
-                                    or out.dtype != a.dtype or not out.flags.writeable):
-                raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of "
-                                 f"shape {shape} and dtype {a.dtype}")
+            lo, hi, _ = _scatter_block(a, out, self.size, self.rank)
         elif out is not None:
             _out_for(out, a.shape, a.dtype, what)          # (checks out now)
         deadline = _deadline(timeout)
@@ -317,10 +311,7 @@ class Spanning:
             if _communicator._overlaps(src, flat):
                 src = src.copy()          # out overlaps the input without being it
             self._reduce_pipeline(src, flat, op, deliver, deadline)
-            if copy_back is not None:
-                copy_back[...] = result.reshape(copy_back.shape)
-                return copy_back
-            return result
+            return _finish(result, copy_back)
         return run
 
     def _scratch_for(self, dtype, count):
@@ -426,10 +417,7 @@ class Spanning:
                 if not np.shares_memory(result, src):
                     view[...] = src.reshape(-1).view(np.uint8)
             self._bcast_pipeline(view, rnode, rlocal, deadline)
-            if copy_back is not None:
-                copy_back[...] = result.reshape(copy_back.shape)
-                return copy_back
-            return result
+            return _finish(result, copy_back)
         return run
 
     def _meta(self, a, rnode, rlocal, deadline):
@@ -548,10 +536,7 @@ class Spanning:
                     self._place(gathered, flat, lengths, rowbytes)
             if self.node_size > 1 and total:
                 self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
-            if copy_back is not None:
-                copy_back[...] = result.reshape(copy_back.shape)
-                return copy_back
-            return result
+            return _finish(result, copy_back)
         return run
 
     def _place(self, gathered, flat, lengths, rowbytes):
