@@ -294,6 +294,28 @@ def test_numa_report(tmp_path, capsys):
     assert "read: np.copyto(local, remote)" in capsys.readouterr().out
 
 
+@needs_shmtree
+@timeout
+def test_numa_reports_the_single_copy_path_beside_the_copy_path(tmp_path, capsys, monkeypatch):
+    from shmtree.bench import sweep
+    calls = []
+    real = sweep.run_shared
+
+    def spy(sizes, nprocs, plan, options, collective="allreduce"):
+        calls.append((list(sizes), nprocs, collective))
+        return real(sizes, nprocs, plan, options, collective)
+    monkeypatch.setattr(sweep, "run_shared", spy)
+    doc = _json(tmp_path, ["numa", "--quick", "-n", "2", "--sizes", "256K"])
+    out = capsys.readouterr().out
+    assert calls == [([256 << 10], 2, "allreduce")]         # shared arrays: the single copy
+    header = next(line.split() for line in out.splitlines() if "tree=chain" in line)
+    assert header[:3] == ["size", "arrays=private", "arrays=shared"], header
+    rows = {(r["group"], r["variant"]): r for r in doc["rows"]}
+    for variant in ("private", "shared"):
+        row = rows[("arrays", variant)]
+        assert "error" not in row and row["time_us"] > 0 and row["size"] == 256 << 10, row
+
+
 # (command-line options, the same options as shmtree.Group keywords)
 PLAN_CASES = [
     (["-n", "1"], {}),
