@@ -305,15 +305,15 @@ def test_numa_reports_the_single_copy_path_beside_the_copy_path(tmp_path, capsys
         calls.append((list(sizes), nprocs, collective))
         return real(sizes, nprocs, plan, options, collective)
     monkeypatch.setattr(sweep, "run_shared", spy)
-    doc = _json(tmp_path, ["numa", "--quick", "-n", "2", "--sizes", "256K"])
+    doc = _json(tmp_path, ["numa", "--quick", "-n", "2", "--sizes", "1M"])
     out = capsys.readouterr().out
-    assert calls == [([256 << 10], 2, "allreduce")]         # shared arrays: the single copy
+    assert calls == [([1 << 20], 2, "allreduce")]           # shared arrays: the single copy
     header = next(line.split() for line in out.splitlines() if "tree=chain" in line)
     assert header[:3] == ["size", "arrays=private", "arrays=shared"], header
     rows = {(r["group"], r["variant"]): r for r in doc["rows"]}
     for variant in ("private", "shared"):
         row = rows[("arrays", variant)]
-        assert "error" not in row and row["time_us"] > 0 and row["size"] == 256 << 10, row
+        assert "error" not in row and row["time_us"] > 0 and row["size"] == 1 << 20, row
 
 
 # (command-line options, the same options as shmtree.Group keywords)

@@ -21,12 +21,21 @@ from test_collectives import make, ops_for, same_bytes
 N = 100003                              # > 64 KiB for 8-byte items; not a multiple of P
 
 
+def single_copy_at_every_size():
+    """In a worker: every collective takes its single copy from the communicator's gate
+    (SINGLE_COPY_MIN) on, so that the tests reach it with messages they can afford (by default
+    each collective starts at MIN_BYTES, the size from which it pays: test_default_sizes)."""
+    import shmtree.shared as S
+    S.MIN_BYTES.update(dict.fromkeys(S.MIN_BYTES, S.SINGLE_COPY_MIN))
+
+
 def maps_of_arrays():
     with open("/proc/self/maps") as f:
         return sum("shmtree-array" in line for line in f)
 
 
 def exactness_worker(comm, cases):
+    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -62,6 +71,7 @@ def test_single_copy_gives_the_private_paths_bits(P, tree):
 
 def mixed_worker(comm):
     """Shared on some ranks, private on others; views of shared arrays; strided views."""
+    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     res = {}
     base = np.arange(N, dtype=np.float64) + r
@@ -192,6 +202,7 @@ def test_a_rank_killed_while_holding_shared_arrays():
 def moves_worker(comm):
     """broadcast and allgather straight between shared arrays, and the same calls when some
     rank's arrays are private (the private path, on every rank)."""
+    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     n = 50001
     res = {}
@@ -232,6 +243,7 @@ def test_broadcast_and_allgather_single_copy(P):
 
 def rooted_worker(comm, cases):
     """reduce and reduce_scatter on shared inputs: the private path's bits, through no ring."""
+    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -264,6 +276,7 @@ def test_reduce_and_reduce_scatter_single_copy(P, tree):
 
 
 def bf16_worker(comm):
+    single_copy_at_every_size()
     import ml_dtypes
     bf = ml_dtypes.bfloat16
     x = ((np.arange(N) % 13) * 0.37 + comm.rank * 1.01).astype(np.float32).astype(bf)
@@ -392,6 +405,7 @@ def _sent(comm, call):
 def matrix_worker(comm, cases, other_group):
     """cases: (collective, dtype, op, n, layout, root); returns per case (the result was `out`
     where one was given, the very bytes of the private path, bytes sent into the rings)."""
+    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     with warnings.catch_warnings():               # (joining a second group warns)
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -543,3 +557,55 @@ def test_matrix_representative_at_larger_groups(P, tree):
         cases += matrix_cases(P, [pairs[j % len(pairs)], pairs[(j + 3) % len(pairs)]], [lay],
                               moves=[MOVES[j % len(MOVES)]])
     run_matrix(P, cases, tree)
+
+
+def default_sizes_worker(comm):
+    """Each collective on shared arrays just below its MIN_BYTES (above the communicator's gate)
+    and at it, with the defaults: (collective, bytes, the private path's bits, bytes sent)."""
+    from shmtree.shared import MIN_BYTES
+    r, P = comm.rank, comm.size
+    out = []
+    for coll, limit in MIN_BYTES.items():
+        for total in (limit // 2, limit):
+            n = total // 4 // (P if coll == "allgather" else 1)
+            x = make("float32", "sum", n, r)
+            s = comm.empty(n, np.float32)
+            s[...] = x
+            if coll == "allreduce":
+                want = comm.allreduce(x)
+                got, sent = _sent(comm, lambda: comm.allreduce(s, out=s))
+            elif coll == "reduce":
+                want = comm.reduce(x, root=1)
+                got, sent = _sent(comm, lambda: comm.reduce(s, root=1,
+                                                            out=s if r == 1 else None))
+            elif coll == "reduce_scatter":
+                want = comm.reduce_scatter(x)
+                got, sent = _sent(comm, lambda: comm.reduce_scatter(s))
+            elif coll == "broadcast":
+                want = comm.broadcast(make("float32", None, n, 1) if r == 1 else None, root=1)
+                s[...] = want if r == 1 else 0
+                got, sent = _sent(comm, lambda: comm.broadcast(s if r == 1 else None, root=1,
+                                                               out=s))
+            else:
+                want = comm.allgather(x)
+                o = comm.zeros((P, n), np.float32)
+                got, sent = _sent(comm, lambda: comm.allgather(x, out=o))
+            exact = want is None and got is None or want.tobytes() == got.tobytes()
+            out.append((coll, total, exact, sent))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_default_sizes():
+    """With the defaults a collective on shared arrays takes its single copy from its MIN_BYTES
+    on (the size from which it pays), the private path below; the bits are the same."""
+    from shmtree.shared import MIN_BYTES, SINGLE_COPY_MIN
+    assert SINGLE_COPY_MIN <= min(MIN_BYTES.values()) // 2
+    outs = run_ok(default_sizes_worker, 2)
+    for i, (coll, total, _, _) in enumerate(outs[0]):
+        sent = [o[i][3] for o in outs]
+        assert all(o[i][2] for o in outs), (coll, total)
+        if total < MIN_BYTES[coll]:
+            assert max(sent) >= total // 2, (coll, total, sent)        # through the rings
+        else:
+            assert max(sent) < 4096, (coll, total, sent)               # single copy
