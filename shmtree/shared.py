@@ -13,8 +13,8 @@ allocation (a rank's mappings of the peers' arrays go with its own array: weakre
 its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
 referenced stay valid as private memory).
 
-Single copy.  An allreduce of at least SINGLE_COPY_MIN bytes (and more than small_bytes) in a
-group that has made an allocation first exchanges, in one small allgather, what each rank
+Single copy.  An allreduce of at least MIN_BYTES["allreduce"] bytes (and more than small_bytes)
+in a group that has made an allocation first exchanges, in one small allgather, what each rank
 passed: whether its input and `out` are whole, contiguous stretches of one shared allocation
 and where.  When every rank passed the same allocation and offsets, each rank computes one
 part of the result straight from every rank's input and writes it into every rank's `out`,
@@ -22,6 +22,21 @@ a chunk at a time (reduced in cache, then copied P times): each rank reads X and
 copy's traffic, against the private paths' copies into and out of the rings.  A barrier ends
 the call (nobody returns while someone may still read or write its arrays).  Otherwise the call
 runs on the private path, unchanged.
+
+Sizes.  The single-copy paths are Python around the kernels: an agreement round, the work, a
+barrier and the calls between them cost tens of us more than the private paths' C engine, so
+each collective takes its single copy only from the size at which that pays (MIN_BYTES, the
+same on every rank; below it the private path runs on shared arrays too, without asking).
+Measured on the 2-core development machine at P=2, under the load of other jobs (shared arrays
+in place, the private path against the single copy on the same arrays, alternating; single/
+private over 2-5 runs): allreduce 3.1-4.5x at 64 KiB, 1.8-3.1x at 128 KiB, 1.1-1.7x at
+256 KiB, 0.8-1.2x at 512 KiB, 0.5-1.0x at 1 MiB, 0.7-1.4x (noisy) at 2 MiB, 0.66x at 4 MiB;
+broadcast 1.56x at 64 KiB, 0.90x at 128 KiB, 0.56x at 256 KiB; allgather 1.43x, 1.05x, 0.82x;
+reduce_scatter 3.1x at 64 KiB, 1.1-1.5x at 512 KiB, 1.07x at 1 MiB, 0.95x at 2 MiB, 0.91x at
+4 MiB; reduce 3.9x at 64 KiB, 1.4x at 512 KiB, a wash (0.65-1.5x) from 1 to 16 MiB.
+Every reducing call also pays _kernels.reduce_into's fixed cost (~7 us, most of it
+dtype.name) per chunk.  SINGLE_COPY_MIN (at most the smallest of them) is the communicator's
+gate: smaller calls on shared arrays take the private path's fast entry at once.
 
 The same bits as the private path: each part is reduced in the order the private path would
 use for those elements (docs/algorithms.md): under the ring schedule block b is the left fold
@@ -40,11 +55,18 @@ from . import _kernels, _moving
 from .codes import KIND_BARRIER as _BARRIER
 from .errors import CollectiveMismatchError, ShmtreeError
 
-SINGLE_COPY_MIN = 64 << 10      # smaller allreduces stay on the private paths
+# from how many bytes (the message; allgather: the whole output) each collective runs single-copy
+MIN_BYTES = {"broadcast": 128 << 10, "allgather": 128 << 10, "allreduce": 512 << 10,
+             "reduce_scatter": 1 << 20, "reduce": 1 << 20}
+SINGLE_COPY_MIN = 64 << 10      # smaller calls do not even ask (at most min(MIN_BYTES))
 CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
+
+
 def _rounds_per_step(dtype) -> bool:
-    """float16 and bfloat16 folds round after every step of a ring or chain (as its hops do)."""
-    return dtype == np.float16 or dtype.name == "bfloat16"
+    """float16 and bfloat16 folds round after every step of a ring or chain (as its hops do).
+    (dtype.name is asked only of kind "V", ml_dtypes' bfloat16: numpy computes it in Python,
+    about 4 us a call, which every single-copy reduction paid.)"""
+    return dtype == np.float16 or (dtype.kind == "V" and dtype.name == "bfloat16")
 
 
 class _Alloc:
@@ -151,6 +173,8 @@ class SharedArrays:
         """Run this allreduce on the single-copy path if every rank passed shared arrays of the
         same allocation at the same place (agreed in one small allgather); False when the
         private path must run it instead (on every rank alike)."""
+        if src.nbytes < MIN_BYTES["allreduce"]:
+            return False
         sid, soff = self.where(src)
         did, doff = self.where(dst)
         n = src.nbytes
@@ -168,6 +192,8 @@ class SharedArrays:
         """broadcast single-copy: every rank copies the root's array (src, a shared array on
         the root) straight into its own `dst` (a shared array of the same allocation); False
         when some rank's arrays do not allow it (the private path runs, on every rank)."""
+        if dst.nbytes < MIN_BYTES["broadcast"]:
+            return False
         comm = self._comm
         sid, soff = self.where(src) if comm.rank == root else (0, 0)
         did, doff = self.where(dst)
@@ -189,6 +215,8 @@ class SharedArrays:
     def allgather(self, src, dst, deadline) -> bool:
         """allgather (equal blocks) single-copy: every rank writes its block straight into every
         rank's `dst` (shared arrays of one allocation, at the same place); src may be private."""
+        if dst.nbytes < MIN_BYTES["allgather"]:
+            return False
         comm = self._comm
         did, doff = self.where(dst)
         mine = np.array([bool(did), did, doff, dst.nbytes], np.int64)
@@ -209,6 +237,8 @@ class SharedArrays:
         """reduce_scatter single-copy: every rank folds its own block (bytes lo..hi of the
         message) straight from every rank's input (shared arrays of one allocation, at the same
         place) into its `dst`, private or not, in the ring order the private path uses."""
+        if src.nbytes < MIN_BYTES["reduce_scatter"]:
+            return False
         comm = self._comm
         sid, soff = self.where(src)
         mine = np.array([bool(sid), sid, soff, src.nbytes], np.int64)
@@ -231,6 +261,8 @@ class SharedArrays:
         """reduce single-copy: every rank folds one part of the message straight from every
         rank's input into the root's `out` (the input's allocation, or one every rank holds),
         in the chain's order x[q+1] op ... op x[q] (q: the root's ring position)."""
+        if src.nbytes < MIN_BYTES["reduce"]:
+            return False
         comm = self._comm
         sid, soff = self.where(src)
         did, doff = self.where(dst) if comm.rank == root else (0, 0)

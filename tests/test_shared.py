@@ -1,4 +1,4 @@
-"""Shared arrays (comm.empty / comm.zeros) and the single-copy allreduce (shmtree/shared.py).
+"""Shared arrays (comm.empty / comm.zeros) and the single-copy collectives (shmtree/shared.py).
 
 The single-copy path must give the very bits of the private path in the same group (the same
 reduction order), for every schedule; it must run only when every rank passed shared arrays at
@@ -8,15 +8,25 @@ with mismatch detection; memory goes with the arrays.
 import os
 import signal
 import time
+import warnings
 
 import numpy as np
 import pytest
 
 import shmtree
+import shmtree.plan
 from procutil import run_ok
-from test_collectives import make, ops_for
+from test_collectives import make, ops_for, same_bytes
 
 N = 100003                              # > 64 KiB for 8-byte items; not a multiple of P
+
+
+def single_copy_at_every_size():
+    """In a worker: every collective takes its single copy from the communicator's gate
+    (SINGLE_COPY_MIN) on, so that the tests reach it with messages they can afford (by default
+    each collective starts at MIN_BYTES, the size from which it pays: test_default_sizes)."""
+    import shmtree.shared as S
+    S.MIN_BYTES.update(dict.fromkeys(S.MIN_BYTES, S.SINGLE_COPY_MIN))
 
 
 def maps_of_arrays():
@@ -25,6 +35,7 @@ def maps_of_arrays():
 
 
 def exactness_worker(comm, cases):
+    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -60,6 +71,7 @@ def test_single_copy_gives_the_private_paths_bits(P, tree):
 
 def mixed_worker(comm):
     """Shared on some ranks, private on others; views of shared arrays; strided views."""
+    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     res = {}
     base = np.arange(N, dtype=np.float64) + r
@@ -190,6 +202,7 @@ def test_a_rank_killed_while_holding_shared_arrays():
 def moves_worker(comm):
     """broadcast and allgather straight between shared arrays, and the same calls when some
     rank's arrays are private (the private path, on every rank)."""
+    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     n = 50001
     res = {}
@@ -230,6 +243,7 @@ def test_broadcast_and_allgather_single_copy(P):
 
 def rooted_worker(comm, cases):
     """reduce and reduce_scatter on shared inputs: the private path's bits, through no ring."""
+    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -262,6 +276,7 @@ def test_reduce_and_reduce_scatter_single_copy(P, tree):
 
 
 def bf16_worker(comm):
+    single_copy_at_every_size()
     import ml_dtypes
     bf = ml_dtypes.bfloat16
     x = ((np.arange(N) % 13) * 0.37 + comm.rank * 1.01).astype(np.float32).astype(bf)
@@ -285,3 +300,312 @@ def test_bfloat16_single_copy_gives_the_private_bits():
     pytest.importorskip("ml_dtypes")
     for res in run_ok(bf16_worker, 3, tree="ring"):
         assert res == (True, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The matrix: every collective x dtype x op x P = 1..8, on shared inputs, shared outs, mixes of
+# shared and private (across ranks, or input vs out), views and slices of shared arrays, and
+# arrays of another group (which are private to this one).  Each rank runs the same call twice,
+# on private arrays (the reference: test_collectives checks that path against numpy) and on the
+# layout under test, and compares the bytes; the parent checks which path ran (bytes sent
+# through the rings) where the layout decides it.
+
+MOVES = ["uint8", "float64", "complex128", ">i4", "S5", [("a", "<i2"), ("b", ">f8")],
+         np.longdouble, "datetime64[ns]"]
+REDUCING = ["bool", "int8", "uint16", "int32", "uint64", "float16", "float32", "float64",
+            "complex64", "complex128"]
+BIG = 100003                    # every dtype: >= 64 KiB, more than small_bytes; prime
+SMALL = (1, 4099)               # inline, and between small_bytes and SINGLE_COPY_MIN
+
+# layout: (input kind, out kind), every rank alike; out kind "same": out is the input (in
+# place), None: no out.  Kinds: priv, shared, slice (a stretch of a larger shared array, the
+# same offset on every rank), offset (a stretch at an offset that differs between ranks), view
+# (a reshaped view of a 2-D shared array), strided (every other element of a shared array),
+# unaligned (a shared byte array one byte in), foreign (a shared array of the other group),
+# mixed (shared on even ranks, private on odd ones).
+LAYOUTS = {
+    "inplace": ("shared", "same"),
+    "shared_in": ("shared", None),
+    "shared_both": ("shared", "shared"),
+    "private_in_shared_out": ("priv", "shared"),
+    "shared_in_private_out": ("shared", "priv"),
+    "mixed_ranks": ("mixed", "same"),
+    "slice": ("slice", "same"),
+    "slice_out": ("shared", "slice"),
+    "view": ("view", "same"),
+    "offsets": ("offset", "same"),
+    "strided": ("strided", "same"),
+    "unaligned": ("unaligned", "same"),
+    "foreign": ("foreign", "same"),
+    "foreign_out": ("shared", "foreign"),
+}
+# the layouts in which every rank's arrays allow the single-copy path of each collective (for
+# broadcast: the root's input and every rank's out; for allgather: every rank's out; for
+# reduce_scatter: every rank's input; for reduce: the input, and the root's out; the others: the
+# private path on every rank)
+SINGLE = {
+    "allreduce": {"inplace", "shared_both", "slice", "slice_out", "view"},
+    "broadcast": {"inplace", "slice", "view", "offsets"},      # (the root: in and out the same)
+    "reduce": {"inplace", "shared_both", "slice", "slice_out", "view"},
+    "allgather": {"inplace", "shared_both", "private_in_shared_out", "slice", "slice_out",
+                  "view"},
+    "reduce_scatter": {"inplace", "shared_in", "shared_both", "shared_in_private_out",
+                       "slice", "slice_out", "view", "foreign_out"},
+}
+
+
+def _carve(comm, other, kind, shape, dtype):
+    """An array of `shape` and `dtype` of the given kind (see LAYOUTS)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    if kind == "priv":
+        return np.zeros(shape, dtype)
+    if kind == "shared":
+        return comm.zeros(shape, dtype)
+    if kind == "foreign":
+        return other.zeros(shape, dtype)
+    if kind == "mixed":                                      # (allocation is collective)
+        a = comm.zeros(shape, dtype)
+        return np.zeros(shape, dtype) if comm.rank % 2 else a
+    if kind in ("slice", "offset"):
+        pad = 3 if kind == "slice" else 1 + comm.rank % 3
+        return comm.zeros(n + 4, dtype)[pad:pad + n].reshape(shape)
+    if kind == "view":
+        cols = 1 if n % 7 else 7
+        base = comm.zeros((n // cols, cols), dtype)
+        return base.reshape(shape)                           # a view of the 2-D array
+    if kind == "strided":
+        return comm.zeros(tuple(shape) + (2,), dtype)[..., 0]
+    if kind == "unaligned":
+        raw = comm.zeros(n * dtype.itemsize + 1, np.uint8)
+        return raw[1:].view(dtype).reshape(shape)
+    raise ValueError(kind)
+
+
+def _filled(comm, other, kind, x):
+    a = _carve(comm, other, kind, x.shape, x.dtype)
+    a[...] = x
+    return a
+
+
+def _outs(comm, other, kind, arg, shape, dtype):
+    if kind is None:
+        return None
+    if kind == "same":
+        return arg
+    return _carve(comm, other, kind, shape, dtype)
+
+
+def _sent(comm, call):
+    before = comm.stats()["bytes_sent"]
+    got = call()
+    return got, comm.stats()["bytes_sent"] - before
+
+
+def matrix_worker(comm, cases, other_group):
+    """cases: (collective, dtype, op, n, layout, root); returns per case (the result was `out`
+    where one was given, the very bytes of the private path, bytes sent into the rings)."""
+    single_copy_at_every_size()
+    r, P = comm.rank, comm.size
+    with warnings.catch_warnings():               # (joining a second group warns)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        other = other_group.join((r + 1) % P)     # the same processes, other rank numbers
+    other.zeros(1)                                # (so that the other group checks its arrays)
+    comm.zeros(1)
+    res = []
+    try:
+        for coll, dtype, op, n, layout, root in cases:
+            kin, kout = LAYOUTS[layout]
+            if coll == "allreduce":
+                x = make(dtype, op, n, r)
+                want = comm.allreduce(x, op=op)
+                a = _filled(comm, other, kin, x)
+                o = _outs(comm, other, kout, a, x.shape, x.dtype)
+                got, sent = _sent(comm, lambda: comm.allreduce(a, op=op, out=o))
+                if o is not a:
+                    a[...] = 0                     # a rank may modify its input at once
+            elif coll == "reduce":
+                x = make(dtype, op, n, r)
+                want = comm.reduce(x, op=op, root=root)
+                a = _filled(comm, other, kin, x)
+                o = _outs(comm, other, kout, a, x.shape, x.dtype)    # (every rank allocates)
+                got, sent = _sent(comm, lambda: comm.reduce(a, op=op, root=root,
+                                                            out=o if r == root else None))
+                if o is not a:
+                    a[...] = 0
+            elif coll == "reduce_scatter":
+                x = make(dtype, op, n, r)
+                want = comm.reduce_scatter(x, op=op)
+                a = _filled(comm, other, kin, x)
+                o = None if kout in (None, "same") else np.zeros_like(want)
+                got, sent = _sent(comm, lambda: comm.reduce_scatter(a, op=op, out=o))
+                a[...] = 0
+            elif coll == "broadcast":
+                x = make(dtype, None, n, root)
+                want = comm.broadcast(x if r == root else None, root=root)
+                a = _carve(comm, other, kin, x.shape, x.dtype)
+                if r == root:
+                    a[...] = x
+                o = _outs(comm, other, kout, a, x.shape, x.dtype)
+                got, sent = _sent(comm, lambda: comm.broadcast(a if r == root else None,
+                                                               root=root, out=o))
+                if r == root and o is not a:
+                    a[...] = x[::-1]
+            else:                                 # allgather: out has shape (P, n)
+                x = make(dtype, None, n, r)
+                want = comm.allgather(x)
+                o = None if kout is None else _carve(
+                    comm, other, kin if kout == "same" else kout, (P, n), x.dtype)
+                if kout == "same":
+                    a = o[r]                      # in place: out[rank] is the input
+                    a[...] = x
+                else:
+                    a = _filled(comm, other, kin, x)
+                got, sent = _sent(comm, lambda: comm.allgather(a, out=o))
+                if kout != "same":
+                    a[...] = x[::-1]
+            if got is None:
+                exact, same = want is None, True
+            else:
+                exact = (got.shape == want.shape and got.dtype == want.dtype
+                         and same_bytes(np.ascontiguousarray(got), want))
+                same = o is None or got is o or r != root and coll == "reduce"
+            res.append((same, exact, sent))
+    finally:
+        other.close()
+    return res
+
+
+def matrix_cases(P, dtypes_ops, layouts, sizes=(BIG,), moves=MOVES):
+    roots = sorted({0, P - 1})
+    cases = []
+    for i, (dt, op) in enumerate(dtypes_ops):
+        for n in sizes:
+            for lay in layouts:
+                cases.append(("allreduce", dt, op, n, lay, None))
+                cases.append(("reduce", dt, op, n, lay, roots[i % len(roots)]))
+                cases.append(("reduce_scatter", dt, op, n, lay, None))
+    for i, dt in enumerate(moves):
+        for n in sizes:
+            for lay in layouts:
+                cases.append(("broadcast", dt, None, n, lay, roots[(i + 1) % len(roots)]))
+                cases.append(("allgather", dt, None, n, lay, None))
+    return cases
+
+
+def check_matrix(P, cases, outs, small_bytes):
+    from shmtree.shared import SINGLE_COPY_MIN
+    for i, (coll, dt, op, n, layout, root) in enumerate(cases):
+        got = [o[i] for o in outs]
+        for rank, (same, exact, sent) in enumerate(got):
+            assert same and exact, (rank, coll, dt, op, n, layout, root, same, exact)
+        nbytes = n * np.dtype(dt).itemsize * (P if coll == "allgather" else 1)
+        if P == 1 or nbytes < SINGLE_COPY_MIN or nbytes <= small_bytes:
+            continue
+        sent = [s for _, _, s in got]
+        single = layout in SINGLE[coll] or (     # (1-aligned dtypes are aligned anywhere)
+            layout == "unaligned" and np.dtype(dt).alignment == 1 and "view" in SINGLE[coll])
+        if single:                            # only the agreement and the barrier: no data
+            assert max(sent) < 4096, (coll, dt, op, n, layout, root, sent)
+        else:                                 # the private path: the data went through rings
+            assert max(sent) >= nbytes // 2, (coll, dt, op, n, layout, root, sent)
+
+
+def run_matrix(P, cases, tree=None):
+    with shmtree.Group(P) as other:
+        outs = run_ok(matrix_worker, P, args=(cases, other), tree=tree)
+    check_matrix(P, cases, outs, shmtree.plan.plan_group(P, tree=tree).small_bytes)
+
+
+def every_dtype_op():
+    return [(dt, op) for dt in REDUCING for op in ops_for(dt)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P,tree", [(2, None), (3, "ring"), (3, None)])
+def test_matrix_every_dtype_and_op_in_place(P, tree):
+    """Every reducing dtype and op, and the moves' dtypes, in place on shared arrays, and on
+    arrays of another group (the private path); at P=2 small sizes too (inline, and below
+    SINGLE_COPY_MIN but above small_bytes: the private path on shared arrays)."""
+    run_matrix(P, matrix_cases(P, every_dtype_op(), ["inplace", "foreign"],
+                               sizes=SMALL + (BIG,) if P == 2 else (BIG,)), tree)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P,tree", [(2, None), (3, None)])
+def test_matrix_every_layout(P, tree):
+    """Every layout, with the dtypes and ops spread over them."""
+    pairs = every_dtype_op()
+    layouts = list(LAYOUTS)
+    cases = []
+    for j, lay in enumerate(layouts):
+        picked = [pairs[(j * 7 + k * 17) % len(pairs)] for k in range(3)]
+        cases += matrix_cases(P, picked, [lay], moves=[MOVES[j % len(MOVES)]])
+    run_matrix(P, cases, tree)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P,tree", [(1, None), (4, None), (5, "ring"), (6, "binary"),
+                                    (7, None), (8, None), (8, "ring")])
+def test_matrix_representative_at_larger_groups(P, tree):
+    pairs = [("float32", "sum"), ("float16", "prod"), ("int32", "bxor"), ("complex128", "sum"),
+             ("bool", "min"), ("uint64", "max")]
+    layouts = ["inplace", "shared_both", "mixed_ranks", "slice", "offsets", "foreign",
+               "foreign_out"]
+    cases = []
+    for j, lay in enumerate(layouts):
+        cases += matrix_cases(P, [pairs[j % len(pairs)], pairs[(j + 3) % len(pairs)]], [lay],
+                              moves=[MOVES[j % len(MOVES)]])
+    run_matrix(P, cases, tree)
+
+
+def default_sizes_worker(comm):
+    """Each collective on shared arrays just below its MIN_BYTES (above the communicator's gate)
+    and at it, with the defaults: (collective, bytes, the private path's bits, bytes sent)."""
+    from shmtree.shared import MIN_BYTES
+    r, P = comm.rank, comm.size
+    out = []
+    for coll, limit in MIN_BYTES.items():
+        for total in (limit // 2, limit):
+            n = total // 4 // (P if coll == "allgather" else 1)
+            x = make("float32", "sum", n, r)
+            s = comm.empty(n, np.float32)
+            s[...] = x
+            if coll == "allreduce":
+                want = comm.allreduce(x)
+                got, sent = _sent(comm, lambda: comm.allreduce(s, out=s))
+            elif coll == "reduce":
+                want = comm.reduce(x, root=1)
+                got, sent = _sent(comm, lambda: comm.reduce(s, root=1,
+                                                            out=s if r == 1 else None))
+            elif coll == "reduce_scatter":
+                want = comm.reduce_scatter(x)
+                got, sent = _sent(comm, lambda: comm.reduce_scatter(s))
+            elif coll == "broadcast":
+                want = comm.broadcast(make("float32", None, n, 1) if r == 1 else None, root=1)
+                s[...] = want if r == 1 else 0
+                got, sent = _sent(comm, lambda: comm.broadcast(s if r == 1 else None, root=1,
+                                                               out=s))
+            else:
+                want = comm.allgather(x)
+                o = comm.zeros((P, n), np.float32)
+                got, sent = _sent(comm, lambda: comm.allgather(x, out=o))
+            exact = want is None and got is None or want.tobytes() == got.tobytes()
+            out.append((coll, total, exact, sent))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_default_sizes():
+    """With the defaults a collective on shared arrays takes its single copy from its MIN_BYTES
+    on (the size from which it pays), the private path below; the bits are the same."""
+    from shmtree.shared import MIN_BYTES, SINGLE_COPY_MIN
+    assert SINGLE_COPY_MIN <= min(MIN_BYTES.values()) // 2
+    outs = run_ok(default_sizes_worker, 2)
+    for i, (coll, total, _, _) in enumerate(outs[0]):
+        sent = [o[i][3] for o in outs]
+        assert all(o[i][2] for o in outs), (coll, total)
+        if total < MIN_BYTES[coll]:
+            assert max(sent) >= total // 2, (coll, total, sent)        # through the rings
+        else:
+            assert max(sent) < 4096, (coll, total, sent)               # single copy

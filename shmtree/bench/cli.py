@@ -136,8 +136,9 @@ def build_parser():
                         "all of them for allreduce; shmtree,copy,mpi for the other "
                         "collectives, which numpy-shm, pipe and gloo do not measure)")
     p.add_argument("--shared", action="store_true",
-                   help="also measure allreduce(x, out=x) on shared arrays (comm.empty): the "
-                        "single-copy path (column 'shmtree shared')")
+                   help="also measure the call on shared arrays (comm.empty): the single-copy "
+                        "path (column 'shmtree shared'), and MPI on MPI.Win.Allocate_shared "
+                        "memory (column '<MPI> shared'); with --methods, beside shmtree and mpi")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="the collective to measure (default allreduce), root 0; a size is the "
                         "whole buffer, as in nccl-tests: allgather's result, reduce_scatter's "
@@ -375,6 +376,7 @@ def cmd_compare(args):
     given = args.methods if args.methods is not None else \
         ",".join(compare.default_methods(collective, args.shared))
     methods = [m.strip().replace("-", "_") for m in given.split(",") if m.strip()]
+    methods = compare.with_shared(methods, args.shared)
     unknown = sorted(set(methods) - set(compare.ALL_METHODS))
     if unknown:
         raise BenchError(f"unknown --methods {unknown}: choose from {compare.ALL_METHODS}")

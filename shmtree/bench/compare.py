@@ -5,11 +5,14 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 - ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
 - ``shared`` (``--shared``): the call on shared arrays (``comm.empty``): ``allreduce(x,
   out=x)``, ``broadcast(x, 0, out=x)``, ``reduce(x, op, 0, out=x on the root)``,
-  ``allgather(x, out=shared)``, ``reduce_scatter(shared x)``: the single-copy paths; MPI's
-  column still uses private buffers;
+  ``allgather(x, out=shared)``, ``reduce_scatter(shared x)``: the single-copy paths;
 - ``copy``: every process copying the same bytes at once, the memory-copy floor;
 - ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
+- ``mpi_shared`` (``--shared``): for a fair comparison with ``shared``, one more column per
+  interpreter: the same collective on the same layouts in MPI-3 shared memory
+  (``MPI.Win.Allocate_shared``), the single copy written with numpy between two MPI_Barrier
+  calls (``mpi_worker --shared``), since MPI's own functions do not know the memory is shared;
 - ``gloo``: torch.distributed (``gloo.py``).
 
 ``--collective`` (``run_all(..., collective=...)``) measures broadcast, reduce, allgather or
@@ -36,13 +39,14 @@ import numpy as np
 
 from . import baselines, copylimit, gloo, mpi, report, sweep
 from .measure import COLLECTIVES, layout, whole_bytes
-from .mpi_worker import FUNCTIONS
+from .mpi_worker import FUNCTIONS, SHARED_FUNCTIONS
 from .units import format_size
 
-ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "gloo")
+ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "mpi_shared", "gloo")
 ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's
 SHARED_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-OPT_IN = ("shared",)                  # measured when asked for (compare --shared, --methods)
+OPT_IN = ("shared", "mpi_shared")     # measured when asked for (compare --shared, --methods)
+SHARED_TWINS = {"shmtree": "shared", "mpi": "mpi_shared"}   # a method and its shared arrays
 
 
 def methods_for(collective):
@@ -51,7 +55,7 @@ def methods_for(collective):
         raise ValueError(f"unknown collective {collective!r}")
     return tuple(m for m in ALL_METHODS
                  if (collective == "allreduce" or m not in ALLREDUCE_ONLY)
-                 and (m != "shared" or collective in SHARED_COLLECTIVES))  # (all of them)
+                 and (m not in OPT_IN or collective in SHARED_COLLECTIVES))  # (all of them)
 
 
 def default_methods(collective, shared=False):
@@ -60,7 +64,17 @@ def default_methods(collective, shared=False):
     return tuple(m for m in methods_for(collective) if m not in OPT_IN or shared)
 
 
-LABELS = {"shmtree": "shmtree", "shared": "shmtree shared", "copy": "copy",
+def with_shared(methods, shared):
+    """--methods as given, plus with --shared the shared-array twin of each method that has one
+    (shmtree: shared, mpi: mpi_shared), right after it."""
+    out = []
+    for m in methods:
+        out += [m] + ([SHARED_TWINS[m]] if shared and m in SHARED_TWINS else [])
+    return list(dict.fromkeys(out))
+
+
+LABELS = {"shmtree": "shmtree", "shared": "shmtree shared", "mpi_shared": "MPI shared",
+          "copy": "copy",
           "numpy_shm": "numpy-shm", "pipe": "pipe", "gloo": "gloo"}
 
 
@@ -112,27 +126,34 @@ def run_copy(sizes, nprocs, plan, collective="allreduce"):
     return {s: times[whole[s]] for s in sizes}
 
 
-def run_mpi_columns(sizes, nprocs, plan, pythons, collective="allreduce"):
+def run_mpi_columns(sizes, nprocs, plan, pythons, collective="allreduce", shared=False):
+    """One column per interpreter: MPI's own function (keys mpi0, mpi1, ...) or, with
+    `shared`, the single copy on MPI.Win.Allocate_shared memory (mpi_shared0, ...)."""
     columns = []
+    prefix, suffix = ("mpi_shared", " shared") if shared else ("mpi", "")
     for k, python in enumerate(pythons):
         reason, hint = mpi.probe(python)
         if reason:
-            columns.append(Column(f"mpi{k}", _mpi_label(python), status=reason, hint=hint))
+            columns.append(Column(f"{prefix}{k}", _mpi_label(python, suffix), status=reason,
+                                  hint=hint))
             continue
         try:
-            library, times = mpi.run_mpi(python, sizes, nprocs, plan, collective=collective)
+            library, times = mpi.run_mpi(python, sizes, nprocs, plan, collective=collective,
+                                         shared=shared)
         except Exception as exc:
-            columns.append(Column(f"mpi{k}", _mpi_label(python),
+            columns.append(Column(f"{prefix}{k}", _mpi_label(python, suffix),
                                   status=f"error: {type(exc).__name__}: {exc}"))
             continue
-        label = mpi.short_name(library)
-        columns.append(Column(f"mpi{k}", label, times,
-                              detail=f"{library}; MPI_{FUNCTIONS[collective]}; python {python}"))
+        label = mpi.short_name(library) + suffix
+        how = (SHARED_FUNCTIONS[collective] + f" (as MPI_{FUNCTIONS[collective]})" if shared
+               else f"MPI_{FUNCTIONS[collective]}")
+        columns.append(Column(f"{prefix}{k}", label, times,
+                              detail=f"{library}; {how}; python {python}"))
     return _unique_labels(columns)
 
 
-def _mpi_label(python):
-    return "MPI" if python == sys.executable else f"MPI ({python})"
+def _mpi_label(python, suffix=""):
+    return f"MPI{suffix}" if python == sys.executable else f"MPI{suffix} ({python})"
 
 
 def _unique_labels(columns):
@@ -172,6 +193,9 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective
                                     lambda: baselines.run_pipe(sizes, nprocs, plan)))
         elif method == "mpi":
             columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons, collective))
+        elif method == "mpi_shared":
+            columns.extend(run_mpi_columns(sizes, nprocs, plan, pythons, collective,
+                                           shared=True))
         elif method == "gloo":
             reason = gloo.missing()
             columns.append(Column("gloo", "gloo", status=reason, hint=gloo.HINT) if reason else

@@ -104,7 +104,7 @@ def probe(python):
     return None, None
 
 
-def worker_command(python, nprocs, sizes, plan, collective="allreduce"):
+def worker_command(python, nprocs, sizes, plan, collective="allreduce", shared=False):
     bind = "core" if nprocs <= len(os.sched_getaffinity(0)) else "none"
     cmd = [find_mpiexec(python), "--bind-to", bind, "-n", str(nprocs), python, WORKER,
            "--sizes", ",".join(str(s) for s in sizes), "--dtype", plan.dtype, "--op", plan.op,
@@ -114,15 +114,19 @@ def worker_command(python, nprocs, sizes, plan, collective="allreduce"):
         cmd += ["--iters", str(plan.iters)]
     if plan.fresh:
         cmd.append("--fresh")
+    if shared:
+        cmd.append("--shared")
     return cmd
 
 
-def run_mpi(python, sizes, nprocs, plan, timeout=600, collective="allreduce"):
+def run_mpi(python, sizes, nprocs, plan, timeout=600, collective="allreduce", shared=False):
     """(library version string, {size: summary}) of mpi4py's Allreduce (or the MPI function of
-    `collective`, mpi_worker.FUNCTIONS) under `python`."""
+    `collective`, mpi_worker.FUNCTIONS) under `python`; with `shared`, of the single-copy
+    collective on MPI.Win.Allocate_shared memory (mpi_worker --shared)."""
     env = dict(os.environ, **OPEN_MPI_ENV, PYTHONUNBUFFERED="1")
     before = _shm_names()
-    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan, collective), env=env,
+    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan, collective, shared),
+                            env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, preexec_fn=_mpiexec_setup)
     try:
@@ -132,7 +136,7 @@ def run_mpi(python, sizes, nprocs, plan, timeout=600, collective="allreduce"):
     finally:
         if _kill_group(proc):
             _remove_mpi_leftovers(before)
-    return _parse(out, err, proc.returncode, python)
+    return _parse(out, err, proc.returncode, python, shared)
 
 
 def _mpiexec_setup():
@@ -162,12 +166,16 @@ def _remove_mpi_leftovers(before):
             pass
 
 
-def _parse(out, err, returncode, python):
+def _parse(out, err, returncode, python, shared=False):
     lines = [line for line in out.splitlines() if line.startswith(MARKER)]
     if returncode != 0 or not lines:
         tail = (err or out).strip().splitlines()[-5:]
         raise BenchError(f"mpiexec ({python}) exited {returncode}: " + " | ".join(tail))
     doc = json.loads(lines[-1][len(MARKER):])
+    if bool(doc.get("shared")) != shared:
+        raise BenchError(f"mpiexec ({python}): the worker measured "
+                         f"{'shared' if doc.get('shared') else 'private'} buffers, not what was "
+                         "asked")
     return doc["library"], {row["size"]: row for row in doc["rows"]}
 
 

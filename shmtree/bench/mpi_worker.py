@@ -9,6 +9,19 @@ Rank 0 gathers the ranks' summaries and prints one line, ``SHMTREE-BENCH-MPI {js
 ``mpi.py`` reads: the MPI library's own version string, the mpi4py version, the collective and
 its MPI function, and one row per size.
 
+``--shared``: the same collective on memory every rank can address, as ``compare --shared``
+measures shmtree on shared arrays, so that the comparison is fair.  Each rank's array lives in an
+MPI-3 shared-memory window (``MPI.Win.Allocate_shared`` over ``COMM_TYPE_SHARED``, one segment
+per rank, ``alloc_shared_noncontig``, first-touched by its owner) and the collective is the
+single-copy one an MPI programmer would write on it: every rank reads its part straight from the
+peers' windows (``Win.Shared_query``) and writes it straight where it belongs, ``CHUNK_BYTES`` at
+a time with numpy, between two ``MPI_Barrier`` calls (with ``MPI_Win_sync``: the peers' writes
+before are seen, nobody returns while others still read or write its memory).  The layouts are
+shmtree's (``sweep._shared_call``): allreduce in place, broadcast in place from rank 0, reduce
+into rank 0's input, allgather of a private block into every rank's shared output,
+reduce_scatter of shared inputs into a private block.  Each part is reduced in rank order
+(x[0] op x[1] op ...).
+
 It imports only the standard library, numpy, mpi4py and ``measure.py`` (loaded from this folder
 when run by path), so ``--mpi-python`` may point at another virtualenv's interpreter in which
 shmtree is not installed: that is how MPICH and Open MPI end up side by side.
@@ -50,6 +63,8 @@ def parse_args(argv):
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--rotation-bytes", type=int, default=0)
     p.add_argument("--collective", default="allreduce", choices=measure.COLLECTIVES)
+    p.add_argument("--shared", action="store_true",
+                   help="single copy on MPI.Win.Allocate_shared memory (see the docstring)")
     return p.parse_args(argv)
 
 
@@ -93,21 +108,171 @@ def one_size(comm, mpi, size, args):
     return measure.measure(call, MpiSync(comm, mpi), args.iters, args.target_s)
 
 
+CHUNK_BYTES = 256 << 10        # a part is reduced (or moved) this much at a time, in cache
+SHARED_FUNCTIONS = {c: "single copy on MPI_Win_allocate_shared (numpy, 2x MPI_Barrier)"
+                    for c in FUNCTIONS}
+
+
+class Window:
+    """One shared-memory window: this rank's array and every rank's, as numpy arrays."""
+
+    def __init__(self, node, mpi, count, dtype):
+        dtype = np.dtype(dtype)
+        info = mpi.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")       # a segment per rank, on its own pages
+        try:
+            self.win = mpi.Win.Allocate_shared(max(1, count) * dtype.itemsize, dtype.itemsize,
+                                               info, comm=node)
+        finally:
+            info.Free()
+        self.views = []
+        for r in range(node.size):
+            buf, _ = self.win.Shared_query(r)
+            self.views.append(np.frombuffer(buf, dtype, count))
+        self.mine = self.views[node.rank]
+
+    def free(self):
+        self.views = self.mine = None
+        self.win.Free()
+
+
+class SharedCollective:
+    """call(i) of one collective on shared windows, the single copy (module docstring)."""
+
+    def __init__(self, comm, mpi, collective, op, n_in, n_out, dtype):
+        self.comm, self.mpi = comm, mpi
+        P, r = comm.size, comm.rank
+        self.ufunc = measure.UFUNCS[op]
+        self.windows = []
+        shared_in = collective != "allgather"
+        self.x = self._window(n_in, dtype) if shared_in else np.full(n_in, r + 1, dtype)
+        if shared_in:
+            self.x.mine[:] = r + 1                        # first touch: the owner's
+        self.out = (self._window(n_out, dtype) if collective == "allgather" else
+                    np.zeros(n_out, dtype) if collective == "reduce_scatter" else None)
+        if collective == "allgather":
+            self.out.mine[:] = 0
+        step = max(1, CHUNK_BYTES // np.dtype(dtype).itemsize)
+        self.step, self.tmp = step, np.empty(min(step, max(n_in, n_out)), dtype)
+        share = -(-n_in // P)
+        self.lo, self.hi = min(r * share, n_in), min((r + 1) * share, n_in)
+        self.work = {"allreduce": self._allreduce, "broadcast": self._broadcast,
+                     "reduce": self._reduce, "allgather": self._allgather,
+                     "reduce_scatter": self._reduce_scatter}[collective]
+        self._sync()
+
+    def _window(self, count, dtype):
+        w = Window(self.comm, self.mpi, count, dtype)
+        w.win.Lock_all(self.mpi.MODE_NOCHECK)             # passive target, for Win_sync
+        self.windows.append(w)
+        return w
+
+    def _sync(self):
+        for w in self.windows:
+            w.win.Sync()
+        self.comm.Barrier()
+        for w in self.windows:
+            w.win.Sync()
+
+    def __call__(self, i):
+        self._sync()                                      # every input is written
+        self.work()
+        self._sync()                                      # every part is written
+
+    def _fold(self, ins, a, b, targets):
+        """ins[0][a:b] op ins[1][a:b] op ..., a chunk at a time, into every target[a:b]."""
+        for c in range(a, b, self.step):
+            d = min(c + self.step, b)
+            t = self.tmp[:d - c]
+            if len(ins) > 1:
+                self.ufunc(ins[0][c:d], ins[1][c:d], out=t)
+            else:
+                t[...] = ins[0][c:d]
+            for x in ins[2:]:
+                self.ufunc(t, x[c:d], out=t)
+            for o in targets:
+                o[c:d] = t
+
+    def _allreduce(self):
+        self._fold(self.x.views, self.lo, self.hi, self.x.views)
+
+    def _reduce(self):
+        self._fold(self.x.views, self.lo, self.hi, [self.x.views[0]])
+
+    def _broadcast(self):
+        if self.comm.rank:
+            self.x.mine[:] = self.x.views[0]
+
+    def _allgather(self):
+        n = len(self.x)
+        at = self.comm.rank * n
+        for o in self.out.views:
+            o[at:at + n] = self.x
+
+    def _reduce_scatter(self):
+        n = len(self.out)
+        at = self.comm.rank * n
+        self._fold([v[at:at + n] for v in self.x.views], 0, n, [self.out])
+
+    def check(self, collective, op):
+        """measure.check's rules, on these arrays (rank 0 the root)."""
+        P, r = self.comm.size, self.comm.rank
+        x = self.x.mine if isinstance(self.x, Window) else self.x
+        out = self.out.mine if isinstance(self.out, Window) else self.out
+        if collective == "allreduce" or collective == "reduce" and r == 0:
+            measure.verify(x, op, P, "MPI shared", collective)
+        elif collective == "reduce_scatter":
+            measure.verify(out, op, P, "MPI shared", collective)
+        elif collective in ("broadcast", "allgather"):
+            class Pair:
+                def pair(self, i):
+                    return x, out
+            measure.check(collective, op, r, P, Pair(), "MPI shared")
+        if collective in ("allreduce", "reduce"):
+            self._sync()
+            x[:] = 1                  # (in place: the values change, the work does not)
+            self._sync()
+
+    def free(self):
+        for w in self.windows:
+            w.win.Unlock_all()
+            w.free()
+        self.windows = []
+
+
+def one_size_shared(comm, mpi, size, args):
+    n_in, n_out = measure.layout(args.collective, size, args.dtype, comm.size)
+    call = SharedCollective(comm, mpi, args.collective, args.op, n_in, n_out, args.dtype)
+    try:
+        call(0)
+        call.check(args.collective, args.op)
+        return measure.measure(call, MpiSync(comm, mpi), args.iters, args.target_s)
+    finally:
+        call.free()
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import mpi4py
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
+    if args.shared:
+        comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        if comm.size != MPI.COMM_WORLD.size:
+            raise SystemExit("--shared: every rank must run on one node")
+    measure_one = one_size_shared if args.shared else one_size
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
-        summaries = comm.gather(one_size(comm, MPI, size, args), root=0)
+        summaries = comm.gather(measure_one(comm, MPI, size, args), root=0)
         if comm.rank == 0:
             rows.append(dict(measure.slowest(summaries), size=size))
     if comm.rank == 0:
         library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         print(MARKER + json.dumps({"library": library, "mpi4py": mpi4py.__version__,
                                    "nprocs": comm.size, "collective": args.collective,
-                                   "function": FUNCTIONS[args.collective], "rows": rows}),
+                                   "function": (SHARED_FUNCTIONS if args.shared else
+                                                FUNCTIONS)[args.collective],
+                                   "shared": args.shared, "rows": rows}),
               flush=True)
 
 

@@ -9,10 +9,17 @@ itself, times ``np.copyto(local, remote)`` (read: remote memory -> this core) an
 a whole socket can pull through the link.  Pages can move later (automatic NUMA balancing), which
 is why the placement is read back after the timing.
 
-Part 2, shmtree's knobs, each a separate ``shmtree.run`` at the same sizes: where ring pages live
-(``numa`` = consumer / producer / interleave), pinned vs unpinned ranks, and the topology-aware
-tree vs the rank-order chain.  On a one-node machine the matrix is 1x1 and the placement policies
-cannot differ in where pages land; the report says so instead of pretending otherwise.
+Part 2, shmtree's knobs, each a separate ``shmtree.run`` at the same sizes.  First the two paths
+side by side, with the options given: ``arrays=private`` (numpy arrays of each rank: the copy
+path, through the rings) and ``arrays=shared`` (``comm.empty`` arrays, in place: the single-copy
+path, each rank reading its part of the result from every rank's array and writing it into every
+rank's; the arrays are first-touched by their owner after pinning, so each part crosses a socket
+link once; below ``shmtree.shared.MIN_BYTES["allreduce"]`` shared arrays take the private path
+too).
+Then the knobs of the copy path: where ring pages live (``numa`` = consumer / producer /
+interleave), pinned vs unpinned ranks, and the topology-aware tree vs the rank-order chain.  On a
+one-node machine the matrix is 1x1 and the placement policies cannot differ in where pages land;
+the report says so instead of pretending otherwise.
 """
 import ctypes
 import mmap
@@ -26,6 +33,7 @@ from .measure import measure
 from .units import count_for
 
 VARIANTS = (
+    ("arrays", "private"), ("arrays", "shared"),         # the copy path, the single-copy path
     ("numa", "consumer"), ("numa", "producer"), ("numa", "interleave"),
     ("pin", True), ("pin", False),
     ("tree", "topology"), ("tree", "chain"),
@@ -103,14 +111,19 @@ def matrix(size, plan, progress=None):
 
 
 def variant_rows(sizes, nprocs, plan, base_options, progress=None):
-    """Rows {group, variant, size, time_us, busbw_gbs | error} for each knob of VARIANTS."""
+    """Rows {group, variant, size, time_us, busbw_gbs | error} for each knob of VARIANTS (the
+    "arrays" group: the given options, on private or on shared arrays)."""
     rows = []
     for key, value in VARIANTS:
-        options = dict(base_options, **{key: value})
+        options = dict(base_options) if key == "arrays" else dict(base_options, **{key: value})
         if progress:
             progress.step(sizes[-1], f"{key}={value}")
         try:
-            measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=False)
+            if (key, value) == ("arrays", "shared"):
+                measured = {size: {"allreduce": summary} for size, summary in
+                            sweep.run_shared(sizes, nprocs, plan, options).items()}
+            else:
+                measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=False)
         except Exception as exc:  # one knob failing must not hide the others
             rows += [{"group": key, "variant": value, "size": _nbytes(s, plan.dtype),
                       "error": f"{type(exc).__name__}: {exc}"} for s in sizes]
