@@ -731,3 +731,19 @@ def test_compare_shared_column(tmp_path, capsys):
     assert "shmtree shared (us)" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert all(r["shared_us"] > 0 and r["shmtree_us"] > 0 for r in rows)
+
+
+@timeout
+def test_multinode_measures_every_part(tmp_path, capsys):
+    """shmtree-bench multinode under mpiexec: 3 processes in simulated nodes of 2 (2 + 1),
+    every column measured."""
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs mpi4py and an MPI")
+    doc = _json(tmp_path, ["multinode", "-n", "3", "--node-size", "2", "--sizes", "8,64K",
+                           "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert doc["nodes"] == 2 and doc["nprocs"] == 3 and doc["node_size"] == 2
+    assert [r["bytes"] for r in doc["rows"]] == [8, 64 << 10]
+    for r in doc["rows"]:
+        assert all(r[k] > 0 for k in ("hier_us", "mpi_us", "intra_us", "inter_us")), r
+    assert "across 2 simulated nodes" in out and "hier/max(intra,inter)" in out

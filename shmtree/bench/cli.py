@@ -546,10 +546,15 @@ def plan_as_dict(plan):
 
 
 def cmd_multinode(args):
-    doc = multinode.run(args.nprocs, args.node_size, args.sizes, args.repeats, args.segment)
-    print(multinode.table(doc))
+    got = multinode.run(args.nprocs, args.node_size, args.sizes, args.repeats, args.segment)
+    print(multinode.table(got))
     if args.json:
-        report.write_json(args.json, dict(doc, command="multinode", argv=args.argv))
+        report.write_json(args.json, report.document(
+            "multinode", machine.describe(None),
+            {"argv": args.argv, "nprocs": args.nprocs, "node_size": args.node_size,
+             "sizes": args.sizes, "repeats": args.repeats, "segment": args.segment},
+            multinode.COLUMNS, got["rows"], nodes=got["nodes"], nprocs=got["nprocs"],
+            node_size=got["node_size"], library=got["library"]))
     return 0
 
 

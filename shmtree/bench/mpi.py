@@ -124,19 +124,27 @@ def run_mpi(python, sizes, nprocs, plan, timeout=600, collective="allreduce", sh
     `collective`, mpi_worker.FUNCTIONS) under `python`; with `shared`, of the single-copy
     collective on MPI.Win.Allocate_shared memory (mpi_worker --shared)."""
     env = dict(os.environ, **OPEN_MPI_ENV, PYTHONUNBUFFERED="1")
+    out, err, returncode = run_job(worker_command(python, nprocs, sizes, plan, collective,
+                                                  shared), env, timeout, f"mpiexec ({python})")
+    return _parse(out, err, returncode, python, shared)
+
+
+def run_job(cmd, env, timeout, what):
+    """(stdout, stderr, exit code) of an mpiexec command line, in a session of its own that is
+    killed whole afterwards (and on a timeout: BenchError), MPI's leftovers in /dev/shm
+    removed after a kill."""
     before = _shm_names()
-    proc = subprocess.Popen(worker_command(python, nprocs, sizes, plan, collective, shared),
-                            env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, preexec_fn=_mpiexec_setup)
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_mpiexec_setup)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise BenchError(f"mpiexec ({python}) did not finish in {timeout} s") from None
+        raise BenchError(f"{what} did not finish in {timeout} s") from None
     finally:
         if _kill_group(proc):
             _remove_mpi_leftovers(before)
-    return _parse(out, err, proc.returncode, python, shared)
+    return out, err, proc.returncode
 
 
 def _mpiexec_setup():

@@ -15,13 +15,17 @@ and hier/mpi and hier/max(intra, inter): at 1 the pipeline hides the smaller par
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 MARKER = "MULTINODE "
+COLUMNS = {"bytes": "message bytes (float32)",
+           "hier_us": "shmtree.from_mpi allreduce, median us, slowest rank",
+           "mpi_us": "COMM_WORLD.Allreduce on the same processes",
+           "intra_us": "the node's own shmtree allreduce alone (all nodes at once)",
+           "inter_us": "the leaders' inter-node step alone (the others wait in their node)"}
 DEFAULT_SIZES = "8,64K,2M,16M,64M"
 
 
@@ -78,8 +82,7 @@ def worker(sizes, node_size, repeats, segment):
 def run(nprocs, node_size, sizes, repeats=5, segment=None, timeout=900):
     """Launch the workers under mpiexec; the parsed result of rank 0."""
     from .harness import BenchError
-    from .mpi import _kill_group, _mpiexec_setup, _remove_mpi_leftovers, _shm_names, \
-        find_mpiexec
+    from .mpi import find_mpiexec, run_job
     import importlib.util
     if importlib.util.find_spec("mpi4py") is None:
         raise BenchError('multinode needs mpi4py and an MPI: pip install "shmtree[mpi]" '
@@ -95,21 +98,11 @@ def run(nprocs, node_size, sizes, repeats=5, segment=None, timeout=900):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    before = _shm_names()
-    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_mpiexec_setup)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"mpiexec did not finish in {timeout} s") from None
-    finally:
-        if _kill_group(proc):
-            _remove_mpi_leftovers(before)
+    out, err, returncode = run_job(cmd, env, timeout, "mpiexec")
     for line in out.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
-    raise BenchError(f"the multinode workers failed (exit {proc.returncode}):\n"
+    raise BenchError(f"the multinode workers failed (exit {returncode}):\n"
                      f"{(err or out)[-2000:]}")
 
 
