@@ -37,13 +37,15 @@ from .collectives import (_deadline, _dtype_digest, _finish, _movable, _out_for,
                           _scatter_block)
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .group import Group
-from .inter import Link
+from .inter import Link, _pieces
 from .ops import OP_NAMES, reduction_codes
 
 __all__ = ["from_mpi", "Spanning"]
 
 SEGMENT_BYTES = 4 << 20        # bytes per pipelined segment across the node boundary
 ROW = 10                       # int64 per rank in the agreement table
+LANES_BYTES = 1 << 20          # from_mpi, nodes of one size: reductions from this size run on
+                               # every rank's lane (_reduce_lanes), smaller ones on the leaders
 _REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes
 
@@ -54,10 +56,12 @@ class Spanning:
     allgather, reduce_scatter, barrier, their i-forms); ranks are global."""
 
     def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
-                 mpi_comm=None):
+                 mpi_comm=None, lane=None):
         self.local = local
         self.group = local.group
         self._link = link
+        self._lane = lane                # from_mpi with nodes of one size: this rank's Link to
+                                         # the ranks of its local rank on the other nodes
         self.rank = int(rank)
         self._members = [list(m) for m in nodes_ranks]   # global ranks of each node, by local rank
         self.size = sum(len(m) for m in self._members)
@@ -168,8 +172,8 @@ class Spanning:
         try:
             self.local.close()
         finally:
-            if self._link is not None:
-                self._link.close()
+            for link in {self._link, self._lane} - {None}:
+                link.close()
             self.group.close()
             if _communicator._current is self:
                 _communicator._set_current(None)
@@ -196,9 +200,9 @@ class Spanning:
     def _check_open(self):
         if self._closed:
             raise ShmtreeError("shmtree: this communicator is closed")
-        link = self._link
-        if link is not None and link.failure is not None:
-            raise PeerLostError(f"shmtree: rank {self.rank}: {link.failure}")
+        for link in (self._link, self._lane):
+            if link is not None and link.failure is not None:
+                raise PeerLostError(f"shmtree: rank {self.rank}: {link.failure}")
 
     def _guarded(self, run):
         """A failure inside a call (other than a mismatch, which every rank raises alike and
@@ -212,8 +216,8 @@ class Spanning:
             except BaseException as exc:
                 text = (f"node {self.node} (rank {self.rank}) failed: "
                         f"{type(exc).__name__}: {exc}")
-                if self._link is not None:
-                    self._link.abort(text)
+                for link in {self._link, self._lane} - {None}:
+                    link.abort(text)
                 if not self.group.closed and not self.group.aborted():
                     self.group.abort(ABORT_FAILED, self.node_rank, note=text)
                 raise
@@ -295,22 +299,24 @@ class Spanning:
             self._check(table, lambda r: tuple(r), _describe)
             src = np.ascontiguousarray(a).reshape(-1)
             deliver = root is None or self._where[root][0] == self.node
+            fold = self._reduce_lanes if self._lane is not None and \
+                src.nbytes >= LANES_BYTES else self._reduce_pipeline
             if what == "reduce_scatter":
                 full = np.empty(a.shape, a.dtype)
-                self._reduce_pipeline(src, full.reshape(-1), op, True, deadline)
+                fold(src, full.reshape(-1), op, True, deadline)
                 block = full[lo:hi]
                 if out is None:
                     return block
                 out[...] = block
                 return out
             if root is not None and self.rank != root:
-                self._reduce_pipeline(src, None, op, deliver, deadline)
+                fold(src, None, op, deliver, deadline)
                 return None
             result, copy_back = _out_for(out, a.shape, a.dtype, what)
             flat = result.reshape(-1)
             if _communicator._overlaps(src, flat):
                 src = src.copy()          # out overlaps the input without being it
-            self._reduce_pipeline(src, flat, op, deliver, deadline)
+            fold(src, flat, op, deliver, deadline)
             return _finish(result, copy_back)
         return run
 
@@ -321,6 +327,45 @@ class Spanning:
             self._scratch = np.empty(max(need, 1), np.uint8)
         return [self._scratch[k * count * dtype.itemsize:(k + 1) * count * dtype.itemsize]
                 .view(dtype) for k in range(2)]
+
+    def _reduce_lanes(self, src, dst, op, deliver, deadline):
+        """The multi-leader form of _reduce_pipeline (nodes of one size k): per segment, a
+        reduce-scatter in the node leaves local rank r with slice r of the node's sum; the
+        ranks of local rank r on every node fold their slices between them (node order, this
+        rank's lane Link, on its thread); an allgather in the node puts the slices together.
+        Every rank carries 1/k of the traffic between nodes and of the work in its node."""
+        n, k, me, link = src.size, self.node_size, self.node_rank, self._lane
+        per = max(k, self._segment // max(1, src.itemsize))
+        bounds = list(range(0, n, per)) + [n] if n else [0, 0]
+        count = len(bounds) - 1
+        room = -(-min(per, n) // k) if n else 0
+        slots = self._scratch_for(src.dtype, room)
+        jobs = [None] * count
+        sink = None if dst is not None else np.empty(min(per, n), src.dtype)
+
+        def mine(j):
+            lo, hi = bounds[j], bounds[j + 1]
+            cut = _pieces(hi - lo, k)
+            return slots[j % 2][:cut[me + 1] - cut[me]]
+
+        def finish(j):
+            lo, hi = bounds[j], bounds[j + 1]
+            _wait(link, jobs[j], deadline)
+            if deliver:
+                target = dst[lo:hi] if dst is not None else sink[:hi - lo]
+                self.local._prep_allgather(mine(j), 0, target, self._remaining(deadline))()
+
+        for i in range(count):
+            lo, hi = bounds[i], bounds[i + 1]
+            part = mine(i)
+            self.local._prep_reduce_scatter(src[lo:hi], op, part, self._remaining(deadline))()
+            if count == 1:
+                link.run(Link.allreduce, part, op, deadline=deadline)
+            else:
+                jobs[i] = link.submit(Link.allreduce, part, op)
+            if i >= 1:
+                finish(i - 1)
+        finish(count - 1)
 
     def _reduce_pipeline(self, src, dst, op, deliver, deadline):
         """dst[:] = the reduction of every rank's src (1-d contiguous, the same size), segment
@@ -715,14 +760,21 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
         node_comm.Barrier()            # every member attached before the creator goes on
     finally:
         node_comm.Free()
-    leaders = mpi_comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, key=node)
-    link = None
-    if node_rank == 0 and len(members) > 1:
-        link = Link(leaders, group)
-    elif leaders != MPI.COMM_NULL:
-        leaders.Free()
+    link = lane = None
+    if len({len(m) for m in members}) == 1 and len(members) > 1 and nsize > 1:
+        # nodes of one size: every rank links to its local rank's peers on the other nodes
+        # (a lane); lane 0 joins the leaders
+        lane = Link(mpi_comm.Split(node_rank, key=node), group)
+        link = lane if node_rank == 0 else None
+    else:
+        leaders = mpi_comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, key=node)
+        if node_rank == 0 and len(members) > 1:
+            link = Link(leaders, group)
+        elif leaders != MPI.COMM_NULL:
+            leaders.Free()
     comm = Spanning(local, link, rank, members, node,
-                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, mpi_comm)
+                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, mpi_comm,
+                    lane=lane)
     _communicator._set_current(comm)
     return comm
 

@@ -96,12 +96,13 @@ def test_every_collective_across_nodes(nprocs, node_size):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode,nprocs,size", [("collectives", 3, 2),
+@pytest.mark.parametrize("mode,nprocs,size", [("collectives", 3, 2), ("collectives", 4, 2),
                                               ("launch-collectives", 2, 1)],
-                         ids=["from_mpi 2+1", "launchers 1+2"])
+                         ids=["from_mpi 2+1", "from_mpi 2x2 lanes", "launchers 1+2"])
 def test_small_segments(mode, nprocs, size):
-    """4 KiB segments: every message of more than 4 KiB is pipelined in many segments, and the
-    launchers' allgathers no longer fit the mailbox (they go node by node)."""
+    """4 KiB segments: every message of more than 4 KiB is pipelined in many segments (on the
+    lanes too, from 1 MiB, with nodes of one size), and the launchers' allgathers no longer fit
+    the mailbox (they go node by node)."""
     rc, out, _ = _launch(nprocs, mode, size, segment=4096)
     assert rc == 0 and f"OK {mode}" in out, out[-4000:]
 
