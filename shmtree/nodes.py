@@ -445,16 +445,11 @@ class Spanning:
                 return rootrow if t[:2] == rootrow[:2] and (r[5] == -1 or t == rootrow) else t
             self._check(table, key, _describe)
             rnode, rlocal = self._where[root]
-            if a is not None:
-                dtype, shape = a.dtype, a.shape
+            src = np.ascontiguousarray(a) if self.rank == root else None
+            if any(r[5] == -1 for r in table):      # someone passed None: describe the array
+                dtype, shape = self._meta(src, rnode, rlocal, deadline)
             else:
-                dtype, shape = self._meta(None, rnode, rlocal, deadline)
-            if self.rank == root:
-                src = np.ascontiguousarray(a)
-                if any(r[5] == -1 for r in table):
-                    self._meta(src, rnode, rlocal, deadline)
-            elif a is not None and any(r[5] == -1 for r in table):
-                self._meta(None, rnode, rlocal, deadline)
+                dtype, shape = a.dtype, a.shape
             result, copy_back = _out_for(out, shape, dtype, "broadcast")
             view = result.reshape(-1).view(np.uint8) if result.size else \
                 np.empty(0, np.uint8)
