@@ -220,8 +220,16 @@ class Spanning:
                     link.abort(text)
                 if not self.group.closed and not self.group.aborted():
                     self.group.abort(ABORT_FAILED, self.node_rank, note=text)
+                if isinstance(exc, ShmtreeError) and exc.args and isinstance(exc.args[0], str):
+                    exc.args = (exc.args[0] + self._numbering(),) + exc.args[1:]
                 raise
         return call
+
+    def _numbering(self):
+        """What the rank numbers of this node's own messages mean (they are local)."""
+        ranks = self._members[self.node]
+        return (f" [in node {self.node}'s messages rank r is local rank r: global "
+                f"{ranks_text(ranks)}]" if ranks != list(range(len(ranks))) else "")
 
     # ---- the steps inside a node ----
 
