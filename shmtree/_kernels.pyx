@@ -24,13 +24,16 @@ four layers, each built only on the one above it:
      bitwise ops;
    - bool (0/1 bytes): sum, max and bor are logical or, prod, min and band logical and, bxor
      logical xor, which on 0/1 are exactly uint8 max, min and ^, so bool uses uint8 kernels;
-   - float16: every input widened to float32, reduced in float32 (min/max with the rule above),
-     rounded to half once (round to nearest even); the conversions are in _csrc/half.h.
+   - float16 and bfloat16: every input widened to float32, reduced in float32 (min/max with the
+     rule above), rounded to 16 bits once (round to nearest even); the conversions are in
+     _csrc/half.h.
 2. Fused loops: `_reduce[Elem, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
    arrays into blocks of BLOCK_BYTES and, per block, computes dst = s0 op s1, then
    dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
    `_accumulate`) that the compiler vectorizes, and the block of dst stays in L1 cache between
-   them.  `_reduce_half` does the same for float16 through a float32 block.  Written once;
+   them.  `_reduce_half` does float16 and bfloat16 in pairs of elements, each pair one 32-bit
+   word (so that vector lanes stay 32 bits wide), in one pass for two sources and through
+   float32 accumulators a block at a time for more.  Written once;
    Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
    and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
    compile time and costs nothing at run time).
@@ -56,6 +59,15 @@ cdef extern from "_csrc/half.h" nogil:
     uint16_t shmt_float_to_half(float f)
     float shmt_bf16_to_float(uint16_t b)
     uint16_t shmt_float_to_bf16(float f)
+    uint32_t shmt_load_pair(const void *p)
+    void shmt_store_pair(void *p, uint32_t w)
+    float shmt_bf16_first(uint32_t w)
+    float shmt_bf16_second(uint32_t w)
+    uint32_t shmt_bf16_pair(float first, float second)
+    uint32_t shmt_bf16_pair_arith(float first, float second)
+    float shmt_half_first(uint32_t w)
+    float shmt_half_second(uint32_t w)
+    uint32_t shmt_half_pair(float first, float second)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,8 +170,9 @@ ctypedef union f64_bits:
 cdef enum:
     # Bytes of dst per block: dst's block is re-read once per source, so it must stay in L1.
     BLOCK_BYTES = 2048
-    # float32 accumulators per block in the float16 path.
-    HALF_BLOCK = BLOCK_BYTES // 4
+    # Pairs of 16-bit elements per block in the float16/bfloat16 path with more than two
+    # sources: two float32 accumulators each (8 KiB in all, on the stack, in L1).
+    HALF_PAIRS = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,45 +327,119 @@ cdef inline float _to_float(Half16 x) noexcept nogil:
         return shmt_bf16_to_float(x.bits)
 
 
-cdef inline void _widen_half(float *acc, const Half16 *s, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(m):
-        acc[i] = _to_float(s[i])
+cdef inline Half16 _from_float(float f, Half16 *tag) noexcept nogil:
+    cdef Half16 r
+    if Half16 is half_t:
+        r.bits = shmt_float_to_half(f)
+    else:
+        r.bits = shmt_float_to_bf16(f)
+    return r
 
 
-cdef inline void _accumulate_half(float *acc, const Half16 *s, Py_ssize_t m,
+# The 16-bit loops work on pairs (see _csrc/half.h): word k holds elements 2k and 2k+1, loaded
+# as one uint32 and widened to two floats with shifts and masks, so that every vector lane stays
+# 32 bits wide from load to store.  `tag` only picks the type (it is never dereferenced).
+
+cdef inline float _first(uint32_t w, const Half16 *tag) noexcept nogil:
+    if Half16 is half_t:
+        return shmt_half_first(w)
+    else:
+        return shmt_bf16_first(w)
+
+
+cdef inline float _second(uint32_t w, const Half16 *tag) noexcept nogil:
+    if Half16 is half_t:
+        return shmt_half_second(w)
+    else:
+        return shmt_bf16_second(w)
+
+
+cdef inline uint32_t _pack(float first, float second, const Half16 *tag, Op *op) noexcept nogil:
+    # (bf16 sums and products round without the NaN select: see shmt_float_to_bf16_32_arith)
+    if Half16 is half_t:
+        return shmt_half_pair(first, second)
+    elif Op is OpSum or Op is OpProd:
+        return shmt_bf16_pair_arith(first, second)
+    else:
+        return shmt_bf16_pair(first, second)
+
+
+cdef inline void _pair_half(Half16 *d, const Half16 *a, const Half16 *b, Py_ssize_t npairs,
+                            Op *op) noexcept nogil:
+    """d = a op b, widened, combined in float32 and rounded, over 2 * npairs elements, in one
+    pass.  d may be a (same pointer), not otherwise overlap a or b."""
+    cdef Py_ssize_t k
+    cdef uint32_t wa, wb
+    for k in range(npairs):
+        wa = shmt_load_pair(a + 2 * k)
+        wb = shmt_load_pair(b + 2 * k)
+        shmt_store_pair(d + 2 * k, _pack(_combine(_first(wa, a), _first(wb, a), op),
+                                         _combine(_second(wa, a), _second(wb, a), op), a, op))
+
+
+cdef inline void _widen_pair_half(float *acc1, float *acc2, const Half16 *a, const Half16 *b,
+                                  Py_ssize_t npairs, Op *op) noexcept nogil:
+    """acc1/acc2 = a op b in float32, the first/second element of each pair."""
+    cdef Py_ssize_t k
+    cdef uint32_t wa, wb
+    for k in range(npairs):
+        wa = shmt_load_pair(a + 2 * k)
+        wb = shmt_load_pair(b + 2 * k)
+        acc1[k] = _combine(_first(wa, a), _first(wb, a), op)
+        acc2[k] = _combine(_second(wa, a), _second(wb, a), op)
+
+
+cdef inline void _accumulate_half(float *acc1, float *acc2, const Half16 *s, Py_ssize_t npairs,
                                   Op *op) noexcept nogil:
-    # acc op s, the same operand order as _accumulate.  (The operands were once swapped to copy
-    # numpy's float16 choice of operand on -0.0/+0.0 ties in min/max; the sign rule of _min and
-    # _max makes those ties independent of operand order, so no swap is needed.)
-    cdef Py_ssize_t i
-    for i in range(m):
-        acc[i] = _combine(acc[i], _to_float(s[i]), op)
+    """acc op= s, the accumulator the left operand, as in _accumulate."""
+    cdef Py_ssize_t k
+    cdef uint32_t w
+    for k in range(npairs):
+        w = shmt_load_pair(s + 2 * k)
+        acc1[k] = _combine(acc1[k], _first(w, s), op)
+        acc2[k] = _combine(acc2[k], _second(w, s), op)
 
 
-cdef inline void _narrow_half(Half16 *d, const float *acc, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(m):
-        if Half16 is half_t:
-            d[i].bits = shmt_float_to_half(acc[i])
-        else:
-            d[i].bits = shmt_float_to_bf16(acc[i])
+cdef inline void _narrow_half(Half16 *d, const float *acc1, const float *acc2, const Half16 *s,
+                              Py_ssize_t npairs, Op *op) noexcept nogil:
+    """d = (acc op s) rounded once: the last source folded in on the way out."""
+    cdef Py_ssize_t k
+    cdef uint32_t w
+    for k in range(npairs):
+        w = shmt_load_pair(s + 2 * k)
+        shmt_store_pair(d + 2 * k, _pack(_combine(acc1[k], _first(w, s), op),
+                                         _combine(acc2[k], _second(w, s), op), s, op))
 
 
 cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
                        Op *op) noexcept nogil:
-    """float16 and bfloat16, nsrc >= 2: per block, widen srcs[0] to float32, fold in the other
-    sources in float32, round once."""
-    cdef float acc[HALF_BLOCK]
-    cdef Py_ssize_t start = 0, m
+    """float16 and bfloat16, nsrc >= 2: every element widened to float32, the sources folded
+    left to right in float32, the result rounded once.  Two sources take one pass; more go
+    through float32 accumulators a block at a time (first pair, middle sources, last source and
+    rounding).  An odd last element is done on its own."""
+    cdef float acc1[HALF_PAIRS]
+    cdef float acc2[HALF_PAIRS]
+    cdef Py_ssize_t npairs = n // 2, start = 0, m
     cdef int j
-    while start < n:
-        m = min(<Py_ssize_t>HALF_BLOCK, n - start)
-        _widen_half(acc, srcs[0] + start, m)
+    cdef float x
+    if nsrc == 2:
+        if dst == srcs[0]:      # (the same pointer twice: no aliasing check, no scalar fallback)
+            _pair_half(dst, dst, srcs[1], npairs, op)
+        else:
+            _pair_half(dst, srcs[0], srcs[1], npairs, op)
+    else:
+        while start < npairs:
+            m = min(<Py_ssize_t>HALF_PAIRS, npairs - start)
+            _widen_pair_half(acc1, acc2, srcs[0] + 2 * start, srcs[1] + 2 * start, m, op)
+            for j in range(2, nsrc - 1):
+                _accumulate_half(acc1, acc2, srcs[j] + 2 * start, m, op)
+            _narrow_half(dst + 2 * start, acc1, acc2, srcs[nsrc - 1] + 2 * start, m, op)
+            start += m
+    if n % 2:
+        x = _to_float(srcs[0][n - 1])
         for j in range(1, nsrc):
-            _accumulate_half(acc, srcs[j] + start, m, op)
-        _narrow_half(dst + start, acc, m)
-        start += m
+            x = _combine(x, _to_float(srcs[j][n - 1]), op)
+        dst[n - 1] = _from_float(x, dst)
 
 
 cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op) noexcept nogil:
