@@ -32,8 +32,8 @@ four layers, each built only on the one above it:
    dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
    `_accumulate`) that the compiler vectorizes, and the block of dst stays in L1 cache between
    them.  `_reduce_half` does float16 and bfloat16 in pairs of elements, each pair one 32-bit
-   word (so that vector lanes stay 32 bits wide), in one pass for two sources and through
-   float32 accumulators a block at a time for more.  Written once;
+   word (so that vector lanes stay 32 bits wide), in one pass for up to four sources and
+   through float32 accumulators a block at a time for more.  Written once;
    Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
    and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
    compile time and costs nothing at run time).
@@ -377,6 +377,37 @@ cdef inline void _pair_half(Half16 *d, const Half16 *a, const Half16 *b, Py_ssiz
                                          _combine(_second(wa, a), _second(wb, a), op), a, op))
 
 
+cdef inline void _triple_half(Half16 *d, const Half16 *a, const Half16 *b, const Half16 *c,
+                              Py_ssize_t npairs, Op *op) noexcept nogil:
+    """d = a op b op c, as _pair_half."""
+    cdef Py_ssize_t k
+    cdef uint32_t wa, wb, wc
+    for k in range(npairs):
+        wa = shmt_load_pair(a + 2 * k)
+        wb = shmt_load_pair(b + 2 * k)
+        wc = shmt_load_pair(c + 2 * k)
+        shmt_store_pair(d + 2 * k, _pack(
+            _combine(_combine(_first(wa, a), _first(wb, a), op), _first(wc, a), op),
+            _combine(_combine(_second(wa, a), _second(wb, a), op), _second(wc, a), op), a, op))
+
+
+cdef inline void _quad_half(Half16 *d, const Half16 *a, const Half16 *b, const Half16 *c,
+                            const Half16 *e, Py_ssize_t npairs, Op *op) noexcept nogil:
+    """d = a op b op c op e, as _pair_half."""
+    cdef Py_ssize_t k
+    cdef uint32_t wa, wb, wc, we
+    for k in range(npairs):
+        wa = shmt_load_pair(a + 2 * k)
+        wb = shmt_load_pair(b + 2 * k)
+        wc = shmt_load_pair(c + 2 * k)
+        we = shmt_load_pair(e + 2 * k)
+        shmt_store_pair(d + 2 * k, _pack(
+            _combine(_combine(_combine(_first(wa, a), _first(wb, a), op), _first(wc, a), op),
+                     _first(we, a), op),
+            _combine(_combine(_combine(_second(wa, a), _second(wb, a), op), _second(wc, a), op),
+                     _second(we, a), op), a, op))
+
+
 cdef inline void _widen_pair_half(float *acc1, float *acc2, const Half16 *a, const Half16 *b,
                                   Py_ssize_t npairs, Op *op) noexcept nogil:
     """acc1/acc2 = a op b in float32, the first/second element of each pair."""
@@ -414,9 +445,9 @@ cdef inline void _narrow_half(Half16 *d, const float *acc1, const float *acc2, c
 cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
                        Op *op) noexcept nogil:
     """float16 and bfloat16, nsrc >= 2: every element widened to float32, the sources folded
-    left to right in float32, the result rounded once.  Two sources take one pass; more go
-    through float32 accumulators a block at a time (first pair, middle sources, last source and
-    rounding).  An odd last element is done on its own."""
+    left to right in float32, the result rounded once.  Two to four sources take one pass; more
+    go through float32 accumulators a block at a time (first pair, middle sources, last source
+    and rounding).  An odd last element is done on its own."""
     cdef float acc1[HALF_PAIRS]
     cdef float acc2[HALF_PAIRS]
     cdef Py_ssize_t npairs = n // 2, start = 0, m
@@ -427,6 +458,16 @@ cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
             _pair_half(dst, dst, srcs[1], npairs, op)
         else:
             _pair_half(dst, srcs[0], srcs[1], npairs, op)
+    elif nsrc == 3:
+        if dst == srcs[0]:
+            _triple_half(dst, dst, srcs[1], srcs[2], npairs, op)
+        else:
+            _triple_half(dst, srcs[0], srcs[1], srcs[2], npairs, op)
+    elif nsrc == 4:
+        if dst == srcs[0]:
+            _quad_half(dst, dst, srcs[1], srcs[2], srcs[3], npairs, op)
+        else:
+            _quad_half(dst, srcs[0], srcs[1], srcs[2], srcs[3], npairs, op)
     else:
         while start < npairs:
             m = min(<Py_ssize_t>HALF_PAIRS, npairs - start)
