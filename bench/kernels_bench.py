@@ -69,7 +69,13 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=0,
                     help="calls per cell (default: enough for ~0.3 s of f32 work per cell)")
     ap.add_argument("--inplace", action="store_true", help="dst is srcs[0]")
+    isas = K.half_isas() if hasattr(K, "half_isas") else ()
+    ap.add_argument("--isa", choices=isas or None,
+                    help="instruction set of the 16-bit kernels (default: the best the CPU has; "
+                         f"here: {', '.join(isas) or 'not selectable in this build'})")
     args = ap.parse_args(argv)
+    if args.isa:
+        K.half_isa(args.isa)
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     nsrcs = [int(s) for s in args.nsrc.split(",")]
     ops = args.ops.split(",")
@@ -79,8 +85,10 @@ def main(argv=None):
     names = [k for k, _ in kinds]
     head = f"{'op':>4} {'size(f32)':>10} {'nsrc':>4} " + " ".join(f"{k + ' Me/s':>10}" for k in names)
     head += " " + " ".join(f"{k + '/f32':>9}" for k in names[1:])
+    isa = K.half_isa() if hasattr(K, "half_isa") else "n/a"
     print(f"shmtree {getattr(shmtree, '__version__', '?')} kernels, "
-          f"{'in place' if args.inplace else 'out of place'}, best of repeated calls")
+          f"{'in place' if args.inplace else 'out of place'}, 16-bit kernels: {isa}, "
+          f"best of repeated calls")
     print(head)
     for op in ops:
         for nbytes in sizes:

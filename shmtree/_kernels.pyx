@@ -25,22 +25,21 @@ four layers, each built only on the one above it:
    - bool (0/1 bytes): sum, max and bor are logical or, prod, min and band logical and, bxor
      logical xor, which on 0/1 are exactly uint8 max, min and ^, so bool uses uint8 kernels;
    - float16 and bfloat16: every input widened to float32, reduced in float32 (min/max with the
-     rule above), rounded to 16 bits once (round to nearest even); the conversions are in
-     _csrc/half.h.
-2. Fused loops: `_reduce[Elem, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
+     rule above), rounded to 16 bits once (round to nearest even).  Their kernels are C, in
+     _csrc/half_kernels.h (conversions in _csrc/half.h): pairs of elements handled as 32-bit
+     words so that vector lanes stay 32 bits wide, compiled for the baseline and for AVX2.
+2. Fused loops: `_reduce[Num, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
    arrays into blocks of BLOCK_BYTES and, per block, computes dst = s0 op s1, then
    dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
    `_accumulate`) that the compiler vectorizes, and the block of dst stays in L1 cache between
-   them.  `_reduce_half` does float16 and bfloat16 in pairs of elements, each pair one 32-bit
-   word (so that vector lanes stay 32 bits wide), in one pass for up to four sources and
-   through float32 accumulators a block at a time for more.  Written once;
-   Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
-   and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
-   compile time and costs nothing at run time).
+   them.  Written once; Cython instantiates them for every element type x op through the fused
+   types `Num` and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op
+   is made at compile time and costs nothing at run time).
 3. The table: `_k_sum`, `_k_prod`, `_k_min`, `_k_max`, `_k_band`, `_k_bor`, `_k_bxor` have the
    shape of `reduce_fn`; their instantiations fill `_TABLE[op][dtype]` once at import, NULL
-   where unsupported (min/max of complex, bitwise ops of float and complex); `get_kernel` is a
-   bounds-checked lookup.
+   where unsupported (min/max of complex, bitwise ops of float and complex); the float16 and
+   bfloat16 columns come from _csrc/half_kernels.h, for the best instruction set the CPU has
+   (`half_isa` tells and switches); `get_kernel` is a bounds-checked lookup.
 4. Python helpers: DTYPE_CODES / dtype_code, OP_CODES and UFUNC_CODES (the one op table: names
    and numpy ufuncs -> OP_* codes) / op_code / op_name, supported, and reduce_into, which
    validates numpy arrays, takes their buffers and runs a kernel with the GIL released.
@@ -54,20 +53,12 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-cdef extern from "_csrc/half.h" nogil:
-    float shmt_half_to_float(uint16_t h)
-    uint16_t shmt_float_to_half(float f)
-    float shmt_bf16_to_float(uint16_t b)
-    uint16_t shmt_float_to_bf16(float f)
-    uint32_t shmt_load_pair(const void *p)
-    void shmt_store_pair(void *p, uint32_t w)
-    float shmt_bf16_first(uint32_t w)
-    float shmt_bf16_second(uint32_t w)
-    uint32_t shmt_bf16_pair(float first, float second)
-    uint32_t shmt_bf16_pair_arith(float first, float second)
-    float shmt_half_first(uint32_t w)
-    float shmt_half_second(uint32_t w)
-    uint32_t shmt_half_pair(float first, float second)
+cdef extern from "_csrc/half_kernels.h" nogil:
+    ctypedef void (*shmt_half_fn)(void *dst, const void **srcs, int nsrc, Py_ssize_t n)
+    shmt_half_fn shmt_half_kernel(int isa, int type, int op)
+    enum:
+        SHMT_ISA_BASE
+        SHMT_ISA_AVX2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,18 +75,6 @@ ctypedef struct c8_t:
 ctypedef struct c16_t:
     double re
     double im
-
-# float16 and bfloat16 as their bit patterns; structs so that each is a type of its own.
-ctypedef struct half_t:
-    uint16_t bits
-
-ctypedef struct bf16_t:
-    uint16_t bits
-
-# The 16-bit floats, reduced through float32 blocks.
-ctypedef fused Half16:
-    half_t
-    bf16_t
 
 ctypedef fused Integer:
     uint8_t
@@ -116,15 +95,11 @@ ctypedef fused Cplx:
     c8_t
     c16_t
 
-# Types reduced directly by the generic loops.
+# Every element type the generic loops reduce (float16 and bfloat16 have kernels of their own,
+# in C: _csrc/half_kernels.h).
 ctypedef fused Num:
     Real
     Cplx
-
-# Every element type a kernel exists for: Num plus the 16-bit floats.
-ctypedef fused Elem:
-    Num
-    Half16
 
 # Op tags: never instantiated, only their types matter.
 ctypedef struct OpSum:
@@ -170,9 +145,6 @@ ctypedef union f64_bits:
 cdef enum:
     # Bytes of dst per block: dst's block is re-read once per source, so it must stay in L1.
     BLOCK_BYTES = 2048
-    # Pairs of 16-bit elements per block in the float16/bfloat16 path with more than two
-    # sources: two float32 accumulators each (8 KiB in all, on the stack, in L1).
-    HALF_PAIRS = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,169 +292,6 @@ cdef inline void _accumulate(Num *d, const Num *b, Py_ssize_t m, Op *op) noexcep
         d[i] = _combine(d[i], b[i], op)
 
 
-cdef inline float _to_float(Half16 x) noexcept nogil:
-    if Half16 is half_t:
-        return shmt_half_to_float(x.bits)
-    else:
-        return shmt_bf16_to_float(x.bits)
-
-
-cdef inline Half16 _from_float(float f, Half16 *tag) noexcept nogil:
-    cdef Half16 r
-    if Half16 is half_t:
-        r.bits = shmt_float_to_half(f)
-    else:
-        r.bits = shmt_float_to_bf16(f)
-    return r
-
-
-# The 16-bit loops work on pairs (see _csrc/half.h): word k holds elements 2k and 2k+1, loaded
-# as one uint32 and widened to two floats with shifts and masks, so that every vector lane stays
-# 32 bits wide from load to store.  `tag` only picks the type (it is never dereferenced).
-
-cdef inline float _first(uint32_t w, const Half16 *tag) noexcept nogil:
-    if Half16 is half_t:
-        return shmt_half_first(w)
-    else:
-        return shmt_bf16_first(w)
-
-
-cdef inline float _second(uint32_t w, const Half16 *tag) noexcept nogil:
-    if Half16 is half_t:
-        return shmt_half_second(w)
-    else:
-        return shmt_bf16_second(w)
-
-
-cdef inline uint32_t _pack(float first, float second, const Half16 *tag, Op *op) noexcept nogil:
-    # (bf16 sums and products round without the NaN select: see shmt_float_to_bf16_32_arith)
-    if Half16 is half_t:
-        return shmt_half_pair(first, second)
-    elif Op is OpSum or Op is OpProd:
-        return shmt_bf16_pair_arith(first, second)
-    else:
-        return shmt_bf16_pair(first, second)
-
-
-cdef inline void _pair_half(Half16 *d, const Half16 *a, const Half16 *b, Py_ssize_t npairs,
-                            Op *op) noexcept nogil:
-    """d = a op b, widened, combined in float32 and rounded, over 2 * npairs elements, in one
-    pass.  d may be a (same pointer), not otherwise overlap a or b."""
-    cdef Py_ssize_t k
-    cdef uint32_t wa, wb
-    for k in range(npairs):
-        wa = shmt_load_pair(a + 2 * k)
-        wb = shmt_load_pair(b + 2 * k)
-        shmt_store_pair(d + 2 * k, _pack(_combine(_first(wa, a), _first(wb, a), op),
-                                         _combine(_second(wa, a), _second(wb, a), op), a, op))
-
-
-cdef inline void _triple_half(Half16 *d, const Half16 *a, const Half16 *b, const Half16 *c,
-                              Py_ssize_t npairs, Op *op) noexcept nogil:
-    """d = a op b op c, as _pair_half."""
-    cdef Py_ssize_t k
-    cdef uint32_t wa, wb, wc
-    for k in range(npairs):
-        wa = shmt_load_pair(a + 2 * k)
-        wb = shmt_load_pair(b + 2 * k)
-        wc = shmt_load_pair(c + 2 * k)
-        shmt_store_pair(d + 2 * k, _pack(
-            _combine(_combine(_first(wa, a), _first(wb, a), op), _first(wc, a), op),
-            _combine(_combine(_second(wa, a), _second(wb, a), op), _second(wc, a), op), a, op))
-
-
-cdef inline void _quad_half(Half16 *d, const Half16 *a, const Half16 *b, const Half16 *c,
-                            const Half16 *e, Py_ssize_t npairs, Op *op) noexcept nogil:
-    """d = a op b op c op e, as _pair_half."""
-    cdef Py_ssize_t k
-    cdef uint32_t wa, wb, wc, we
-    for k in range(npairs):
-        wa = shmt_load_pair(a + 2 * k)
-        wb = shmt_load_pair(b + 2 * k)
-        wc = shmt_load_pair(c + 2 * k)
-        we = shmt_load_pair(e + 2 * k)
-        shmt_store_pair(d + 2 * k, _pack(
-            _combine(_combine(_combine(_first(wa, a), _first(wb, a), op), _first(wc, a), op),
-                     _first(we, a), op),
-            _combine(_combine(_combine(_second(wa, a), _second(wb, a), op), _second(wc, a), op),
-                     _second(we, a), op), a, op))
-
-
-cdef inline void _widen_pair_half(float *acc1, float *acc2, const Half16 *a, const Half16 *b,
-                                  Py_ssize_t npairs, Op *op) noexcept nogil:
-    """acc1/acc2 = a op b in float32, the first/second element of each pair."""
-    cdef Py_ssize_t k
-    cdef uint32_t wa, wb
-    for k in range(npairs):
-        wa = shmt_load_pair(a + 2 * k)
-        wb = shmt_load_pair(b + 2 * k)
-        acc1[k] = _combine(_first(wa, a), _first(wb, a), op)
-        acc2[k] = _combine(_second(wa, a), _second(wb, a), op)
-
-
-cdef inline void _accumulate_half(float *acc1, float *acc2, const Half16 *s, Py_ssize_t npairs,
-                                  Op *op) noexcept nogil:
-    """acc op= s, the accumulator the left operand, as in _accumulate."""
-    cdef Py_ssize_t k
-    cdef uint32_t w
-    for k in range(npairs):
-        w = shmt_load_pair(s + 2 * k)
-        acc1[k] = _combine(acc1[k], _first(w, s), op)
-        acc2[k] = _combine(acc2[k], _second(w, s), op)
-
-
-cdef inline void _narrow_half(Half16 *d, const float *acc1, const float *acc2, const Half16 *s,
-                              Py_ssize_t npairs, Op *op) noexcept nogil:
-    """d = (acc op s) rounded once: the last source folded in on the way out."""
-    cdef Py_ssize_t k
-    cdef uint32_t w
-    for k in range(npairs):
-        w = shmt_load_pair(s + 2 * k)
-        shmt_store_pair(d + 2 * k, _pack(_combine(acc1[k], _first(w, s), op),
-                                         _combine(acc2[k], _second(w, s), op), s, op))
-
-
-cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
-                       Op *op) noexcept nogil:
-    """float16 and bfloat16, nsrc >= 2: every element widened to float32, the sources folded
-    left to right in float32, the result rounded once.  Two to four sources take one pass; more
-    go through float32 accumulators a block at a time (first pair, middle sources, last source
-    and rounding).  An odd last element is done on its own."""
-    cdef float acc1[HALF_PAIRS]
-    cdef float acc2[HALF_PAIRS]
-    cdef Py_ssize_t npairs = n // 2, start = 0, m
-    cdef int j
-    cdef float x
-    if nsrc == 2:
-        if dst == srcs[0]:      # (the same pointer twice: no aliasing check, no scalar fallback)
-            _pair_half(dst, dst, srcs[1], npairs, op)
-        else:
-            _pair_half(dst, srcs[0], srcs[1], npairs, op)
-    elif nsrc == 3:
-        if dst == srcs[0]:
-            _triple_half(dst, dst, srcs[1], srcs[2], npairs, op)
-        else:
-            _triple_half(dst, srcs[0], srcs[1], srcs[2], npairs, op)
-    elif nsrc == 4:
-        if dst == srcs[0]:
-            _quad_half(dst, dst, srcs[1], srcs[2], srcs[3], npairs, op)
-        else:
-            _quad_half(dst, srcs[0], srcs[1], srcs[2], srcs[3], npairs, op)
-    else:
-        while start < npairs:
-            m = min(<Py_ssize_t>HALF_PAIRS, npairs - start)
-            _widen_pair_half(acc1, acc2, srcs[0] + 2 * start, srcs[1] + 2 * start, m, op)
-            for j in range(2, nsrc - 1):
-                _accumulate_half(acc1, acc2, srcs[j] + 2 * start, m, op)
-            _narrow_half(dst + 2 * start, acc1, acc2, srcs[nsrc - 1] + 2 * start, m, op)
-            start += m
-    if n % 2:
-        x = _to_float(srcs[0][n - 1])
-        for j in range(1, nsrc):
-            x = _combine(x, _to_float(srcs[j][n - 1]), op)
-        dst[n - 1] = _from_float(x, dst)
-
-
 cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op) noexcept nogil:
     """nsrc >= 2: per block, dst = s0 op s1, then dst = dst op sj; in place when dst is s0."""
     cdef Py_ssize_t blk = BLOCK_BYTES // sizeof(Num)
@@ -499,14 +308,12 @@ cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op
         start += m
 
 
-cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
+cdef inline void _reduce(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n,
                          Op *op) noexcept nogil:
     """dst[i] = srcs[0][i] op ... op srcs[nsrc-1][i], left to right; the one generic driver."""
     if nsrc == 1:
         if dst != srcs[0]:
-            memcpy(dst, srcs[0], <size_t>n * sizeof(Elem))
-    elif Elem is half_t or Elem is bf16_t:
-        _reduce_half(dst, srcs, nsrc, n, op)
+            memcpy(dst, srcs[0], <size_t>n * sizeof(Num))
     else:
         _reduce_num(dst, srcs, nsrc, n, op)
 
@@ -519,51 +326,51 @@ cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
 # them cast to reduce_fn: they differ from it only in pointer parameter types, which every C ABI
 # passes identically (GCC's -Wcast-function-type treats such casts as compatible).
 
-cdef void _k_sum(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_sum(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpSum *>NULL)
 
 
-cdef void _k_prod(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_prod(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpProd *>NULL)
 
 
-cdef void _k_min(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_min(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpMin *>NULL)
 
 
-cdef void _k_max(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_max(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpMax *>NULL)
 
 
-cdef void _k_band(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_band(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBand *>NULL)
 
 
-cdef void _k_bor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_bor(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBor *>NULL)
 
 
-cdef void _k_bxor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_bxor(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBxor *>NULL)
 
 
 cdef reduce_fn _TABLE[N_OPS][N_DTYPES]
 
 
-cdef void _set_row(int dtype, Elem *type_tag) noexcept:
-    """Fill the table's column for one dtype with the kernels of element type Elem."""
-    _TABLE[OP_SUM][dtype] = <reduce_fn>_k_sum[Elem]
-    _TABLE[OP_PROD][dtype] = <reduce_fn>_k_prod[Elem]
-    if Elem in Cplx:
+cdef void _set_row(int dtype, Num *type_tag) noexcept:
+    """Fill the table's column for one dtype with the kernels of element type Num."""
+    _TABLE[OP_SUM][dtype] = <reduce_fn>_k_sum[Num]
+    _TABLE[OP_PROD][dtype] = <reduce_fn>_k_prod[Num]
+    if Num in Cplx:
         _TABLE[OP_MIN][dtype] = NULL
         _TABLE[OP_MAX][dtype] = NULL
     else:
-        _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Elem]
-        _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Elem]
-    if Elem in Integer:
-        _TABLE[OP_BAND][dtype] = <reduce_fn>_k_band[Elem]
-        _TABLE[OP_BOR][dtype] = <reduce_fn>_k_bor[Elem]
-        _TABLE[OP_BXOR][dtype] = <reduce_fn>_k_bxor[Elem]
+        _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Num]
+        _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Num]
+    if Num in Integer:
+        _TABLE[OP_BAND][dtype] = <reduce_fn>_k_band[Num]
+        _TABLE[OP_BOR][dtype] = <reduce_fn>_k_bor[Num]
+        _TABLE[OP_BXOR][dtype] = <reduce_fn>_k_bxor[Num]
     else:
         _TABLE[OP_BAND][dtype] = NULL
         _TABLE[OP_BOR][dtype] = NULL
@@ -579,8 +386,6 @@ cdef void _build_table() noexcept:
     _set_row(DT_U2, <uint16_t *>NULL)
     _set_row(DT_U4, <uint32_t *>NULL)
     _set_row(DT_U8, <uint64_t *>NULL)
-    _set_row(DT_F2, <half_t *>NULL)
-    _set_row(DT_BF16, <bf16_t *>NULL)
     _set_row(DT_F4, <float *>NULL)
     _set_row(DT_F8, <double *>NULL)
     _set_row(DT_C8, <c8_t *>NULL)
@@ -596,7 +401,55 @@ cdef void _build_table() noexcept:
     _TABLE[OP_BXOR][DT_BOOL] = <reduce_fn>_k_bxor[uint8_t]
 
 
+# Instruction sets the 16-bit kernels were compiled for, best last; HALF_ISA_NAMES[i] is isa i.
+HALF_ISA_NAMES = ('baseline', 'avx2')
+cdef int _half_isa = SHMT_ISA_BASE
+
+
+cdef bint _set_half_rows(int isa) noexcept:
+    """Point the float16 and bfloat16 columns at the kernels of instruction set isa; False (and
+    nothing changed) if that set is not compiled in or the CPU lacks it."""
+    global _half_isa
+    cdef int op, t
+    cdef int dtypes[2]
+    dtypes[0] = DT_F2
+    dtypes[1] = DT_BF16
+    for t in range(2):
+        for op in range(4):                     # OP_SUM, OP_PROD, OP_MIN, OP_MAX
+            if shmt_half_kernel(isa, t, op) == NULL:
+                return False
+    for t in range(2):
+        for op in range(4):
+            _TABLE[op][dtypes[t]] = <reduce_fn>shmt_half_kernel(isa, t, op)
+        _TABLE[OP_BAND][dtypes[t]] = NULL
+        _TABLE[OP_BOR][dtypes[t]] = NULL
+        _TABLE[OP_BXOR][dtypes[t]] = NULL
+    _half_isa = isa
+    return True
+
+
 _build_table()
+_set_half_rows(SHMT_ISA_BASE)
+_set_half_rows(SHMT_ISA_AVX2)                   # where compiled in and the CPU has it
+
+
+def half_isa(name=None):
+    """The instruction set the float16/bfloat16 kernels run with: 'avx2' where the build has
+    those kernels (x86-64, GCC or clang) and the CPU has AVX2, else 'baseline' (the build's own,
+    SSE2 on x86-64).  Both give the same bits.  With a name (one of HALF_ISA_NAMES), switch to
+    it first, for this process, for calls that start afterwards (tests and benchmarks compare
+    the two); ValueError if it is not available here."""
+    if name is not None:
+        if name not in HALF_ISA_NAMES or not _set_half_rows(HALF_ISA_NAMES.index(name)):
+            raise ValueError(f"16-bit kernels for {name!r} are not available here "
+                             f"(known: {', '.join(HALF_ISA_NAMES)})")
+    return HALF_ISA_NAMES[_half_isa]
+
+
+def half_isas():
+    """The instruction sets half_isa() can switch to here, baseline first."""
+    return tuple(name for i, name in enumerate(HALF_ISA_NAMES)
+                 if shmt_half_kernel(i, 0, 0) != NULL)
 
 
 cdef reduce_fn get_kernel(int op, int dtype) noexcept nogil:

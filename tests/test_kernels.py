@@ -252,6 +252,29 @@ def test_complex_prod_exact(dtype):
     np.testing.assert_array_equal(dst, numpy_reduce('prod', srcs))
 
 
+@pytest.fixture(params=K.half_isas())
+def isa(request):
+    """Run a 16-bit test with the kernels of every instruction set this build and CPU have
+    (baseline, and avx2 where available), then restore the default."""
+    default = K.half_isa()
+    K.half_isa(request.param)
+    yield request.param
+    K.half_isa(default)
+
+
+def test_half_isa_switches():
+    default = K.half_isa()
+    assert K.half_isas()[0] == 'baseline' and default == K.half_isas()[-1]
+    try:
+        for name in K.half_isas():
+            assert K.half_isa(name) == name == K.half_isa()
+    finally:
+        K.half_isa(default)
+    with pytest.raises(ValueError, match="not available"):
+        K.half_isa('sse9')
+    assert K.half_isa() == default
+
+
 def half_reference(op, srcs):
     """The float16 contract: widen to float32, reduce left to right in float32, round once."""
     acc = srcs[0].astype(np.float32)
@@ -268,7 +291,7 @@ def assert_same_half_bits(got, expected):
 
 @pytest.mark.parametrize('op', ['sum', 'prod'])
 @pytest.mark.parametrize('nsrc', [2, 3, 8])
-def test_float16_every_bit_pattern(op, nsrc):
+def test_float16_every_bit_pattern(op, nsrc, isa):
     # Every half value (zeros, subnormals, normals, infinities, NaNs) in every source, in random
     # pairings: exercises both conversions and round-to-nearest-even, subnormal results included.
     rng = np.random.default_rng(nsrc)
@@ -281,7 +304,7 @@ def test_float16_every_bit_pattern(op, nsrc):
     assert_same_half_bits(dst, expected)
 
 
-def test_float16_rounds_once():
+def test_float16_rounds_once(isa):
     # 2048 + 1 + 1: rounding after each add (numpy's float16 loop) gives 2048; we give 2050.
     srcs = [np.full(9, v, np.float16) for v in (2048, 1, 1)]
     dst = np.empty_like(srcs[0])
@@ -335,7 +358,7 @@ def assert_same_bf16_bits(got, expected):
 @pytest.mark.parametrize('inplace', [False, True], ids=['out', 'inplace'])
 @pytest.mark.parametrize('nsrc', [2, 3, 4, 8])
 @pytest.mark.parametrize('op', ['sum', 'prod', 'min', 'max'])
-def test_bfloat16_every_bit_pattern(op, nsrc, inplace):
+def test_bfloat16_every_bit_pattern(op, nsrc, inplace, isa):
     # Every bfloat16 value (zeros, subnormals, normals, infinities, quiet and signaling NaNs with
     # every payload) in every source, in random pairings: both conversions, rounding to nearest
     # even, overflow to inf, subnormal results; 65536 elements are many blocks of the
@@ -360,7 +383,7 @@ def bf16_specials():
 
 
 @pytest.mark.parametrize('op', ['sum', 'prod', 'min', 'max'])
-def test_bfloat16_special_values_every_pair(op):
+def test_bfloat16_special_values_every_pair(op, isa):
     bf = bfloat16()
     sp = bf16_specials()
     a, b = (x.ravel().copy().view(bf) for x in np.meshgrid(sp, sp, indexing='ij'))
@@ -370,7 +393,7 @@ def test_bfloat16_special_values_every_pair(op):
         assert_same_bf16_bits(dst, bf16_reference(op, srcs))
 
 
-def test_bfloat16_ties_round_to_even_once():
+def test_bfloat16_ties_round_to_even_once(isa):
     bf = bfloat16()
 
     def run(op, *columns):
@@ -396,7 +419,7 @@ def test_bfloat16_ties_round_to_even_once():
 
 @pytest.mark.parametrize('nsrc', [2, 3, 5])
 @pytest.mark.parametrize('dtype', ['bf16', 'f2'])
-def test_16bit_odd_lengths_and_unaligned_starts(dtype, nsrc):
+def test_16bit_odd_lengths_and_unaligned_starts(dtype, nsrc, isa):
     # The 16-bit kernels load and store two elements at a time: odd lengths (a last element on
     # its own), starts at odd elements (words on 2-byte boundaries), lengths around the block of
     # the more-than-two-sources path; nothing outside dst is written.
