@@ -1,9 +1,9 @@
 /*
  * IEEE 754 binary16 ("half", numpy float16) and bfloat16 <-> binary32 conversion, portable C.
  *
- * Used by the float16 and bfloat16 reduction kernels in _kernels.pyx, which widen every input to
- * float32, reduce in float32 and round the result back to 16 bits once, two elements at a time
- * (the pair functions at the end).
+ * Used by the float16 and bfloat16 reduction kernels (half_kernels.h, half_loops.h), which widen
+ * every input to float32, reduce in float32 and round the result back to 16 bits once, two
+ * elements at a time (the pair functions at the end).
  *
  * Both directions are pure bit manipulation plus one float add/subtract, written with selects
  * instead of branches so that a loop over them can be vectorized.  They are exact for every
