@@ -11,9 +11,9 @@ released; its Python-side checks cost a few microseconds per call, nothing at th
 A size is the bytes of the float32 array; the 16-bit arrays hold the same number of elements
 (half the bytes), so the columns compare element rates at equal work.  dst is a separate array
 (out of place, as when the engine reduces into a ring slot); `--inplace` reduces into srcs[0].
-Each cell is the best of --repeat calls (Melem/s = elements of dst per microsecond), the dtypes
-taking turns within every round, so that noise from other processes on the machine hits them
-alike.  The ratio columns divide a 16-bit rate by the float32 rate of the same row.
+Each cell is the best of --repeat calls on each of --trials fresh sets of arrays (Melem/s =
+elements of dst per microsecond), the dtypes taking turns within every round, so that noise
+from other processes on the machine hits them alike.  The ratio columns divide a 16-bit rate by the float32 rate of the same row.
 """
 import argparse
 import os
@@ -67,7 +67,10 @@ def main(argv=None):
     ap.add_argument("--nsrc", default="2,4", help="sources per reduction (default %(default)s)")
     ap.add_argument("--ops", default="sum", help="ops, comma-separated (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=0,
-                    help="calls per cell (default: enough for ~0.3 s of f32 work per cell)")
+                    help="calls per cell and trial (default: ~0.1 s of f32 work)")
+    ap.add_argument("--trials", type=int, default=3,
+                    help="fresh arrays per cell, the best kept (default %(default)s): where "
+                         "the pages of an allocation land moves a figure by up to 2x here")
     ap.add_argument("--inplace", action="store_true", help="dst is srcs[0]")
     isas = K.half_isas() if hasattr(K, "half_isas") else ()
     ap.add_argument("--isa", choices=isas or None,
@@ -94,19 +97,21 @@ def main(argv=None):
         for nbytes in sizes:
             n = max(1, nbytes // 4)
             for nsrc in nsrcs:
-                cells = {k: operands(dt, n, nsrc, rng) for k, dt in kinds}
-                reps = args.repeat or max(5, min(500, int(0.3e9 / max(1, n * nsrc))))
+                reps = args.repeat or max(5, min(500, int(0.1e9 / max(1, n * nsrc))))
                 best = {k: float("inf") for k in names}
-                for k in names:                              # warm up (page faults, caches)
-                    dst, srcs = cells[k]
-                    K.reduce_into(srcs[0] if args.inplace else dst, srcs, op)
-                for _ in range(reps):
-                    for k in names:
+                for _ in range(args.trials):                 # fresh arrays each trial
+                    cells = {k: operands(dt, n, nsrc, rng) for k, dt in kinds}
+                    for k in names:                          # warm up (page faults, caches)
                         dst, srcs = cells[k]
-                        target = srcs[0] if args.inplace else dst
-                        t0 = time.perf_counter()
-                        K.reduce_into(target, srcs, op)
-                        best[k] = min(best[k], time.perf_counter() - t0)
+                        K.reduce_into(srcs[0] if args.inplace else dst, srcs, op)
+                    for _ in range(reps):
+                        for k in names:
+                            dst, srcs = cells[k]
+                            target = srcs[0] if args.inplace else dst
+                            t0 = time.perf_counter()
+                            K.reduce_into(target, srcs, op)
+                            best[k] = min(best[k], time.perf_counter() - t0)
+                    del cells
                 rates = {k: n / best[k] / 1e6 for k in names}
                 line = f"{op:>4} {_label(nbytes):>10} {nsrc:>4} "
                 line += " ".join(f"{rates[k]:>10.0f}" for k in names)
