@@ -4,6 +4,7 @@ Optimised (-O3) by default, portable: no -march=native unless SHMTREE_NATIVE=1 i
 environment at build time.  SHMTREE_VEC_REPORT=1 adds -fopt-info-vec-optimized so that one can
 see which reduction loops the compiler vectorised.
 """
+import glob
 import os
 
 import numpy
@@ -21,6 +22,7 @@ def ext(name):
         f"shmtree.{name}",
         [f"shmtree/{name}.pyx"],
         include_dirs=["shmtree/_csrc", numpy.get_include()],
+        depends=sorted(glob.glob("shmtree/_csrc/*.h")),     # rebuild when a header changes
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
     )

@@ -24,20 +24,22 @@ four layers, each built only on the one above it:
      bitwise ops;
    - bool (0/1 bytes): sum, max and bor are logical or, prod, min and band logical and, bxor
      logical xor, which on 0/1 are exactly uint8 max, min and ^, so bool uses uint8 kernels;
-   - float16: every input widened to float32, reduced in float32 (min/max with the rule above),
-     rounded to half once (round to nearest even); the conversions are in _csrc/half.h.
-2. Fused loops: `_reduce[Elem, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
+   - float16 and bfloat16: every input widened to float32, reduced in float32 (min/max with the
+     rule above), rounded to 16 bits once (round to nearest even).  Their kernels are C, in
+     _csrc/half_kernels.h (conversions in _csrc/half.h): pairs of elements handled as 32-bit
+     words so that vector lanes stay 32 bits wide, compiled for the baseline and for AVX2.
+2. Fused loops: `_reduce[Num, Op]` copies when nsrc == 1; otherwise `_reduce_num` cuts the
    arrays into blocks of BLOCK_BYTES and, per block, computes dst = s0 op s1, then
    dst = dst op sj for j = 2..nsrc-1.  Each of those is a plain contiguous loop (`_pair`,
    `_accumulate`) that the compiler vectorizes, and the block of dst stays in L1 cache between
-   them.  `_reduce_half` does the same for float16 through a float32 block.  Written once;
-   Cython instantiates them for every element type x op through the fused types `Elem`/`Num`
-   and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op is made at
-   compile time and costs nothing at run time).
+   them.  Written once; Cython instantiates them for every element type x op through the fused
+   types `Num` and `Op` (ops are empty tag structs passed as NULL pointers, so the choice of op
+   is made at compile time and costs nothing at run time).
 3. The table: `_k_sum`, `_k_prod`, `_k_min`, `_k_max`, `_k_band`, `_k_bor`, `_k_bxor` have the
    shape of `reduce_fn`; their instantiations fill `_TABLE[op][dtype]` once at import, NULL
-   where unsupported (min/max of complex, bitwise ops of float and complex); `get_kernel` is a
-   bounds-checked lookup.
+   where unsupported (min/max of complex, bitwise ops of float and complex); the float16 and
+   bfloat16 columns come from _csrc/half_kernels.h, for the best instruction set the CPU has
+   (`half_isa` tells and switches); `get_kernel` is a bounds-checked lookup.
 4. Python helpers: DTYPE_CODES / dtype_code, OP_CODES and UFUNC_CODES (the one op table: names
    and numpy ufuncs -> OP_* codes) / op_code / op_name, supported, and reduce_into, which
    validates numpy arrays, takes their buffers and runs a kernel with the GIL released.
@@ -51,11 +53,12 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-cdef extern from "_csrc/half.h" nogil:
-    float shmt_half_to_float(uint16_t h)
-    uint16_t shmt_float_to_half(float f)
-    float shmt_bf16_to_float(uint16_t b)
-    uint16_t shmt_float_to_bf16(float f)
+cdef extern from "_csrc/half_kernels.h" nogil:
+    ctypedef void (*shmt_half_fn)(void *dst, const void **srcs, int nsrc, Py_ssize_t n)
+    shmt_half_fn shmt_half_kernel(int isa, int type, int op)
+    enum:
+        SHMT_ISA_BASE
+        SHMT_ISA_AVX2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,18 +75,6 @@ ctypedef struct c8_t:
 ctypedef struct c16_t:
     double re
     double im
-
-# float16 and bfloat16 as their bit patterns; structs so that each is a type of its own.
-ctypedef struct half_t:
-    uint16_t bits
-
-ctypedef struct bf16_t:
-    uint16_t bits
-
-# The 16-bit floats, reduced through float32 blocks.
-ctypedef fused Half16:
-    half_t
-    bf16_t
 
 ctypedef fused Integer:
     uint8_t
@@ -104,15 +95,11 @@ ctypedef fused Cplx:
     c8_t
     c16_t
 
-# Types reduced directly by the generic loops.
+# Every element type the generic loops reduce (float16 and bfloat16 have kernels of their own,
+# in C: _csrc/half_kernels.h).
 ctypedef fused Num:
     Real
     Cplx
-
-# Every element type a kernel exists for: Num plus the 16-bit floats.
-ctypedef fused Elem:
-    Num
-    Half16
 
 # Op tags: never instantiated, only their types matter.
 ctypedef struct OpSum:
@@ -158,8 +145,6 @@ ctypedef union f64_bits:
 cdef enum:
     # Bytes of dst per block: dst's block is re-read once per source, so it must stay in L1.
     BLOCK_BYTES = 2048
-    # float32 accumulators per block in the float16 path.
-    HALF_BLOCK = BLOCK_BYTES // 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,54 +292,6 @@ cdef inline void _accumulate(Num *d, const Num *b, Py_ssize_t m, Op *op) noexcep
         d[i] = _combine(d[i], b[i], op)
 
 
-cdef inline float _to_float(Half16 x) noexcept nogil:
-    if Half16 is half_t:
-        return shmt_half_to_float(x.bits)
-    else:
-        return shmt_bf16_to_float(x.bits)
-
-
-cdef inline void _widen_half(float *acc, const Half16 *s, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(m):
-        acc[i] = _to_float(s[i])
-
-
-cdef inline void _accumulate_half(float *acc, const Half16 *s, Py_ssize_t m,
-                                  Op *op) noexcept nogil:
-    # acc op s, the same operand order as _accumulate.  (The operands were once swapped to copy
-    # numpy's float16 choice of operand on -0.0/+0.0 ties in min/max; the sign rule of _min and
-    # _max makes those ties independent of operand order, so no swap is needed.)
-    cdef Py_ssize_t i
-    for i in range(m):
-        acc[i] = _combine(acc[i], _to_float(s[i]), op)
-
-
-cdef inline void _narrow_half(Half16 *d, const float *acc, Py_ssize_t m) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(m):
-        if Half16 is half_t:
-            d[i].bits = shmt_float_to_half(acc[i])
-        else:
-            d[i].bits = shmt_float_to_bf16(acc[i])
-
-
-cdef void _reduce_half(Half16 *dst, const Half16 **srcs, int nsrc, Py_ssize_t n,
-                       Op *op) noexcept nogil:
-    """float16 and bfloat16, nsrc >= 2: per block, widen srcs[0] to float32, fold in the other
-    sources in float32, round once."""
-    cdef float acc[HALF_BLOCK]
-    cdef Py_ssize_t start = 0, m
-    cdef int j
-    while start < n:
-        m = min(<Py_ssize_t>HALF_BLOCK, n - start)
-        _widen_half(acc, srcs[0] + start, m)
-        for j in range(1, nsrc):
-            _accumulate_half(acc, srcs[j] + start, m, op)
-        _narrow_half(dst + start, acc, m)
-        start += m
-
-
 cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op) noexcept nogil:
     """nsrc >= 2: per block, dst = s0 op s1, then dst = dst op sj; in place when dst is s0."""
     cdef Py_ssize_t blk = BLOCK_BYTES // sizeof(Num)
@@ -371,14 +308,12 @@ cdef void _reduce_num(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n, Op *op
         start += m
 
 
-cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
+cdef inline void _reduce(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n,
                          Op *op) noexcept nogil:
     """dst[i] = srcs[0][i] op ... op srcs[nsrc-1][i], left to right; the one generic driver."""
     if nsrc == 1:
         if dst != srcs[0]:
-            memcpy(dst, srcs[0], <size_t>n * sizeof(Elem))
-    elif Elem is half_t or Elem is bf16_t:
-        _reduce_half(dst, srcs, nsrc, n, op)
+            memcpy(dst, srcs[0], <size_t>n * sizeof(Num))
     else:
         _reduce_num(dst, srcs, nsrc, n, op)
 
@@ -391,51 +326,51 @@ cdef inline void _reduce(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n,
 # them cast to reduce_fn: they differ from it only in pointer parameter types, which every C ABI
 # passes identically (GCC's -Wcast-function-type treats such casts as compatible).
 
-cdef void _k_sum(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_sum(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpSum *>NULL)
 
 
-cdef void _k_prod(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_prod(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpProd *>NULL)
 
 
-cdef void _k_min(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_min(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpMin *>NULL)
 
 
-cdef void _k_max(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_max(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpMax *>NULL)
 
 
-cdef void _k_band(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_band(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBand *>NULL)
 
 
-cdef void _k_bor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_bor(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBor *>NULL)
 
 
-cdef void _k_bxor(Elem *dst, const Elem **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
+cdef void _k_bxor(Num *dst, const Num **srcs, int nsrc, Py_ssize_t n) noexcept nogil:
     _reduce(dst, srcs, nsrc, n, <OpBxor *>NULL)
 
 
 cdef reduce_fn _TABLE[N_OPS][N_DTYPES]
 
 
-cdef void _set_row(int dtype, Elem *type_tag) noexcept:
-    """Fill the table's column for one dtype with the kernels of element type Elem."""
-    _TABLE[OP_SUM][dtype] = <reduce_fn>_k_sum[Elem]
-    _TABLE[OP_PROD][dtype] = <reduce_fn>_k_prod[Elem]
-    if Elem in Cplx:
+cdef void _set_row(int dtype, Num *type_tag) noexcept:
+    """Fill the table's column for one dtype with the kernels of element type Num."""
+    _TABLE[OP_SUM][dtype] = <reduce_fn>_k_sum[Num]
+    _TABLE[OP_PROD][dtype] = <reduce_fn>_k_prod[Num]
+    if Num in Cplx:
         _TABLE[OP_MIN][dtype] = NULL
         _TABLE[OP_MAX][dtype] = NULL
     else:
-        _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Elem]
-        _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Elem]
-    if Elem in Integer:
-        _TABLE[OP_BAND][dtype] = <reduce_fn>_k_band[Elem]
-        _TABLE[OP_BOR][dtype] = <reduce_fn>_k_bor[Elem]
-        _TABLE[OP_BXOR][dtype] = <reduce_fn>_k_bxor[Elem]
+        _TABLE[OP_MIN][dtype] = <reduce_fn>_k_min[Num]
+        _TABLE[OP_MAX][dtype] = <reduce_fn>_k_max[Num]
+    if Num in Integer:
+        _TABLE[OP_BAND][dtype] = <reduce_fn>_k_band[Num]
+        _TABLE[OP_BOR][dtype] = <reduce_fn>_k_bor[Num]
+        _TABLE[OP_BXOR][dtype] = <reduce_fn>_k_bxor[Num]
     else:
         _TABLE[OP_BAND][dtype] = NULL
         _TABLE[OP_BOR][dtype] = NULL
@@ -451,8 +386,6 @@ cdef void _build_table() noexcept:
     _set_row(DT_U2, <uint16_t *>NULL)
     _set_row(DT_U4, <uint32_t *>NULL)
     _set_row(DT_U8, <uint64_t *>NULL)
-    _set_row(DT_F2, <half_t *>NULL)
-    _set_row(DT_BF16, <bf16_t *>NULL)
     _set_row(DT_F4, <float *>NULL)
     _set_row(DT_F8, <double *>NULL)
     _set_row(DT_C8, <c8_t *>NULL)
@@ -468,7 +401,55 @@ cdef void _build_table() noexcept:
     _TABLE[OP_BXOR][DT_BOOL] = <reduce_fn>_k_bxor[uint8_t]
 
 
+# Instruction sets the 16-bit kernels were compiled for, best last; HALF_ISA_NAMES[i] is isa i.
+HALF_ISA_NAMES = ('baseline', 'avx2')
+cdef int _half_isa = SHMT_ISA_BASE
+
+
+cdef bint _set_half_rows(int isa) noexcept:
+    """Point the float16 and bfloat16 columns at the kernels of instruction set isa; False (and
+    nothing changed) if that set is not compiled in or the CPU lacks it."""
+    global _half_isa
+    cdef int op, t
+    cdef int dtypes[2]
+    dtypes[0] = DT_F2
+    dtypes[1] = DT_BF16
+    for t in range(2):
+        for op in range(4):                     # OP_SUM, OP_PROD, OP_MIN, OP_MAX
+            if shmt_half_kernel(isa, t, op) == NULL:
+                return False
+    for t in range(2):
+        for op in range(4):
+            _TABLE[op][dtypes[t]] = <reduce_fn>shmt_half_kernel(isa, t, op)
+        _TABLE[OP_BAND][dtypes[t]] = NULL
+        _TABLE[OP_BOR][dtypes[t]] = NULL
+        _TABLE[OP_BXOR][dtypes[t]] = NULL
+    _half_isa = isa
+    return True
+
+
 _build_table()
+_set_half_rows(SHMT_ISA_BASE)
+_set_half_rows(SHMT_ISA_AVX2)                   # where compiled in and the CPU has it
+
+
+def half_isa(name=None):
+    """The instruction set the float16/bfloat16 kernels run with: 'avx2' where the build has
+    those kernels (x86-64, GCC or clang) and the CPU has AVX2, else 'baseline' (the build's own,
+    SSE2 on x86-64).  Both give the same bits.  With a name (one of HALF_ISA_NAMES), switch to
+    it first, for this process, for calls that start afterwards (tests and benchmarks compare
+    the two); ValueError if it is not available here."""
+    if name is not None:
+        if name not in HALF_ISA_NAMES or not _set_half_rows(HALF_ISA_NAMES.index(name)):
+            raise ValueError(f"16-bit kernels for {name!r} are not available here "
+                             f"(known: {', '.join(HALF_ISA_NAMES)})")
+    return HALF_ISA_NAMES[_half_isa]
+
+
+def half_isas():
+    """The instruction sets half_isa() can switch to here, baseline first."""
+    return tuple(name for i, name in enumerate(HALF_ISA_NAMES)
+                 if shmt_half_kernel(i, 0, 0) != NULL)
 
 
 cdef reduce_fn get_kernel(int op, int dtype) noexcept nogil:

@@ -95,15 +95,19 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         if self._group.aborted():
             raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
                                f"{self._group.describe_abort()}")
-        try:
-            if nbytes <= INLINE_BYTES:
+        if nbytes <= INLINE_BYTES:
+            try:
                 for call in calls:
                     call(True)
                 fut.set_result(finish())
-                return _create_work_from_future(fut)
-            requests = [call(False) for call in calls]
-        except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
-            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+            return _create_work_from_future(fut)
+        # Everything the posted path needs is made before the first call is posted: from then
+        # on the progress thread wants the GIL, and each step left here would make it (and the
+        # peers waiting for this rank's part) wait behind this thread.
+        work = _create_work_from_future(fut)
+        requests = []
 
         def done(_):
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
@@ -121,8 +125,13 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 return
             fut.set_result(value)
 
+        try:
+            for call in calls:
+                requests.append(call(False))
+        except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
         requests[-1].add_done_callback(done)
-        return _create_work_from_future(fut)
+        return work
 
     def _divide(self, tensors, op, mine=True):
         """AVG: the sum, divided by the size (where the result is)."""

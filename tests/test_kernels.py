@@ -252,6 +252,29 @@ def test_complex_prod_exact(dtype):
     np.testing.assert_array_equal(dst, numpy_reduce('prod', srcs))
 
 
+@pytest.fixture(params=K.half_isas())
+def isa(request):
+    """Run a 16-bit test with the kernels of every instruction set this build and CPU have
+    (baseline, and avx2 where available), then restore the default."""
+    default = K.half_isa()
+    K.half_isa(request.param)
+    yield request.param
+    K.half_isa(default)
+
+
+def test_half_isa_switches():
+    default = K.half_isa()
+    assert K.half_isas()[0] == 'baseline' and default == K.half_isas()[-1]
+    try:
+        for name in K.half_isas():
+            assert K.half_isa(name) == name == K.half_isa()
+    finally:
+        K.half_isa(default)
+    with pytest.raises(ValueError, match="not available"):
+        K.half_isa('sse9')
+    assert K.half_isa() == default
+
+
 def half_reference(op, srcs):
     """The float16 contract: widen to float32, reduce left to right in float32, round once."""
     acc = srcs[0].astype(np.float32)
@@ -268,7 +291,7 @@ def assert_same_half_bits(got, expected):
 
 @pytest.mark.parametrize('op', ['sum', 'prod'])
 @pytest.mark.parametrize('nsrc', [2, 3, 8])
-def test_float16_every_bit_pattern(op, nsrc):
+def test_float16_every_bit_pattern(op, nsrc, isa):
     # Every half value (zeros, subnormals, normals, infinities, NaNs) in every source, in random
     # pairings: exercises both conversions and round-to-nearest-even, subnormal results included.
     rng = np.random.default_rng(nsrc)
@@ -281,7 +304,7 @@ def test_float16_every_bit_pattern(op, nsrc):
     assert_same_half_bits(dst, expected)
 
 
-def test_float16_rounds_once():
+def test_float16_rounds_once(isa):
     # 2048 + 1 + 1: rounding after each add (numpy's float16 loop) gives 2048; we give 2050.
     srcs = [np.full(9, v, np.float16) for v in (2048, 1, 1)]
     dst = np.empty_like(srcs[0])
@@ -295,6 +318,134 @@ def test_float16_rounds_once():
     half = np.full(3, 0.5, np.float16)
     K.reduce_into(dst[:3], [tiny, half], 'prod')
     np.testing.assert_array_equal(dst[:3], np.array([0, 2 * 2**-24, 2**-15], np.float16))
+
+
+def bfloat16():
+    return pytest.importorskip('ml_dtypes').bfloat16
+
+
+def ieee_fold(op, a, b):
+    """float32 a op b as the kernels compute it: numpy's, except that min/max order -0.0 below
+    +0.0 whatever the operand order."""
+    r = UFUNCS[op](a, b)
+    if op in ('min', 'max'):
+        sa, sb = np.signbit(a), np.signbit(b)
+        neg = (sa | sb) if op == 'min' else (sa & sb)
+        r = np.where((a == 0) & (b == 0), np.where(neg, np.float32(-0.0), np.float32(0.0)), r)
+    return r
+
+
+def bf16_reference(op, srcs):
+    """The bfloat16 contract: widen to float32, fold left to right in float32, round once to
+    nearest even (ml_dtypes' float32 -> bfloat16 conversion)."""
+    acc = srcs[0].astype(np.float32)
+    with np.errstate(all='ignore'):
+        for s in srcs[1:]:
+            acc = ieee_fold(op, acc, s.astype(np.float32))
+        return acc.astype(srcs[0].dtype)
+
+
+def assert_same_bf16_bits(got, expected):
+    """Bit for bit, except that a NaN may be any NaN; it must come out quiet (bits 0x7fc0 set:
+    exponent all ones and the quiet bit)."""
+    bits, want = got.view(np.uint16), expected.view(np.uint16)
+    nan = (want & 0x7fff) > 0x7f80
+    np.testing.assert_array_equal((bits & 0x7fff) > 0x7f80, nan)
+    np.testing.assert_array_equal(bits[~nan], want[~nan])
+    assert ((bits[nan] & 0x7fc0) == 0x7fc0).all(), "a NaN came out signaling"
+
+
+@pytest.mark.parametrize('inplace', [False, True], ids=['out', 'inplace'])
+@pytest.mark.parametrize('nsrc', [2, 3, 4, 8])
+@pytest.mark.parametrize('op', ['sum', 'prod', 'min', 'max'])
+def test_bfloat16_every_bit_pattern(op, nsrc, inplace, isa):
+    # Every bfloat16 value (zeros, subnormals, normals, infinities, quiet and signaling NaNs with
+    # every payload) in every source, in random pairings: both conversions, rounding to nearest
+    # even, overflow to inf, subnormal results; 65536 elements are many blocks of the
+    # more-than-two-sources path, and 2 sources take the one-pass path.
+    bf = bfloat16()
+    rng = np.random.default_rng([nsrc, 16])
+    everything = np.arange(2**16, dtype=np.uint16)
+    srcs = [rng.permutation(everything).view(bf) for _ in range(nsrc)]
+    expected = bf16_reference(op, srcs)
+    dst = srcs[0] if inplace else np.empty_like(srcs[0])
+    K.reduce_into(dst, srcs, op)
+    assert_same_bf16_bits(dst, expected)
+
+
+def bf16_specials():
+    """bfloat16 bit patterns at the edges of every class, both signs: exponents 0 (zero and
+    subnormals), 1, 126, 127, 128, 253, 254 (largest finite) and 255 (inf, NaNs), mantissas
+    0, 1, 0x3f, 0x40 (the quiet bit), 0x41, 0x7f."""
+    return np.array([sign | exp << 7 | man for sign in (0, 0x8000)
+                     for exp in (0, 1, 126, 127, 128, 253, 254, 255)
+                     for man in (0, 1, 0x3f, 0x40, 0x41, 0x7f)], np.uint16)
+
+
+@pytest.mark.parametrize('op', ['sum', 'prod', 'min', 'max'])
+def test_bfloat16_special_values_every_pair(op, isa):
+    bf = bfloat16()
+    sp = bf16_specials()
+    a, b = (x.ravel().copy().view(bf) for x in np.meshgrid(sp, sp, indexing='ij'))
+    for srcs in ([a, b], [a, b, a], [a, b, b, a]):
+        dst = np.empty_like(a)
+        K.reduce_into(dst, srcs, op)
+        assert_same_bf16_bits(dst, bf16_reference(op, srcs))
+
+
+def test_bfloat16_ties_round_to_even_once(isa):
+    bf = bfloat16()
+
+    def run(op, *columns):
+        srcs = [np.array(c, np.float32).astype(bf) for c in columns]
+        dst = np.empty_like(srcs[0])
+        K.reduce_into(dst, srcs, op)
+        return dst.astype(np.float32)
+
+    big = float(np.array(0x7f7f, np.uint16).view(bf))           # largest finite bfloat16
+    # a + b exactly halfway between two bfloat16 values: to the even one.
+    got = run('sum', [1, 1 + 2**-7, 2 - 2**-7, -1, big, big, 3],
+                     [2**-8, 2**-8, 2**-8, -2**-8, 2.0**119, 2.0**118, 2**-7])
+    np.testing.assert_array_equal(got, [1, 1 + 2**-6, 2, -1, np.inf, big, 3])
+    # rounded once, not after every add: 1 + 2^-8 + 2^-8 is 1 + 2^-7, not 1
+    np.testing.assert_array_equal(run('sum', [1, -1], [2**-8, -2**-8], [2**-8, -2**-8]),
+                                  [1 + 2**-7, -1 - 2**-7])
+    # products halfway between subnormals: 2^-134 to 0 (even), 1.5 * 2^-133 up to 2^-132
+    np.testing.assert_array_equal(run('prod', [2.0**-133, 3 * 2.0**-133, -3 * 2.0**-133],
+                                      [0.5, 0.5, 0.5]),
+                                  [0, 2.0**-132, -2.0**-132])
+    assert np.signbit(run('prod', [-(2.0**-133)], [0.5])[0])          # -0, not +0
+
+
+@pytest.mark.parametrize('nsrc', [2, 3, 5])
+@pytest.mark.parametrize('dtype', ['bf16', 'f2'])
+def test_16bit_odd_lengths_and_unaligned_starts(dtype, nsrc, isa):
+    # The 16-bit kernels load and store two elements at a time: odd lengths (a last element on
+    # its own), starts at odd elements (words on 2-byte boundaries), lengths around the block of
+    # the more-than-two-sources path; nothing outside dst is written.
+    dt = bfloat16() if dtype == 'bf16' else np.dtype(np.float16)
+    rng = np.random.default_rng([nsrc, 2])
+    guard = np.uint16(0x3e00)
+    for n in list(range(0, 18)) + [2047, 2048, 2049, 2050, 4097]:
+        for dst_off, src_off in ((0, 0), (1, 0), (0, 1), (1, 1), (3, 2)):
+            bufs = [rng.standard_normal(n + 8).astype(np.float32).astype(dt)
+                    for _ in range(nsrc)]
+            srcs = [b[(src_off + j) % 4:][:n] for j, b in enumerate(bufs)]
+            expected = bf16_reference('sum', srcs) if dtype == 'bf16' else half_reference(
+                'sum', srcs)
+            out = np.full(n + 8, guard, np.uint16)
+            dst = out[dst_off:dst_off + n].view(dt)
+            K.reduce_into(dst, srcs, 'sum')
+            assert dst.view(np.uint16).tolist() == expected.view(np.uint16).tolist(), (n, dst_off)
+            assert (out[:dst_off] == guard).all() and (out[dst_off + n:] == guard).all()
+            # in place: dst is srcs[0]
+            before = bufs[0].copy()
+            K.reduce_into(srcs[0], srcs, 'sum')
+            assert srcs[0].view(np.uint16).tolist() == expected.view(np.uint16).tolist()
+            lo = src_off % 4
+            assert before[:lo].view(np.uint16).tolist() == bufs[0][:lo].view(np.uint16).tolist()
+            assert (before[lo + n:].view(np.uint16).tolist()
+                    == bufs[0][lo + n:].view(np.uint16).tolist())
 
 
 @pytest.mark.parametrize('byname', [True, False], ids=['name', 'ufunc'])
