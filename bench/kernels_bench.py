@@ -30,10 +30,7 @@ except ImportError:                      # run from a checkout
 from shmtree import _kernels as K  # noqa: E402
 
 
-def _parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from shmtree.bench.units import parse_size as _parse_size  # noqa: E402
 
 
 def _label(nbytes):

@@ -29,10 +29,7 @@ except ImportError:                      # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from shmtree.bench.units import parse_size as _parse_size  # noqa: E402
 
 
 def worker(rank, size, backend, store_path, sizes, steps, outdir):
