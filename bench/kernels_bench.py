@@ -23,13 +23,12 @@ import time
 import numpy as np
 
 try:
-    import shmtree  # noqa: F401
+    import shmtree
 except ImportError:                      # run from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import shmtree
 
 from shmtree import _kernels as K  # noqa: E402
-
-
 from shmtree.bench.units import parse_size as _parse_size  # noqa: E402
 
 
