@@ -1,6 +1,6 @@
 """Collectives across nodes: a node's shared-memory group plus MPI between the nodes' leaders.
 
-`from_mpi(mpi_comm, node_size=None)` (docs/design.md, "Beyond one machine"): the processes of an
+`from_mpi(mpi_comm, node_size=None)` (docs/design.md, "Across nodes (MPI)"): the processes of an
 MPI job that share a node form a shmtree group of their own (one creates the segment, the others
 attach through a rendezvous token: same user only), local rank 0 of each node is its leader and
 owns the inter-node Link (shmtree.inter), and the communicator returned spans every node:
@@ -21,6 +21,10 @@ Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
 
 The reduction order is fixed by this plan (the node's own tree order, then nodes in order), not
 by MPI: the same bits on every rank of every node.
+
+The same communicator serves the launcher-per-node way in (Group / run / Pool with inter=,
+`start_proxy` and `spanning_member` below): there the leader's link is a ProxyLink to its
+launcher (shmtree.mailbox) instead of MPI in the leader itself.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ class Spanning:
     allgather, reduce_scatter, barrier, their i-forms); ranks are global."""
 
     def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
-                 mpi_comm=None, lane=None):
+                 lane=None):
         self.local = local
         self.group = local.group
         self._link = link
@@ -74,7 +78,6 @@ class Spanning:
         self._where = {g: (n, r) for n, m in enumerate(self._members) for r, g in enumerate(m)}
         self._in_order = self._order == list(range(self.size))
         self._scratch = None
-        self._mpi_comm = mpi_comm
         self._closed = False
         if self.nodes == 1:          # one node: its own communicator makes every call
             for name in ("allreduce", "iallreduce", "reduce", "ireduce", "reduce_scatter",
@@ -776,8 +779,7 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
         elif leaders != MPI.COMM_NULL:
             leaders.Free()
     comm = Spanning(local, link, rank, members, node,
-                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, mpi_comm,
-                    lane=lane)
+                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, lane=lane)
     _communicator._set_current(comm)
     return comm
 
