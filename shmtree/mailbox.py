@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 
 from . import _moving
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .inter import Link
 from .transport import create_memfd
 
 __all__ = ["Proxy", "ProxyLink", "Mailbox"]
@@ -134,7 +136,6 @@ class ProxyLink:
                 for k in range(2)]
 
     def submit(self, fn, *args):
-        from .inter import Link
         box, k = self.box, self._next
         self._next = (k + 1) % SLOTS
         ctl, data = box.ctl(k), box.data(k)
@@ -182,7 +183,6 @@ class ProxyLink:
         return _Job(k, step, out, at)
 
     def wait(self, job, deadline=None):
-        import time
         box = self.box
         ctl = box.ctl(job.slot)
         while True:
@@ -226,7 +226,6 @@ class Proxy:
     mailbox.  `group` is the node's Group (this process created it)."""
 
     def __init__(self, group, inter, segment):
-        from .inter import Link
         self.group = group
         self.box, self.fd = Mailbox.create(segment)
         self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
@@ -279,7 +278,6 @@ class Proxy:
         return False
 
     def _step(self, k):
-        from .inter import Link
         box, link = self.box, self.link
         ctl, data = box.ctl(k), box.data(k)
         step = int(box.bytes[ctl + 8:ctl + 12].view(np.uint32)[0])
