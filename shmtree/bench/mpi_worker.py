@@ -34,7 +34,9 @@ import numpy as np
 
 if __package__:
     from . import measure
-else:  # run by path: this folder is sys.path[0]
+else:  # run by path: load measure.py from this folder (sys.path[0] is not it under -P or
+    import os  # PYTHONSAFEPATH, which the tests' conftest sets for an installed shmtree)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import measure
 
 MARKER = "SHMTREE-BENCH-MPI "
