@@ -64,7 +64,7 @@ class Link:
     communicator the program uses); `group` is the node's Group (aborted when another node
     fails)."""
 
-    def __init__(self, comm, group, node_rank_text="node"):
+    def __init__(self, comm, group):
         from mpi4py import MPI
         self.MPI = MPI
         self.comm = comm

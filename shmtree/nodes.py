@@ -273,9 +273,9 @@ class Spanning:
             full = by_rank
         return full
 
-    def _check(self, table, compare, describe):
+    def _check(self, table, compare=tuple):
         """Raise CollectiveMismatchError (the same text on every rank) unless every row agrees
-        with `compare`'s notion of the same call."""
+        with `compare`'s notion of the same call (by default: equal rows)."""
         seen = {}
         for g in range(self.size):
             seen.setdefault(compare(table[g]), []).append(g)
@@ -283,7 +283,7 @@ class Spanning:
             def text(rs):
                 nodes = ",".join(str(n) for n in sorted({self._where[r][0] for r in rs}))
                 row = next((table[g] for g in rs if table[g][5] != -1), table[rs[0]])
-                return f"{ranks_text(rs)} (node {nodes}): {describe(row)}"
+                return f"{ranks_text(rs)} (node {nodes}): {_describe(row)}"
             parts = "; ".join(text(rs) for rs in seen.values())
             raise CollectiveMismatchError(
                 f"shmtree: ranks disagree on the collective call across nodes: {parts}")
@@ -292,7 +292,7 @@ class Spanning:
 
     def _prep_reducing(self, array, op, out, timeout, root, what):
         a = _movable(array, what)
-        opc, dtc = reduction_codes(op, a.dtype)
+        opc, _ = reduction_codes(op, a.dtype)
         if what == "reduce_scatter":
             if a.ndim == 0:
                 raise ValueError("shmtree: reduce_scatter needs an array of at least 1 "
@@ -307,7 +307,7 @@ class Spanning:
 
         def run():
             table = self._agree(row, deadline)
-            self._check(table, lambda r: tuple(r), _describe)
+            self._check(table)
             src = np.ascontiguousarray(a).reshape(-1)
             deliver = root is None or self._where[root][0] == self.node
             fold = self._reduce_lanes if self._lane is not None and \
@@ -454,7 +454,7 @@ class Spanning:
             def key(r):          # non-roots that passed None agree with any shape and dtype
                 t = tuple(r)
                 return rootrow if t[:2] == rootrow[:2] and (r[5] == -1 or t == rootrow) else t
-            self._check(table, key, _describe)
+            self._check(table, key)
             rnode, rlocal = self._where[root]
             src = np.ascontiguousarray(a) if self.rank == root else None
             if any(r[5] == -1 for r in table):      # someone passed None: describe the array
@@ -545,12 +545,11 @@ class Spanning:
         def run():
             table = self._agree(row, deadline)
             if axis is None:
-                self._check(table, lambda r: tuple(r), _describe)
+                self._check(table)
                 lengths = [1] * self.size
                 shape = (self.size,) + a.shape
             else:      # lengths along axis 0 may differ: compare the rest
-                self._check(table, lambda r: (tuple(r[:5]), tuple(r[6:7]), tuple(r[8:])),
-                            _describe)
+                self._check(table, lambda r: (tuple(r[:5]), tuple(r[6:7]), tuple(r[8:])))
                 lengths = [int(table[g, 7]) for g in range(self.size)]
                 shape = (sum(lengths),) + a.shape[1:]
             rowbytes = a.dtype.itemsize * (int(np.prod(a.shape, dtype=np.int64)) if axis is None
@@ -607,7 +606,7 @@ class Spanning:
 
         def run():
             table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
-            self._check(table, lambda r: tuple(r), _describe)
+            self._check(table)
         return run
 
 
