@@ -13,7 +13,8 @@ and the primitives inline into the algorithms):
   * engine/wait.pxi: spin / yield / futex sleep when nothing is ready, the abort word, the slice.
   * engine/alg_*.pxi: one algorithm per file, written in the primitives: alg_inline (the
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
-    down), alg_ring (ring schedule: reduce-scatter + allgather).
+    down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
+    other collectives), alg_direct (the single-copy allreduce of shared arrays, no rings).
   * here: the table of algorithms [collective][algorithm], the one loop driver, Engine (one rank's
     view of the group, one resumable call at a time; progress() drives the call with the GIL
     released until it is done, the group is aborted, or the time slice ends - the Python layer
@@ -23,10 +24,11 @@ and the primitives inline into the algorithms):
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t, int32_t
 from libc.string cimport memcpy, memcmp, memset
-from libc.stdlib cimport malloc, free, calloc
+from libc.stdlib cimport malloc, free, calloc, realloc
+from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel
+from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -58,6 +60,7 @@ include "engine/alg_ring.pxi"
 include "engine/alg_inline.pxi"
 include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
+include "engine/alg_direct.pxi"
 
 import numpy as np
 from shmtree import _kernels
@@ -83,7 +86,7 @@ cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
-VERSION = 2
+VERSION = 3
 # the layout constants, for transport.py (one definition: layout.h)
 LINE_BYTES = SHM_LINE
 PAGE_BYTES = SHM_PAGE
@@ -101,7 +104,9 @@ CORRUPT = RC_CORRUPT
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
 # or algorithm is a new engine/alg_*.pxi and an entry here.  Every call begins with ALG_INLINE on
 # channel 0; a message larger than small_bytes then runs on channel 1 with ALG_TREE or ALG_RING
-# (the channel's plan says which).  A barrier is an allreduce of nothing.  The other collectives
+# (the channel's plan says which), or, when every rank's input and output lie at the same place
+# of the group's shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings).  A
+# barrier is an allreduce of nothing.  The other collectives
 # have ring-schedule algorithms (Engine.begin_coll; their channel-0 round is the allreduce's,
 # without data); on a tree channel the Python layer runs them on the allreduce.
 
@@ -117,7 +122,8 @@ cdef enum:
     ALG_INLINE = 0
     ALG_TREE = 1
     ALG_RING = 2
-    N_ALG = 3
+    ALG_DIRECT = 3          # allreduce of shared arrays (single copy)
+    N_ALG = 4
 
 cdef Alg _ALGS[N_COLL][N_ALG]
 memset(_ALGS, 0, sizeof(_ALGS))
@@ -134,6 +140,7 @@ cdef void _register(int coll, int alg, alg_setup_fn setup, alg_ready_fn ready, a
 _register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
+_register(COLL_ALLREDUCE, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
 for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
     _register(_c, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
@@ -387,6 +394,14 @@ cdef class Engine:
     cdef unsigned long owner          # the thread that began the call in progress
     cdef public uint64_t nt_bytes     # messages of at least this size write their output with
                                       # streaming stores (e.nt: for the call in progress)
+    # shared arrays (shared.py registers them): per allocation its id, this rank's own stretch
+    # [start, start + nbytes) and every rank's mapping of it
+    cdef uint64_t *share_id
+    cdef uint64_t *share_start
+    cdef uint64_t *share_len
+    cdef char **share_bases           # [nshares * nranks]
+    cdef int nshares, share_cap
+    cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
@@ -414,8 +429,20 @@ cdef class Engine:
             maxchild = max(maxchild, len(spec.children))
         # the operands of one fused reduction: own input and every child's chunk (ring: 2)
         self.e.call.srcs = <const void **>calloc(maxchild + 2, sizeof(void *))
-        if self.e.call.srcs == NULL:
+        cdef Direct *d = &self.e.dir
+        d.order = <int *>calloc(self.e.nranks, sizeof(int))
+        d.post = <int *>calloc(self.e.nranks, sizeof(int))
+        d.kid_start = <int *>calloc(self.e.nranks + 1, sizeof(int))
+        d.kids = <int *>calloc(self.e.nranks, sizeof(int))
+        d.srcs = <const void **>calloc(self.e.nranks + 1, sizeof(void *))
+        d.ins = <const char **>calloc(self.e.nranks, sizeof(char *))
+        d.outs = <char **>calloc(self.e.nranks, sizeof(char *))
+        if (self.e.call.srcs == NULL or d.order == NULL or d.post == NULL or d.kid_start == NULL
+                or d.kids == NULL or d.srcs == NULL or d.ins == NULL or d.outs == NULL):
             raise MemoryError()
+        d.ring = 1
+        for i in range(self.e.nranks):
+            d.order[i] = i
 
     # the waiting policy (wait.pxi), in ns
     @property
@@ -501,6 +528,154 @@ cdef class Engine:
             free(self.e.chans[i].children)
             free(self.e.chans[i].cup)
         free(self.e.call.srcs)
+        cdef Direct *d = &self.e.dir
+        free(d.order)
+        free(d.post)
+        free(d.kid_start)
+        free(d.kids)
+        free(d.scratch)
+        free(d.srcs)
+        free(d.ins)
+        free(d.outs)
+        free(self.share_id)
+        free(self.share_start)
+        free(self.share_len)
+        free(self.share_bases)
+
+    # ---- shared arrays: the single-copy allreduce (alg_direct.pxi) ----
+
+    def direct_order(self, list ring, list children=None, int root=0):
+        """The fold order of the single-copy allreduce: the group's ring schedule (ring: the
+        ranks in ring order; children None), or its pipelined tree (children[v]: v's children,
+        left to right, under root).  The same order as the private path's, hence its bits."""
+        cdef Direct *d = &self.e.dir
+        cdef int P = self.e.nranks, i, j, n
+        if sorted(ring) != list(range(P)):
+            raise ValueError("shmtree: direct_order: ring must hold every rank once")
+        for i in range(P):
+            d.order[i] = ring[i]
+            if ring[i] == self.e.rank:
+                d.pos = i
+        d.ring = children is None
+        if d.ring:
+            return
+        if len(children) != P or sum(len(c) for c in children) != P - 1:
+            raise ValueError("shmtree: direct_order: children must describe a tree of every rank")
+        post = []
+
+        def visit(v):
+            for c in children[v]:
+                visit(c)
+            if children[v]:
+                post.append(v)
+        visit(root)
+        if len(post) != sum(1 for c in children if c):
+            raise ValueError("shmtree: direct_order: children must describe a tree under root")
+        d.root = root
+        n = 0
+        for i in range(P):
+            d.kid_start[i] = n
+            for j in children[i]:
+                d.kids[n] = j
+                n += 1
+        d.kid_start[P] = n
+        d.npost = len(post)
+        for i in range(d.npost):
+            d.post[i] = post[i]
+        free(d.scratch)
+        d.scratch = <char *>malloc(<uint64_t>P * DIRECT_PIECE)
+        if d.scratch == NULL:
+            raise MemoryError()
+
+    def share(self, uint64_t ident, uint64_t start, uint64_t nbytes, bases):
+        """Register a shared allocation: this rank's own stretch of it, and every rank's mapping
+        (bases: their addresses, by rank).  The caller keeps the mappings while registered."""
+        cdef int P = self.e.nranks, i
+        if len(bases) != P or ident == 0:
+            raise ValueError("shmtree: share: one base per rank, and an id")
+        if self.nshares == self.share_cap:
+            cap = self.share_cap * 2 + 4
+            ids = <uint64_t *>realloc(self.share_id, cap * sizeof(uint64_t))
+            if ids != NULL:
+                self.share_id = ids
+            starts = <uint64_t *>realloc(self.share_start, cap * sizeof(uint64_t))
+            if starts != NULL:
+                self.share_start = starts
+            lens = <uint64_t *>realloc(self.share_len, cap * sizeof(uint64_t))
+            if lens != NULL:
+                self.share_len = lens
+            bs = <char **>realloc(self.share_bases, cap * P * sizeof(char *))
+            if bs != NULL:
+                self.share_bases = bs
+            if ids == NULL or starts == NULL or lens == NULL or bs == NULL:
+                raise MemoryError()
+            self.share_cap = cap
+        i = self.nshares
+        self.share_id[i] = ident
+        self.share_start[i] = start
+        self.share_len[i] = nbytes
+        for r in range(P):
+            self.share_bases[i * P + r] = <char *><uintptr_t>bases[r]
+        self.nshares = i + 1
+
+    def unshare(self, uint64_t ident):
+        """Forget an allocation (before its mappings go)."""
+        cdef int P = self.e.nranks, i, last
+        for i in range(self.nshares):
+            if self.share_id[i] == ident:
+                last = self.nshares - 1
+                self.share_id[i] = self.share_id[last]
+                self.share_start[i] = self.share_start[last]
+                self.share_len[i] = self.share_len[last]
+                memcpy(&self.share_bases[i * P], &self.share_bases[last * P], P * sizeof(char *))
+                self.nshares = last
+                return
+
+    cdef int _find(self, const char *p, uint64_t n, uint64_t *off) noexcept:
+        """The index of the registered allocation that holds [p, p + n) (off: where), or -1."""
+        cdef int i
+        cdef uint64_t a = <uint64_t><uintptr_t>p
+        for i in range(self.nshares):
+            if self.share_start[i] <= a and a + n <= self.share_start[i] + self.share_len[i]:
+                off[0] = a - self.share_start[i]
+                return i
+        return -1
+
+    cdef void _place(self, uint64_t seq, const char *src_p, char *dst_p,
+                     uint64_t nbytes) noexcept:
+        """Say where this call's input and output lie (the rank block's place; zeros: not both
+        in shared allocations, or partly overlapping), and aim the single copy's pointers."""
+        cdef uint64_t *place = self.seg.block(self.e.rank).place[seq & 1]
+        cdef uint64_t soff = 0, doff = 0
+        cdef int si = -1, di = -1, r, P = self.e.nranks
+        cdef Direct *d = &self.e.dir
+        if self.nshares and src_p != NULL and P > 1:
+            si = self._find(src_p, nbytes, &soff)
+            if si >= 0:
+                di = self._find(dst_p, nbytes, &doff)
+        if di >= 0 and (self.share_id[si] != self.share_id[di] or soff == doff
+                        or soff + nbytes <= doff or doff + nbytes <= soff):
+            place[0] = self.share_id[si]
+            place[1] = soff
+            place[2] = self.share_id[di]
+            place[3] = doff
+            for r in range(P):
+                d.ins[r] = self.share_bases[si * P + r] + soff
+                d.outs[r] = self.share_bases[di * P + r] + doff
+        else:
+            memset(place, 0, 4 * sizeof(uint64_t))
+
+    cdef bint _direct_agreed(self) noexcept nogil:
+        """After the channel-0 round (every rank has written its place): did every rank say the
+        very same shared place?  (The same answer on every rank.)"""
+        cdef const uint64_t *mine = self.seg.block(self.e.rank).place[self.cur_seq & 1]
+        cdef int r
+        if mine[0] == 0:
+            return False
+        for r in range(self.e.nranks):
+            if memcmp(self.seg.block(r).place[self.cur_seq & 1], mine, 4 * sizeof(uint64_t)):
+                return False
+        return True
 
     # ---- the call ----
 
@@ -614,6 +789,9 @@ cdef class Engine:
         self.small_bytes = small_bytes
         self.coll = coll
         self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
+        self.direct = 0
+        if coll == COLL_ALLREDUCE and nbytes > small_bytes:
+            self._place(seq, src_p, dst_p, nbytes)
         self.phase = 0
         if nbytes <= small_bytes:
             self._start_phase(0, ALG_INLINE, self.src_p, self.dst_p, nbytes)
@@ -657,9 +835,12 @@ cdef class Engine:
 
     cdef inline int _phase1(self, int *ch) noexcept nogil:
         """Channel and algorithm of the call's phase 1: an allreduce runs on the bandwidth
-        channel (its tree or ring schedule), the other collectives on the ring channel."""
+        channel (its tree or ring schedule, or the single copy), the other collectives on the
+        ring channel."""
         if self.coll == COLL_ALLREDUCE:
             ch[0] = 1
+            if self.direct:
+                return ALG_DIRECT
             return ALG_RING if self.e.chans[1].ring and self.e.chans[1].parent >= 0 else ALG_TREE
         ch[0] = self._ring_channel()
         return ALG_RING
@@ -677,6 +858,8 @@ cdef class Engine:
         cdef int ch, alg
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
             self.phase = 1
+            self.direct = self.coll == COLL_ALLREDUCE and self._direct_agreed()
+            self.e.dir.pairwise = self.msg_dtype == DT_F2 or self.msg_dtype == DT_BF16
             alg = self._phase1(&ch)
             self._start_phase(ch, alg, self.src_p, self.dst_p, self.msg_nbytes)
             rc = drive(&self.e, self._alg())

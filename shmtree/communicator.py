@@ -89,6 +89,9 @@ class Communicator(Collectives):
         plan = group.plan
         self._plan = plan
         self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
+        tree = plan.large_tree                # the single copy folds in the schedule's order
+        self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
+                                  [list(c) for c in tree.children], tree.root)
         self._positions = {}                 # block offsets by ring position, per call shape
 
     def __reduce__(self):
@@ -102,8 +105,7 @@ class Communicator(Collectives):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
         if _foreign(array, out):
             return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
-        if self._idle() and (self._shared is None or type(array) is not np.ndarray
-                             or array.nbytes < SINGLE_COPY_MIN):
+        if self._idle():                      # (shared arrays too: the engine's single copy)
             result = self._quick(array, op, out, _deadline(timeout), KIND_ALLREDUCE)
             if result is not None:
                 return result
@@ -212,10 +214,7 @@ class Communicator(Collectives):
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
             if src is not dst and _overlaps(src, dst):
                 src = src.copy()              # out overlaps the input without being it
-            if root is None and kind == KIND_ALLREDUCE and self._single_copy(src.nbytes) \
-                    and self._shared.allreduce(src, dst, opc, deadline):
-                pass                          # read and written in the shared arrays
-            elif root is not None and self._single_copy(src.nbytes) and self._shared.reduce(
+            if root is not None and self._single_copy(src.nbytes) and self._shared.reduce(
                     src, dst, root, opc, deadline):
                 pass                          # folded straight into the root's shared out
             elif root is not None and self._own_algorithm("reduce", src.nbytes):

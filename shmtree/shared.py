@@ -56,8 +56,8 @@ from .codes import KIND_BARRIER as _BARRIER
 from .errors import CollectiveMismatchError, ShmtreeError
 
 # from how many bytes (the message; allgather: the whole output) each collective runs single-copy
-MIN_BYTES = {"broadcast": 128 << 10, "allgather": 128 << 10, "allreduce": 512 << 10,
-             "reduce_scatter": 1 << 20, "reduce": 1 << 20}
+MIN_BYTES = {"broadcast": 128 << 10, "allgather": 128 << 10, "reduce_scatter": 1 << 20,
+             "reduce": 1 << 20}
 SINGLE_COPY_MIN = 64 << 10      # smaller calls do not even ask (at most min(MIN_BYTES))
 CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
 
@@ -148,12 +148,26 @@ class SharedArrays:
         self.count += 1
         alloc = _Alloc(self.count, own, nbytes, peers)
         self._live[alloc.id] = alloc
-        weakref.finalize(own, self._live.pop, alloc.id, None)
+        # the engine's single-copy allreduce finds the allocation by address (and forgets it
+        # before the mappings go)
+        comm._engine.share(alloc.id, alloc.start, nbytes,
+                           [alloc.start if v is None else _address(v) for v in peers])
+        weakref.finalize(own, self._forget, alloc.id)
         array = np.frombuffer(own, np.uint8, nbytes) if nbytes else np.empty(0, np.uint8)
         return array.view(dtype).reshape(shape, order=order)
 
+    def _forget(self, ident):
+        engine = self._comm._engine
+        if engine is not None:
+            engine.unshare(ident)
+        self._live.pop(ident, None)
+
     def close(self):
         """Drop every mapping of the peers' arrays (own arrays stay valid, unshared)."""
+        engine = self._comm._engine
+        for ident in self._live:
+            if engine is not None:
+                engine.unshare(ident)
         self._live.clear()
 
     # ---- single copy ----
@@ -168,25 +182,6 @@ class SharedArrays:
             if alloc.start <= addr and addr + a.nbytes <= alloc.start + alloc.nbytes:
                 return alloc.id, addr - alloc.start
         return 0, 0
-
-    def allreduce(self, src, dst, opc, deadline) -> bool:
-        """Run this allreduce on the single-copy path if every rank passed shared arrays of the
-        same allocation at the same place (agreed in one small allgather); False when the
-        private path must run it instead (on every rank alike)."""
-        if src.nbytes < MIN_BYTES["allreduce"]:
-            return False
-        sid, soff = self.where(src)
-        did, doff = self.where(dst)
-        n = src.nbytes
-        ok = sid and did and _same_or_apart(sid, soff, did, doff, n)
-        mine = np.array([bool(ok), sid, soff, did, doff, n], np.int64)
-        if not self._agreed(mine, deadline):
-            return False
-        alloc_in, alloc_out = self._live.get(sid), self._live.get(did)
-        self._guarded(lambda: self._reduce_my_part(src, alloc_in, soff, alloc_out, doff,
-                                                   _kernels.op_name(opc)))
-        self._barrier(deadline)           # nobody returns while others still read or write
-        return True
 
     def broadcast(self, src, dst, root, deadline) -> bool:
         """broadcast single-copy: every rank copies the root's array (src, a shared array on
@@ -312,34 +307,6 @@ class SharedArrays:
         self._comm._collective(_BARRIER, _kernels.OP_CODES["max"], _kernels.DTYPE_CODES["u1"],
                                None, None, (), deadline)
 
-    def _reduce_my_part(self, src, alloc_in, soff, alloc_out, doff, op):
-        comm = self._comm
-        plan = comm.group.plan
-        P, dtype, item = comm.size, src.dtype, src.itemsize
-        nbytes = src.nbytes
-        order = list(plan.large_tree.ring)
-        pos = order.index(comm.rank)
-        direct = plan.large_schedule == "ring"
-        if direct:
-            block = -(-(nbytes // item) // P) * item            # the ring schedule's blocks
-            lo, hi = min(pos * block, nbytes), min((pos + 1) * block, nbytes)
-            ranks = [order[(pos + j) % P] for j in range(P)]  # block pos: positions pos, pos+1..
-            reduce_chunk = _ring_fold(ranks, op, _rounds_per_step(dtype))
-            # this rank's input is the first operand (ranks[0]): the fold may write this rank's
-            # output at once (the same memory as the input, or none of it), then copy it on
-        else:
-            share = -(-(nbytes // item) // P) * item            # any split: one order for all
-            lo, hi = min(comm.rank * share, nbytes), min((comm.rank + 1) * share, nbytes)
-            reduce_chunk = _tree_fold(plan.large_tree, op)
-        ins = [v[soff:soff + nbytes].view(dtype) for v in alloc_in.views()]
-        outs = [v[doff:doff + nbytes].view(dtype) for v in alloc_out.views()]
-        me = comm.rank
-        if direct:
-            _fold_range(reduce_chunk, ins, lo // item, hi // item, outs[me],
-                        [o for r, o in enumerate(outs) if r != me])
-        else:
-            _fold_range(reduce_chunk, ins, lo // item, hi // item, None, outs)
-
 
 def _same_or_apart(id1, off1, id2, off2, n) -> bool:
     """Are two n-byte stretches of shared allocations the very same bytes, or apart?  (An input
@@ -374,24 +341,6 @@ def _ring_fold(ranks, op, pairwise):
         _kernels.reduce_into(t, srcs[:2], op)
         for s in srcs[2:]:
             _kernels.reduce_into(t, [t, s], op)
-    return fold
-
-
-def _tree_fold(tree, op):
-    """The pipelined tree's order: every node reduces its own input, then its children's partial
-    results, left to right, in one fused pass (one rounding per node for float16)."""
-    def partial(v, ins, t):
-        kids = tree.children[v]
-        if not kids:
-            return ins[v]
-        parts = [partial(c, ins, np.empty_like(t)) for c in kids]
-        _kernels.reduce_into(t, [ins[v]] + parts, op)
-        return t
-
-    def fold(t, ins):
-        got = partial(0, ins, t)                        # (rank 0 is every tree's root)
-        if got is not t:
-            t[...] = got
     return fold
 
 

@@ -69,6 +69,51 @@ def test_single_copy_gives_the_private_paths_bits(P, tree):
             assert ring_bytes < 4096 < nbytes, (rank, dt, op, ring_bytes)
 
 
+def every_size_worker(comm, cases):
+    """The engine's single copy with the defaults: from just above small_bytes on."""
+    out = []
+    for dtype, op, n in cases:
+        x = make(dtype, op, n, comm.rank)
+        want = comm.allreduce(x, op=op)
+        sx = comm.empty(x.shape, x.dtype)
+        sx[...] = x
+        before = comm.stats()["bytes_sent"]
+        got = comm.allreduce(sx, op=op, out=sx)
+        sent = comm.stats()["bytes_sent"] - before
+        exact = want.tobytes() == sx.tobytes()
+        so = comm.zeros(x.shape, x.dtype)
+        sx[...] = x
+        req = comm.iallreduce(x, op=op)                       # (the progress thread's way in)
+        got2 = comm.iallreduce(sx, op=op, out=so).wait()
+        out.append((got is sx and got2 is so, exact,
+                    req.wait().tobytes() == so.tobytes() == want.tobytes(), sent))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("P,tree", [(2, None), (3, "ring"), (3, "binary"), (4, None),
+                                    (5, "ring")])
+def test_allreduce_single_copy_from_small_bytes(P, tree):
+    """Without lowering any threshold: an allreduce of shared arrays runs single-copy (no data
+    through the rings) at any size above small_bytes - odd sizes, every part length, parts that
+    are empty - with the private path's bits, blocking and nonblocking."""
+    small = shmtree.plan.plan_group(P, tree=tree).small_bytes
+    cases = []
+    for dt, ops in [("float32", ("sum", "max")), ("float16", ("sum", "prod")),
+                    ("int64", ("sum", "bxor")), ("complex128", ("prod",)),
+                    ("uint8", ("min",))]:
+        item = np.dtype(dt).itemsize
+        for n in (small // item + 1, 3 * small // item + P - 1, (32 << 10) // item + 7,
+                  (256 << 10) // item + 1):
+            if n * item > small:              # (small_bytes is 64 KiB when P > cores)
+                cases += [(dt, op, n) for op in ops]
+    outs = run_ok(every_size_worker, P, args=(cases,), tree=tree)
+    for rank, out in enumerate(outs):
+        for (dt, op, n), (same, exact, exact2, sent) in zip(cases, out):
+            assert same and exact and exact2, (rank, dt, op, n, same, exact, exact2)
+            assert sent < 4096, (rank, dt, op, n, sent)
+
+
 def mixed_worker(comm):
     """Shared on some ranks, private on others; views of shared arrays; strided views."""
     single_copy_at_every_size()

@@ -84,7 +84,13 @@ typedef struct shm_rank_block {
     uint32_t state;             /*  152 what the member is doing (ST_*, the Python layer's) */
     uint32_t pad1;              /*  156 */
     uint64_t call;              /*  160 seq + 1 of the call this rank is in, 0 between calls */
-    uint8_t pad2[88];           /*  168 */
+    uint64_t place[2][4];       /*  168 where this rank's message lies, by call seq parity:
+                                        shared allocation and byte offset of the input, then of
+                                        the output (ids 0: private memory); written before the
+                                        call's first round, read by every rank after it */
+    uint64_t direct;            /*  232 seq + 1 of the last single-copy call whose part this
+                                        rank has written (into every rank's output) */
+    uint8_t pad2[16];           /*  240 */
     shm_desc desc[2];           /*  256 call descriptors by call seq parity */
     uint32_t note_len;          /*  512 why this rank aborted the group (its own words) */
     char note[508];             /*  516 */
@@ -120,6 +126,8 @@ SHM_ASSERT_AT(shm_rank_block, ctime, 136);
 SHM_ASSERT_AT(shm_rank_block, done, 144);
 SHM_ASSERT_AT(shm_rank_block, state, 152);
 SHM_ASSERT_AT(shm_rank_block, call, 160);
+SHM_ASSERT_AT(shm_rank_block, place, 168);
+SHM_ASSERT_AT(shm_rank_block, direct, 232);
 SHM_ASSERT_AT(shm_rank_block, desc, 256);
 SHM_ASSERT_AT(shm_rank_block, note_len, 512);
 SHM_ASSERT_AT(shm_rank_block, note, 516);

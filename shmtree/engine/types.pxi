@@ -69,6 +69,8 @@ cdef extern from "_csrc/layout.h" nogil:
         uint64_t done
         uint32_t state
         uint64_t call
+        uint64_t place[2][4]
+        uint64_t direct
         shm_desc desc[2]
         uint32_t note_len
         char note[508]
@@ -136,6 +138,27 @@ cdef enum:
     CHAIN_REDUCE = 2
 
 
+cdef struct Direct:
+    # The single-copy allreduce (alg_direct.pxi): the fold order of the group's schedule (set
+    # once), and this call's pointers into every rank's shared input and output.
+    int ring              # 1: the ring schedule's order (order, pos), 0: the tree's (post, kids)
+    int *order            # ring: the ranks in ring order [P]
+    int pos               # ring: this rank's position
+    int root              # tree: its root
+    int *post             # tree: its inner nodes, children before their parent [npost]
+    int npost
+    int *kid_start        # tree: the children of v are kids[kid_start[v] .. kid_start[v + 1]]
+    int *kids
+    char *scratch         # tree: one piece per rank (its partial result)
+    const void **srcs     # the operands of one fold [P]
+    const char **ins      # every rank's input [P] (this call)
+    char **outs           # every rank's output [P]
+    int pairwise          # fold two operands at a time (float16 and bfloat16 under the ring)
+    uint64_t lo, hi, off  # this rank's part of the message (bytes), and how far it is done
+    int published         # this rank's part is written and said so
+    int finished          # every rank's part is
+
+
 cdef struct Eng:
     # What the nogil code of one rank sees: the segment, the waiting policy and counters, the
     # channels, and the call in progress.
@@ -151,6 +174,7 @@ cdef struct Eng:
     Chan chans[3]                 # latency, bandwidth, and (when the bandwidth channel is a
                                   # tree) a ring around it for the other collectives
     Call call
+    Direct dir
 
 
 # An algorithm runs one channel of a call in steps.  ready() says which step can run now without

@@ -1,0 +1,129 @@
+# Allreduce, single copy (shared arrays, docs/design.md "Shared arrays"): every rank's input and
+# output lie in the group's shared allocations, which every rank has mapped, at the same place on
+# every rank - agreed through the rank blocks' `place`, written before the channel-0 round and
+# compared after it, so that the round is also the barrier that makes every input ready.  Each
+# rank then reduces one part of the message straight from every rank's input, in the order the
+# private path's schedule uses for those elements (the same bits), a piece at a time while it is
+# in cache, and copies each piece into every rank's output: X read and X written per rank, one
+# copy's traffic.  It then says so (its rank block's `direct`, seq + 1) and waits until every rank
+# has: nobody returns while another may still read its input or write its output.  No ring moves
+# data, and nothing in the middle waits: the parts are disjoint.
+#
+# The orders (as the private paths fold, docs/algorithms.md):
+#   ring schedule: block b (ceil(n/P) items at ring position b) is the left fold over the inputs
+#     of ring positions b, b+1, ..., b+P-1 (float16 and bfloat16 rounded after every step, as
+#     each hop does); this rank, at position b, folds straight into its own output.
+#   pipelined tree: every inner node folds its own input, then its children's partial results,
+#     left to right, in one fused pass; this rank computes part `rank` of the root's result
+#     (into scratch, a piece per rank) and copies it into every output, its own included.
+
+cdef enum:
+    DIRECT_PIECE = 32768      # bytes reduced and copied out at a time (L1/L2-resident)
+    DIRECT_WORK = 1
+    DIRECT_PUBLISH = 2
+    DIRECT_FINISH = 3
+
+
+cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
+    cdef Direct *d = &e.dir
+    cdef uint64_t share = (k.nbytes // k.itemsize + e.nranks - 1) // e.nranks * k.itemsize
+    cdef uint64_t part = d.pos if d.ring else e.rank
+    d.lo = part * share if part * share < k.nbytes else k.nbytes
+    d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
+    d.off = d.lo
+    d.published = 0
+    d.finished = 0
+    k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
+    if k.chunk == 0:
+        k.chunk = k.itemsize
+
+
+cdef inline bint direct_all_through(Eng *e, uint64_t target) noexcept nogil:
+    cdef int r
+    for r in range(e.nranks):
+        if shm_load_acquire64(&rank_block(e.base, r).direct) < target:
+            return False
+    return True
+
+
+cdef int direct_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
+    cdef Direct *d = &e.dir
+    if d.off < d.hi:
+        return DIRECT_WORK
+    if not d.published:
+        return DIRECT_PUBLISH
+    if not d.finished and direct_all_through(e, k.desc.seq + 1):
+        return DIRECT_FINISH
+    return 0
+
+
+cdef inline void direct_ring_piece(Eng *e, Call *k, Direct *d, uint64_t off,
+                                   uint64_t n) noexcept nogil:
+    cdef int P = e.nranks, j
+    cdef char *target = d.outs[e.rank] + off
+    cdef Py_ssize_t items = n // k.itemsize
+    for j in range(P):
+        d.srcs[j] = d.ins[d.order[(d.pos + j) % P]] + off
+    if d.pairwise and P > 2:
+        k.fn(target, d.srcs, 2, items)
+        for j in range(2, P):
+            d.srcs[1] = d.srcs[j]
+            d.srcs[0] = target
+            k.fn(target, d.srcs, 2, items)
+    else:
+        k.fn(target, d.srcs, P, items)
+    for j in range(P):
+        if j != e.rank:
+            out(e, d.outs[j] + off, target, n)
+
+
+cdef inline void direct_tree_piece(Eng *e, Call *k, Direct *d, uint64_t off,
+                                   uint64_t n) noexcept nogil:
+    cdef int i, v, ch, m, j
+    cdef Py_ssize_t items = n // k.itemsize
+    cdef const char *result = d.ins[d.root] + off
+    for i in range(d.npost):
+        v = d.post[i]
+        d.srcs[0] = d.ins[v] + off
+        m = 1
+        for j in range(d.kid_start[v], d.kid_start[v + 1]):
+            ch = d.kids[j]
+            if d.kid_start[ch + 1] > d.kid_start[ch]:
+                d.srcs[m] = d.scratch + <uint64_t>ch * DIRECT_PIECE     # an inner node's partial
+            else:
+                d.srcs[m] = d.ins[ch] + off                             # a leaf's own input
+            m += 1
+        k.fn(d.scratch + <uint64_t>v * DIRECT_PIECE, d.srcs, m, items)
+    if d.npost:
+        result = d.scratch + <uint64_t>d.root * DIRECT_PIECE      # the root's: the result
+    for j in range(e.nranks):
+        out(e, d.outs[j] + off, result, n)
+
+
+cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
+    cdef Direct *d = &e.dir
+    cdef uint64_t n
+    cdef int r
+    if action == DIRECT_WORK:
+        n = d.hi - d.off if d.hi - d.off < k.chunk else k.chunk
+        if d.ring:
+            direct_ring_piece(e, k, d, d.off, n)
+        else:
+            direct_tree_piece(e, k, d, d.off, n)
+        d.off += n
+    elif action == DIRECT_PUBLISH:
+        if e.nt:
+            shm_store_fence()             # the streaming stores are out before the word
+        shm_store_release64(&rank_block(e.base, e.rank).direct, k.desc.seq + 1)
+        shm_fence()                       # pairs with a sleeper's fence (prims.pxi, Waking)
+        for r in range(e.nranks):
+            if r != e.rank:
+                wake(e, r)
+        d.published = 1
+    else:
+        d.finished = 1
+    return RC_DONE
+
+
+cdef bint direct_done(Eng *e, Chan *c, Call *k) noexcept nogil:
+    return e.dir.finished
