@@ -104,8 +104,9 @@ CORRUPT = RC_CORRUPT
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
 # or algorithm is a new engine/alg_*.pxi and an entry here.  Every call begins with ALG_INLINE on
 # channel 0; a message larger than small_bytes then runs on channel 1 with ALG_TREE or ALG_RING
-# (the channel's plan says which), or, when every rank's input and output lie at the same place
-# of the group's shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings).  A
+# (the channel's plan says which), or, when every rank's input and output lie in the group's
+# shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings; broadcast and
+# allgather too).  A
 # barrier is an allreduce of nothing.  The other collectives
 # have ring-schedule algorithms (Engine.begin_coll; their channel-0 round is the allreduce's,
 # without data); on a tree channel the Python layer runs them on the allreduce.
@@ -122,7 +123,7 @@ cdef enum:
     ALG_INLINE = 0
     ALG_TREE = 1
     ALG_RING = 2
-    ALG_DIRECT = 3          # allreduce of shared arrays (single copy)
+    ALG_DIRECT = 3          # shared arrays: single copy (allreduce, broadcast, allgather)
     N_ALG = 4
 
 cdef Alg _ALGS[N_COLL][N_ALG]
@@ -140,7 +141,10 @@ cdef void _register(int coll, int alg, alg_setup_fn setup, alg_ready_fn ready, a
 _register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
-_register(COLL_ALLREDUCE, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
+assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_ALLGATHER) == (
+    COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER)
+for _c in (COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER):
+    _register(_c, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
 for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
     _register(_c, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
@@ -641,15 +645,17 @@ cdef class Engine:
                 return i
         return -1
 
-    cdef void _place(self, uint64_t seq, const char *src_p, char *dst_p,
-                     uint64_t nbytes) noexcept:
-        """Say where this call's input and output lie (the rank block's place; zeros: not both
-        in shared allocations, or partly overlapping), and aim the single copy's pointers."""
+    cdef void _place(self, uint64_t seq, const char *src_p, char *dst_p, uint64_t nbytes,
+                     bint eligible) noexcept:
+        """Say where this call's input and output lie (the rank block's place: allocation and
+        offset of each; zeros when the call cannot run single-copy here: not eligible, not both
+        in registered allocations, or partly overlapping), and keep every rank's mapping of
+        both allocations (the offsets are added once every rank has said its own)."""
         cdef uint64_t *place = self.seg.block(self.e.rank).place[seq & 1]
         cdef uint64_t soff = 0, doff = 0
         cdef int si = -1, di = -1, r, P = self.e.nranks
         cdef Direct *d = &self.e.dir
-        if self.nshares and src_p != NULL and P > 1:
+        if eligible and self.nshares and src_p != NULL and dst_p != NULL and P > 1 and nbytes:
             si = self._find(src_p, nbytes, &soff)
             if si >= 0:
                 di = self._find(dst_p, nbytes, &doff)
@@ -660,21 +666,31 @@ cdef class Engine:
             place[2] = self.share_id[di]
             place[3] = doff
             for r in range(P):
-                d.ins[r] = self.share_bases[si * P + r] + soff
-                d.outs[r] = self.share_bases[di * P + r] + doff
+                d.ins[r] = self.share_bases[si * P + r]
+                d.outs[r] = self.share_bases[di * P + r]
         else:
             memset(place, 0, 4 * sizeof(uint64_t))
 
     cdef bint _direct_agreed(self) noexcept nogil:
-        """After the channel-0 round (every rank has written its place): did every rank say the
-        very same shared place?  (The same answer on every rank.)"""
-        cdef const uint64_t *mine = self.seg.block(self.e.rank).place[self.cur_seq & 1]
+        """After the channel-0 round (every rank has written its place): did every rank say
+        that its input lies in one and the same allocation, and its output in one and the same
+        (each at an offset of its own)?  The same answer on every rank; if so, aim the single
+        copy's pointers at every rank's input and output."""
+        cdef int par = self.cur_seq & 1
+        cdef const uint64_t *mine = self.seg.block(self.e.rank).place[par]
+        cdef const uint64_t *theirs
         cdef int r
+        cdef Direct *d = &self.e.dir
         if mine[0] == 0:
             return False
         for r in range(self.e.nranks):
-            if memcmp(self.seg.block(r).place[self.cur_seq & 1], mine, 4 * sizeof(uint64_t)):
+            theirs = self.seg.block(r).place[par]
+            if theirs[0] != mine[0] or theirs[2] != mine[2]:
                 return False
+        for r in range(self.e.nranks):
+            theirs = self.seg.block(r).place[par]
+            d.ins[r] += theirs[1]
+            d.outs[r] += theirs[3]
         return True
 
     # ---- the call ----
@@ -790,8 +806,11 @@ cdef class Engine:
         self.coll = coll
         self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
-        if coll == COLL_ALLREDUCE and nbytes > small_bytes:
-            self._place(seq, src_p, dst_p, nbytes)
+        if coll == COLL_ALLREDUCE:
+            self._place(seq, src_p, dst_p, nbytes, nbytes > small_bytes)
+        else:                       # (broadcast, allgather: every rank's output alone)
+            self._place(seq, dst_p, dst_p, nbytes, coll == COLL_BROADCAST
+                        or coll == COLL_ALLGATHER)
         self.phase = 0
         if nbytes <= small_bytes:
             self._start_phase(0, ALG_INLINE, self.src_p, self.dst_p, nbytes)
@@ -837,10 +856,11 @@ cdef class Engine:
         """Channel and algorithm of the call's phase 1: an allreduce runs on the bandwidth
         channel (its tree or ring schedule, or the single copy), the other collectives on the
         ring channel."""
+        if self.direct:
+            ch[0] = 1
+            return ALG_DIRECT
         if self.coll == COLL_ALLREDUCE:
             ch[0] = 1
-            if self.direct:
-                return ALG_DIRECT
             return ALG_RING if self.e.chans[1].ring and self.e.chans[1].parent >= 0 else ALG_TREE
         ch[0] = self._ring_channel()
         return ALG_RING
@@ -858,7 +878,11 @@ cdef class Engine:
         cdef int ch, alg
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
             self.phase = 1
-            self.direct = self.coll == COLL_ALLREDUCE and self._direct_agreed()
+            self.direct = self._direct_agreed()
+            self.e.dir.mode = self.coll
+            if self.direct:
+                self.e.nt = False     # (measured: streaming stores slow the single copy down,
+                                      # 64 MiB at P=2 1.3x the plain stores' time)
             self.e.dir.pairwise = self.msg_dtype == DT_F2 or self.msg_dtype == DT_BF16
             alg = self._phase1(&ch)
             self._start_phase(ch, alg, self.src_p, self.dst_p, self.msg_nbytes)

@@ -176,10 +176,7 @@ class Collectives:
         elif tag == "inline":
             at = _moving.CLAIM_BYTES * P + _moving.META_BYTES
             view[...] = first[at:at + nbytes]
-        elif self._single_copy(nbytes) and self._shared.broadcast(a if me == root else None,
-                                                                   result, root, deadline):
-            pass                              # copied straight from the root's shared array
-        elif self._own_algorithm("broadcast", nbytes):
+        elif self._own_algorithm("broadcast", nbytes):     # (shared outs: the single copy)
             if me == root and not np.shares_memory(result, a):
                 view[...] = _bytes_of(a)       # the chain starts from the root's output
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), deadline,
@@ -276,10 +273,7 @@ class Collectives:
         if np.may_share_memory(a, result):
             a = a.copy()                      # (out[rank] passed as the input: in place)
         view = _bytes_of(result)
-        if axis is None and self._single_copy(view.size) and self._shared.allgather(
-                a if a.flags.c_contiguous else np.ascontiguousarray(a), result, deadline):
-            pass                              # written straight into every rank's shared out
-        elif self._own_algorithm("allgather", view.size):
+        if self._own_algorithm("allgather", view.size):    # (shared outs: the single copy)
             view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
             self._collective(kind, _BOR, _U1, None, view, desc, deadline,
                              coll=(_engine.ALLGATHER, view.size, 0, self._by_position(offsets)))

@@ -56,8 +56,7 @@ from .codes import KIND_BARRIER as _BARRIER
 from .errors import CollectiveMismatchError, ShmtreeError
 
 # from how many bytes (the message; allgather: the whole output) each collective runs single-copy
-MIN_BYTES = {"broadcast": 128 << 10, "allgather": 128 << 10, "reduce_scatter": 1 << 20,
-             "reduce": 1 << 20}
+MIN_BYTES = {"reduce_scatter": 1 << 20, "reduce": 1 << 20}
 SINGLE_COPY_MIN = 64 << 10      # smaller calls do not even ask (at most min(MIN_BYTES))
 CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
 
@@ -182,51 +181,6 @@ class SharedArrays:
             if alloc.start <= addr and addr + a.nbytes <= alloc.start + alloc.nbytes:
                 return alloc.id, addr - alloc.start
         return 0, 0
-
-    def broadcast(self, src, dst, root, deadline) -> bool:
-        """broadcast single-copy: every rank copies the root's array (src, a shared array on
-        the root) straight into its own `dst` (a shared array of the same allocation); False
-        when some rank's arrays do not allow it (the private path runs, on every rank)."""
-        if dst.nbytes < MIN_BYTES["broadcast"]:
-            return False
-        comm = self._comm
-        sid, soff = self.where(src) if comm.rank == root else (0, 0)
-        did, doff = self.where(dst)
-        mine = np.array([bool(did and (comm.rank != root or sid == did)), sid or did, soff,
-                         dst.nbytes], np.int64)
-        rows = comm._gather_small(mine, deadline).tolist()
-        if not (all(r[0] and r[1] == rows[0][1] and r[3] == rows[0][3] for r in rows)):
-            return False
-        if comm.rank != root:
-            views = self._live[did].views()
-            off = rows[root][2]
-            self._guarded(lambda: dst.view(np.uint8).reshape(-1).__setitem__(
-                slice(None), views[root][off:off + dst.nbytes]))
-        elif _address(src) != _address(dst):
-            dst.view(np.uint8).reshape(-1)[:] = src.view(np.uint8).reshape(-1)
-        self._barrier(deadline)
-        return True
-
-    def allgather(self, src, dst, deadline) -> bool:
-        """allgather (equal blocks) single-copy: every rank writes its block straight into every
-        rank's `dst` (shared arrays of one allocation, at the same place); src may be private."""
-        if dst.nbytes < MIN_BYTES["allgather"]:
-            return False
-        comm = self._comm
-        did, doff = self.where(dst)
-        mine = np.array([bool(did), did, doff, dst.nbytes], np.int64)
-        if not self._agreed(mine, deadline):
-            return False
-        part = src.nbytes
-        mine = src.view(np.uint8).reshape(-1)
-        lo = comm.rank * part
-
-        def push():
-            for v in self._live[did].views():
-                v[doff + lo:doff + lo + part] = mine
-        self._guarded(push)
-        self._barrier(deadline)
-        return True
 
     def reduce_scatter(self, src, dst, lo, hi, opc, deadline) -> bool:
         """reduce_scatter single-copy: every rank folds its own block (bytes lo..hi of the

@@ -87,16 +87,29 @@ def every_size_worker(comm, cases):
         got2 = comm.iallreduce(sx, op=op, out=so).wait()
         out.append((got is sx and got2 is so, exact,
                     req.wait().tobytes() == so.tobytes() == want.tobytes(), sent))
+        # broadcast and allgather of shared outs (the engine's single copy too)
+        root = comm.size - 1
+        bw = comm.broadcast(x if comm.rank == root else None, root=root)
+        so[...] = x if comm.rank == root else 0
+        bg, bsent = _sent(comm, lambda: comm.broadcast(so if comm.rank == root else None,
+                                                       root=root, out=so))
+        aw = comm.allgather(x)
+        ao = comm.zeros((comm.size,) + x.shape, x.dtype)
+        ao[comm.rank] = x
+        ag, asent = _sent(comm, lambda: comm.allgather(ao[comm.rank], out=ao))
+        out.append((bg is so and ag is ao, bw.tobytes() == so.tobytes(),
+                    aw.tobytes() == ao.tobytes(), max(bsent, asent)))
     return out
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P,tree", [(2, None), (3, "ring"), (3, "binary"), (4, None),
                                     (5, "ring")])
-def test_allreduce_single_copy_from_small_bytes(P, tree):
+def test_single_copy_from_small_bytes(P, tree):
     """Without lowering any threshold: an allreduce of shared arrays runs single-copy (no data
     through the rings) at any size above small_bytes - odd sizes, every part length, parts that
-    are empty - with the private path's bits, blocking and nonblocking."""
+    are empty - with the private path's bits, blocking and nonblocking; so do broadcast and
+    allgather into shared outs (in place)."""
     small = shmtree.plan.plan_group(P, tree=tree).small_bytes
     cases = []
     for dt, ops in [("float32", ("sum", "max")), ("float16", ("sum", "prod")),
@@ -109,7 +122,8 @@ def test_allreduce_single_copy_from_small_bytes(P, tree):
                 cases += [(dt, op, n) for op in ops]
     outs = run_ok(every_size_worker, P, args=(cases,), tree=tree)
     for rank, out in enumerate(outs):
-        for (dt, op, n), (same, exact, exact2, sent) in zip(cases, out):
+        for (dt, op, n), (same, exact, exact2, sent) in zip([c for c in cases for _ in "ab"],
+                                                            out):
             assert same and exact and exact2, (rank, dt, op, n, same, exact, exact2)
             assert sent < 4096, (rank, dt, op, n, sent)
 
@@ -385,15 +399,17 @@ LAYOUTS = {
     "foreign_out": ("shared", "foreign"),
 }
 # the layouts in which every rank's arrays allow the single-copy path of each collective (for
-# broadcast: the root's input and every rank's out; for allgather: every rank's out; for
-# reduce_scatter: every rank's input; for reduce: the input, and the root's out; the others: the
+# allreduce: every rank's input in one allocation and every rank's out in one, at any offsets;
+# for broadcast and allgather: every rank's out, in one allocation; for reduce_scatter: every
+# rank's input, at the same place; for reduce: the input, and the root's out; the others: the
 # private path on every rank)
 SINGLE = {
-    "allreduce": {"inplace", "shared_both", "slice", "slice_out", "view"},
-    "broadcast": {"inplace", "slice", "view", "offsets"},      # (the root: in and out the same)
+    "allreduce": {"inplace", "shared_both", "slice", "slice_out", "view", "offsets"},
+    "broadcast": {"inplace", "shared_both", "private_in_shared_out", "slice", "slice_out",
+                  "view", "offsets"},         # (the root copies its input into its out first)
     "reduce": {"inplace", "shared_both", "slice", "slice_out", "view"},
     "allgather": {"inplace", "shared_both", "private_in_shared_out", "slice", "slice_out",
-                  "view"},
+                  "view", "offsets"},
     "reduce_scatter": {"inplace", "shared_in", "shared_both", "shared_in_private_out",
                        "slice", "slice_out", "view", "foreign_out"},
 }

@@ -1,24 +1,31 @@
-# Allreduce, single copy (shared arrays, docs/design.md "Shared arrays"): every rank's input and
-# output lie in the group's shared allocations, which every rank has mapped, at the same place on
-# every rank - agreed through the rank blocks' `place`, written before the channel-0 round and
-# compared after it, so that the round is also the barrier that makes every input ready.  Each
-# rank then reduces one part of the message straight from every rank's input, in the order the
-# private path's schedule uses for those elements (the same bits), a piece at a time while it is
-# in cache, and copies each piece into every rank's output: X read and X written per rank, one
-# copy's traffic.  It then says so (its rank block's `direct`, seq + 1) and waits until every rank
-# has: nobody returns while another may still read its input or write its output.  No ring moves
-# data, and nothing in the middle waits: the parts are disjoint.
+# Single copy (shared arrays, docs/design.md "Shared arrays"): every rank's input and output lie
+# in the group's shared allocations, which every rank has mapped - the same allocations on every
+# rank, each rank at an offset of its own - agreed through the rank blocks' `place`, written
+# before the channel-0 round and compared after it, so that the round is also the barrier that
+# makes every input ready.  No ring moves data; each rank then does its part straight between
+# the arrays, and says so (its rank block's `direct`, seq + 1), and waits until every rank has:
+# nobody returns while another may still read its input or write its output.  Nothing in the
+# middle waits: the parts are disjoint.
 #
-# The orders (as the private paths fold, docs/algorithms.md):
+# allreduce: each rank reduces one part of the message straight from every rank's input, in the
+#   order the private path's schedule uses for those elements (the same bits), a piece at a time
+#   while it is in cache, and copies each piece into every rank's output: X read and X written
+#   per rank, one copy's traffic.  The orders (as the private paths fold, docs/algorithms.md):
 #   ring schedule: block b (ceil(n/P) items at ring position b) is the left fold over the inputs
 #     of ring positions b, b+1, ..., b+P-1 (float16 and bfloat16 rounded after every step, as
 #     each hop does); this rank, at position b, folds straight into its own output.
 #   pipelined tree: every inner node folds its own input, then its children's partial results,
 #     left to right, in one fused pass; this rank computes part `rank` of the root's result
 #     (into scratch, a piece per rank) and copies it into every output, its own included.
+# broadcast: every rank but the root copies the root's output (which holds the data) into its own.
+# allgather: every rank copies each other rank's block from that rank's output into its own.
 
 cdef enum:
+    DIRECT_ALLREDUCE = 0      # the modes: _engine.pyx's COLL_* codes (it checks)
+    DIRECT_BROADCAST = 1
+    DIRECT_ALLGATHER = 4
     DIRECT_PIECE = 32768      # bytes reduced and copied out at a time (L1/L2-resident)
+    DIRECT_COPY = 262144      # bytes copied at a time (broadcast, allgather)
     DIRECT_WORK = 1
     DIRECT_PUBLISH = 2
     DIRECT_FINISH = 3
@@ -28,14 +35,37 @@ cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
     cdef Direct *d = &e.dir
     cdef uint64_t share = (k.nbytes // k.itemsize + e.nranks - 1) // e.nranks * k.itemsize
     cdef uint64_t part = d.pos if d.ring else e.rank
-    d.lo = part * share if part * share < k.nbytes else k.nbytes
-    d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
-    d.off = d.lo
     d.published = 0
     d.finished = 0
-    k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
-    if k.chunk == 0:
-        k.chunk = k.itemsize
+    if d.mode == DIRECT_ALLREDUCE:
+        d.lo = part * share if part * share < k.nbytes else k.nbytes
+        d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
+        k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
+        if k.chunk == 0:
+            k.chunk = k.itemsize
+    else:
+        k.chunk = DIRECT_COPY
+        d.lo = 0
+        d.hi = 0 if d.mode == DIRECT_BROADCAST and d.order[k.root] == e.rank else k.nbytes
+        if d.mode == DIRECT_ALLGATHER:
+            d.q = -1
+            d.hi = 0
+            direct_next_block(e, k, d)
+    d.off = d.lo
+
+
+cdef inline void direct_next_block(Eng *e, Call *k, Direct *d) noexcept nogil:
+    """allgather: on to the next ring position's block (not this rank's, not empty); [lo, hi)
+    empty when there is none."""
+    d.q += 1
+    while d.q < e.nranks and (d.q == d.pos or k.offs[2 * d.q] >= k.offs[2 * d.q + 1]):
+        d.q += 1
+    if d.q < e.nranks:
+        d.lo = k.offs[2 * d.q]
+        d.hi = k.offs[2 * d.q + 1]
+    else:
+        d.lo = d.hi
+    d.off = d.lo
 
 
 cdef inline bint direct_all_through(Eng *e, uint64_t target) noexcept nogil:
@@ -106,11 +136,17 @@ cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef int r
     if action == DIRECT_WORK:
         n = d.hi - d.off if d.hi - d.off < k.chunk else k.chunk
-        if d.ring:
+        if d.mode == DIRECT_BROADCAST:
+            memcpy(d.outs[e.rank] + d.off, d.outs[d.order[k.root]] + d.off, n)
+        elif d.mode == DIRECT_ALLGATHER:
+            memcpy(d.outs[e.rank] + d.off, d.outs[d.order[d.q]] + d.off, n)
+        elif d.ring:
             direct_ring_piece(e, k, d, d.off, n)
         else:
             direct_tree_piece(e, k, d, d.off, n)
         d.off += n
+        if d.mode == DIRECT_ALLGATHER and d.off >= d.hi:
+            direct_next_block(e, k, d)
     elif action == DIRECT_PUBLISH:
         if e.nt:
             shm_store_fence()             # the streaming stores are out before the word

@@ -139,8 +139,9 @@ cdef enum:
 
 
 cdef struct Direct:
-    # The single-copy allreduce (alg_direct.pxi): the fold order of the group's schedule (set
+    # The single-copy collectives (alg_direct.pxi): the fold order of the group's schedule (set
     # once), and this call's pointers into every rank's shared input and output.
+    int mode              # the collective (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_ALLGATHER)
     int ring              # 1: the ring schedule's order (order, pos), 0: the tree's (post, kids)
     int *order            # ring: the ranks in ring order [P]
     int pos               # ring: this rank's position
@@ -155,6 +156,7 @@ cdef struct Direct:
     char **outs           # every rank's output [P]
     int pairwise          # fold two operands at a time (float16 and bfloat16 under the ring)
     uint64_t lo, hi, off  # this rank's part of the message (bytes), and how far it is done
+    int q                 # allgather: the ring position whose block is being fetched
     int published         # this rank's part is written and said so
     int finished          # every rank's part is
 
