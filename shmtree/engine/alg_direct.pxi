@@ -17,7 +17,8 @@
 #   pipelined tree: every inner node folds its own input, then its children's partial results,
 #     left to right, in one fused pass; this rank computes part `rank` of the root's result
 #     (into scratch, a piece per rank) and copies it into every output, its own included.
-# broadcast: every rank but the root copies the root's output (which holds the data) into its own.
+# broadcast: each rank, the root too, copies a share of the root's output (which holds the data)
+#   into every other rank's output: the work of P-1 copies spread over P cores.
 # allgather: every rank copies each other rank's block from that rank's output into its own.
 
 cdef enum:
@@ -43,14 +44,17 @@ cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
         k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
         if k.chunk == 0:
             k.chunk = k.itemsize
+    elif d.mode == DIRECT_BROADCAST:          # a share of the bytes per rank, the root's too
+        k.chunk = DIRECT_COPY // 4
+        share = (k.nbytes + e.nranks - 1) // e.nranks
+        share = (share + 63) // 64 * 64
+        d.lo = <uint64_t>e.rank * share if <uint64_t>e.rank * share < k.nbytes else k.nbytes
+        d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
     else:
         k.chunk = DIRECT_COPY
-        d.lo = 0
-        d.hi = 0 if d.mode == DIRECT_BROADCAST and d.order[k.root] == e.rank else k.nbytes
-        if d.mode == DIRECT_ALLGATHER:
-            d.q = -1
-            d.hi = 0
-            direct_next_block(e, k, d)
+        d.q = -1
+        d.hi = 0
+        direct_next_block(e, k, d)
     d.off = d.lo
 
 
@@ -133,11 +137,14 @@ cdef inline void direct_tree_piece(Eng *e, Call *k, Direct *d, uint64_t off,
 cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef Direct *d = &e.dir
     cdef uint64_t n
-    cdef int r
+    cdef int r, root
     if action == DIRECT_WORK:
         n = d.hi - d.off if d.hi - d.off < k.chunk else k.chunk
         if d.mode == DIRECT_BROADCAST:
-            memcpy(d.outs[e.rank] + d.off, d.outs[d.order[k.root]] + d.off, n)
+            root = d.order[k.root]
+            for r in range(e.nranks):
+                if r != root:
+                    memcpy(d.outs[r] + d.off, d.outs[root] + d.off, n)
         elif d.mode == DIRECT_ALLGATHER:
             memcpy(d.outs[e.rank] + d.off, d.outs[d.order[d.q]] + d.off, n)
         elif d.ring:
