@@ -270,11 +270,16 @@ class Collectives:
         desc = mine + (a.dtype.itemsize, _dtype_digest(a.dtype))
         kind = KIND_ALLGATHER
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
-        if np.may_share_memory(a, result):
-            a = a.copy()                      # (out[rank] passed as the input: in place)
         view = _bytes_of(result)
+        own = view[offsets[me]:offsets[me + 1]]
+        in_place = (a.flags.c_contiguous and a.nbytes == own.size and a.nbytes
+                    and _moving.address(a) == _moving.address(own))     # out[rank] passed
+        if np.may_share_memory(a, result) and not (
+                in_place and self._own_algorithm("allgather", view.size)):
+            a = a.copy()                      # (out overlaps the input)
         if self._own_algorithm("allgather", view.size):    # (shared outs: the single copy)
-            view[offsets[me]:offsets[me + 1]] = _bytes_of(a)
+            if not in_place:
+                own[...] = _bytes_of(a)
             self._collective(kind, _BOR, _U1, None, view, desc, deadline,
                              coll=(_engine.ALLGATHER, view.size, 0, self._by_position(offsets)))
         else:
