@@ -1,5 +1,5 @@
 """Shared arrays (docs/design.md, "Shared arrays"): comm.empty / comm.zeros, and the single-copy
-allreduce that reads and writes them in place.
+reduce and reduce_scatter that read and write them in place (the engine does the others).
 
 Memory.  Every rank's array of an allocation is a memfd of its own (anonymous: not counted in
 /dev/shm, nor limited by its size), mapped by its owner; the peers map it too, through
@@ -13,36 +13,33 @@ allocation (a rank's mappings of the peers' arrays go with its own array: weakre
 its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
 referenced stay valid as private memory).
 
-Single copy.  An allreduce of at least MIN_BYTES["allreduce"] bytes (and more than small_bytes)
-in a group that has made an allocation first exchanges, in one small allgather, what each rank
-passed: whether its input and `out` are whole, contiguous stretches of one shared allocation
-and where.  When every rank passed the same allocation and offsets, each rank computes one
-part of the result straight from every rank's input and writes it into every rank's `out`,
-a chunk at a time (reduced in cache, then copied P times): each rank reads X and writes X, one
-copy's traffic, against the private paths' copies into and out of the rings.  A barrier ends
-the call (nobody returns while someone may still read or write its arrays).  Otherwise the call
-runs on the private path, unchanged.
+Single copy.  Each allocation is also registered with the communicator's engine (its number,
+this rank's stretch, every rank's mapping), which runs allreduce, broadcast and allgather of
+shared arrays single-copy itself, from small_bytes up, with no Python in between
+(shmtree/engine/alg_direct.pxi; docs/design.md, "Shared arrays").  Here: reduce_scatter and
+reduce.  A call of at least MIN_BYTES (and more than small_bytes) in a group that has made an
+allocation first exchanges, in one small allgather, what each rank passed: whether its arrays
+are whole, contiguous stretches of one shared allocation and where.  When every rank passed the
+same allocation and offsets, each rank folds its part straight from every rank's input, a chunk
+at a time (reduced in cache), and writes it into its own output (reduce_scatter) or the root's
+(reduce).  A barrier ends the call (nobody returns while someone may still read or write its
+arrays).  Otherwise the call runs on the private path, unchanged.
 
-Sizes.  The single-copy paths are Python around the kernels: an agreement round, the work, a
+Sizes.  These single copies are Python around the kernels: an agreement round, the work, a
 barrier and the calls between them cost tens of us more than the private paths' C engine, so
-each collective takes its single copy only from the size at which that pays (MIN_BYTES, the
-same on every rank; below it the private path runs on shared arrays too, without asking).
-Measured on the 2-core development machine at P=2, under the load of other jobs (shared arrays
-in place, the private path against the single copy on the same arrays, alternating; single/
-private over 2-5 runs): allreduce 3.1-4.5x at 64 KiB, 1.8-3.1x at 128 KiB, 1.1-1.7x at
-256 KiB, 0.8-1.2x at 512 KiB, 0.5-1.0x at 1 MiB, 0.7-1.4x (noisy) at 2 MiB, 0.66x at 4 MiB;
-broadcast 1.56x at 64 KiB, 0.90x at 128 KiB, 0.56x at 256 KiB; allgather 1.43x, 1.05x, 0.82x;
+they run only from the size at which that pays (MIN_BYTES, the same on every rank; below it the
+private path runs on shared arrays too, without asking).  Measured on the 2-core development
+machine at P=2, under the load of other jobs (shared arrays in place, the private path against
+the single copy on the same arrays, alternating; single/private over 2-5 runs):
 reduce_scatter 3.1x at 64 KiB, 1.1-1.5x at 512 KiB, 1.07x at 1 MiB, 0.95x at 2 MiB, 0.91x at
 4 MiB; reduce 3.9x at 64 KiB, 1.4x at 512 KiB, a wash (0.65-1.5x) from 1 to 16 MiB.
-Every reducing call also pays _kernels.reduce_into's fixed cost (~7 us, most of it
-dtype.name) per chunk.  SINGLE_COPY_MIN (at most the smallest of them) is the communicator's
-gate: smaller calls on shared arrays take the private path's fast entry at once.
+SINGLE_COPY_MIN (at most the smallest of them) is the communicator's gate: smaller calls on
+shared arrays take the private path at once.
 
 The same bits as the private path: each part is reduced in the order the private path would
-use for those elements (docs/algorithms.md): under the ring schedule block b is the left fold
-over ring positions b, b+1, ..., b+P-1 (float16 rounded after every step, as each ring hop
-does), under the pipelined tree every node reduces its own input, then its children's partial
-results, left to right, in one fused pass.
+use for those elements (docs/algorithms.md): the ring order of reduce_scatter's blocks, the
+chain's order towards reduce's root (float16 and bfloat16 rounded after every step, as each
+hop does).
 """
 from __future__ import annotations
 
@@ -55,7 +52,7 @@ from . import _kernels, _moving
 from .codes import KIND_BARRIER as _BARRIER
 from .errors import CollectiveMismatchError, ShmtreeError
 
-# from how many bytes (the message; allgather: the whole output) each collective runs single-copy
+# from how many bytes (the message) reduce and reduce_scatter run their single copy
 MIN_BYTES = {"reduce_scatter": 1 << 20, "reduce": 1 << 20}
 SINGLE_COPY_MIN = 64 << 10      # smaller calls do not even ask (at most min(MIN_BYTES))
 CHUNK_BYTES = 256 << 10         # a part is reduced in chunks of this size, in cache
