@@ -28,7 +28,7 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16
+from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -1003,10 +1003,86 @@ cdef class Engine:
             for i in range(nd):
                 given[i] = dims[i]
             dp = given
+        if self.busy:                 # (another thread began a call meanwhile: a collector
+            return None               # run by the allocation above may have let it in)
         if aborted(&self.e):
             return RC_ABORTED, res
         self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dp, small_bytes)
         return self._progress(budget_ns), res
+
+    def quick_allgather(self, array, out, uint64_t digest, int kind, int64_t slice_ns,
+                        timeout):
+        """The fast path of allgather(array, out=out) (axis None) in a group of more than one
+        rank, for a message that does not travel inline: array a C-contiguous, aligned
+        ndarray, out a writable C-contiguous, aligned ndarray of the same dtype and shape
+        (P, *array.shape); array is out[rank] itself or does not overlap out.  Copies array into
+        out[rank], then begins the blocks algorithm (or the single copy, when every rank's out
+        is shared) with the very descriptor the general path gives it (kind, the shape
+        array.shape + (itemsize, digest), bytes, bitwise or), and runs it for one time slice
+        (see quick).  Returns (rc, out), or None when the general path must take the call."""
+        if self.busy or type(array) is not np.ndarray or type(out) is not np.ndarray:
+            return None
+        cdef int P = self.e.nranks
+        cdef int ch = self._ring_channel()
+        if ch < 0:
+            return None
+        cdef int64_t budget_ns = slice_ns
+        cdef double wait
+        if timeout is not None:
+            if type(timeout) is not float and type(timeout) is not int:
+                return None
+            wait = timeout
+            if not wait >= 0:
+                return None
+            if wait * 1e9 < budget_ns:
+                budget_ns = <int64_t>(wait * 1e9)
+            if budget_ns < 500000:
+                budget_ns = 500000
+        cdef cnp.ndarray a = <cnp.ndarray>array
+        cdef cnp.ndarray o = <cnp.ndarray>out
+        cdef int nd = cnp.PyArray_NDIM(a)
+        if (nd + 1 > MAX_NDIM or cnp.PyArray_NDIM(o) != nd + 1
+                or cnp.PyArray_DIMS(o)[0] != P
+                or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
+                          nd * sizeof(cnp.npy_intp)) != 0
+                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+                or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
+                or not cnp.PyArray_ISWRITEABLE(o)):
+            return None
+        dt = a.dtype
+        if not (dt is o.dtype or dt == o.dtype) or dt.hasobject:
+            return None
+        cdef uint64_t block = cnp.PyArray_NBYTES(a)
+        cdef uint64_t nbytes = block * P
+        if block == 0:
+            return None
+        cdef char *own = <char *>cnp.PyArray_DATA(o) + <uint64_t>self.e.rank * block
+        cdef const char *mine = <const char *>cnp.PyArray_DATA(a)
+        if mine != own:
+            if _ranges_overlap(a, o):
+                return None
+            memcpy(own, mine, block)
+        cdef cnp.ndarray offs = np.empty(2 * P, np.uint64)
+        cdef uint64_t *op = <uint64_t *>cnp.PyArray_DATA(offs)
+        cdef int q, i
+        for q in range(P):
+            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
+            op[2 * q + 1] = op[2 * q] + block
+        cdef int64_t dims[MAX_NDIM]
+        for i in range(nd):
+            dims[i] = cnp.PyArray_DIMS(a)[i]
+        dims[nd] = cnp.PyArray_ITEMSIZE(a)
+        dims[nd + 1] = digest
+        if self.busy:                 # (another thread began a call meanwhile: a collector
+            return None               # run above may have let it in)
+        if aborted(&self.e):
+            return RC_ABORTED, out
+        self.offs_ref = offs
+        self.e.call.offs = op
+        self.e.call.root = 0
+        self._begin_call(None, o, NULL, <char *>cnp.PyArray_DATA(o), nbytes, 1, OP_BOR, DT_U1,
+                         kind, nd + 2, dims, 0, COLL_ALLGATHER)
+        return self._progress(budget_ns), out
 
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""

@@ -237,6 +237,12 @@ class Collectives:
             if got is not None and self._quick(got[1], "bor", got[1], _deadline(timeout),
                                                KIND_ALLGATHER, desc) is not None:
                 return got[0]
+        elif (axis is None and type(array) is np.ndarray and type(out) is np.ndarray and P > 1
+              and array.nbytes * P > self._small_bytes and self._idle()):
+            got = self._quick_gather(array, out, _deadline(timeout),
+                                     _dtype_digest(array.dtype))     # (in C: blocks or single
+            if got is not None:                                      # copy)
+                return got
         return self._now(self._prep_allgather(array, axis, out, timeout))
 
     def iallgather(self, array, *, axis=None, out=None, timeout=None):

@@ -193,6 +193,25 @@ class Communicator(Collectives):
             self._interrupted(eng)
             raise
 
+    def _quick_gather(self, array, out, deadline, digest):
+        """The fast path of allgather(array, out=out) (engine.quick_allgather): the result, or
+        None when the general path must take the call."""
+        eng = self._engine
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        try:
+            r = eng.quick_allgather(array, out, digest, KIND_ALLGATHER, SLICE_NS,
+                                    None if deadline is None else
+                                    max(0.0, deadline - time.monotonic()))
+            if r is None:
+                return None
+            if r[0] != _engine.DONE:
+                self._drive(eng.seq, deadline, r[0])
+            return r[1]
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
     def _prep_reducing(self, array, op, out, timeout, kind, root=None):
         """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
         and prepared (the result is allocated when the call runs).  With a root
