@@ -156,7 +156,6 @@ cdef struct Direct:
     char **outs           # every rank's output [P]
     int pairwise          # fold two operands at a time (float16 and bfloat16 under the ring)
     uint64_t lo, hi, off  # this rank's part of the message (bytes), and how far it is done
-    int q                 # allgather: the ring position whose block is being fetched
     int published         # this rank's part is written and said so
     int finished          # every rank's part is
 
