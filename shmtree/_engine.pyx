@@ -105,8 +105,7 @@ CORRUPT = RC_CORRUPT
 # or algorithm is a new engine/alg_*.pxi and an entry here.  Every call begins with ALG_INLINE on
 # channel 0; a message larger than small_bytes then runs on channel 1 with ALG_TREE or ALG_RING
 # (the channel's plan says which), or, when every rank's input and output lie in the group's
-# shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings; broadcast and
-# allgather too).  A
+# shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings; every collective).  A
 # barrier is an allreduce of nothing.  The other collectives
 # have ring-schedule algorithms (Engine.begin_coll; their channel-0 round is the allreduce's,
 # without data); on a tree channel the Python layer runs them on the allreduce.
@@ -123,7 +122,7 @@ cdef enum:
     ALG_INLINE = 0
     ALG_TREE = 1
     ALG_RING = 2
-    ALG_DIRECT = 3          # shared arrays: single copy (allreduce, broadcast, allgather)
+    ALG_DIRECT = 3          # shared arrays: single copy
     N_ALG = 4
 
 cdef Alg _ALGS[N_COLL][N_ALG]
@@ -141,9 +140,10 @@ cdef void _register(int coll, int alg, alg_setup_fn setup, alg_ready_fn ready, a
 _register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
-assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_ALLGATHER) == (
-    COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER)
-for _c in (COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER):
+assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_REDUCE, DIRECT_REDUCE_SCATTER,
+        DIRECT_ALLGATHER) == (COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER,
+                              COLL_ALLGATHER)
+for _c in range(N_COLL):
     _register(_c, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
 for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
     _register(_c, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
@@ -441,8 +441,10 @@ cdef class Engine:
         d.srcs = <const void **>calloc(self.e.nranks + 1, sizeof(void *))
         d.ins = <const char **>calloc(self.e.nranks, sizeof(char *))
         d.outs = <char **>calloc(self.e.nranks, sizeof(char *))
+        d.tmp = <char *>malloc(DIRECT_PIECE)
         if (self.e.call.srcs == NULL or d.order == NULL or d.post == NULL or d.kid_start == NULL
-                or d.kids == NULL or d.srcs == NULL or d.ins == NULL or d.outs == NULL):
+                or d.kids == NULL or d.srcs == NULL or d.ins == NULL or d.outs == NULL
+                or d.tmp == NULL):
             raise MemoryError()
         d.ring = 1
         for i in range(self.e.nranks):
@@ -538,6 +540,7 @@ cdef class Engine:
         free(d.kid_start)
         free(d.kids)
         free(d.scratch)
+        free(d.tmp)
         free(d.srcs)
         free(d.ins)
         free(d.outs)
@@ -655,6 +658,10 @@ cdef class Engine:
         cdef uint64_t soff = 0, doff = 0
         cdef int si = -1, di = -1, r, P = self.e.nranks
         cdef Direct *d = &self.e.dir
+        cdef uintptr_t align = self.msg_itemsize if self.msg_itemsize < 8 else 8
+        if (<uintptr_t>src_p | <uintptr_t>dst_p) % align:
+            eligible = False          # (the kernels take items at their alignment; moves
+                                      # are bytes)
         if eligible and self.nshares and src_p != NULL and dst_p != NULL and P > 1 and nbytes:
             si = self._find(src_p, nbytes, &soff)
             if si >= 0:
@@ -808,9 +815,13 @@ cdef class Engine:
         self.direct = 0
         if coll == COLL_ALLREDUCE:
             self._place(seq, src_p, dst_p, nbytes, nbytes > small_bytes)
-        else:                       # (broadcast, allgather: every rank's output alone)
-            self._place(seq, dst_p, dst_p, nbytes, coll == COLL_BROADCAST
-                        or coll == COLL_ALLGATHER)
+        elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
+            self._place(seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
+        elif coll == COLL_REDUCE_SCATTER or dst_p == NULL:
+            self._place(seq, src_p, src_p, nbytes, True)     # (every rank's input alone; reduce
+        else:                                                # away from the root)
+            self._place(seq, src_p, dst_p, nbytes, True)     # (reduce: the root's output must
+                                                             # lie in the inputs' allocation)
         self.phase = 0
         if nbytes <= small_bytes:
             self._start_phase(0, ALG_INLINE, self.src_p, self.dst_p, nbytes)

@@ -378,10 +378,6 @@ class Collectives:
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
         if np.may_share_memory(result, src):
             src = src.copy()
-        me = self.rank
-        if self._single_copy(src.nbytes) and self._shared.reduce_scatter(
-                src, result, offsets[me], offsets[me + 1], opc, deadline):
-            return _finish(result, copy_back)     # folded straight from the shared inputs
         self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, deadline,
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
                                self._by_position(offsets)))

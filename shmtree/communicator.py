@@ -38,7 +38,7 @@ from .collectives import Collectives, _deadline
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
 from .requests import Progress, Request, wait_all
-from .shared import SINGLE_COPY_MIN, SharedArrays
+from .shared import SharedArrays
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -233,10 +233,7 @@ class Communicator(Collectives):
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
             if src is not dst and _overlaps(src, dst):
                 src = src.copy()              # out overlaps the input without being it
-            if root is not None and self._single_copy(src.nbytes) and self._shared.reduce(
-                    src, dst, root, opc, deadline):
-                pass                          # folded straight into the root's shared out
-            elif root is not None and self._own_algorithm("reduce", src.nbytes):
+            if root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
                                  coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
             else:                             # (reduce of an inline message: the allreduce)
@@ -262,25 +259,6 @@ class Communicator(Collectives):
         if self._shared is None:
             self._shared = SharedArrays(self)
         return self._shared.allocate(shape, dtype, order, "zeros")
-
-    def _single_copy(self, nbytes) -> bool:
-        """Does a call of nbytes first ask whether every rank passed shared arrays?  (The same
-        answer on every rank: allocations are collective, nbytes agreed.)"""
-        return (self._shared is not None and self._shared.count > 0 and self.size > 1
-                and nbytes >= SINGLE_COPY_MIN and nbytes > self._small_bytes)
-
-    def _gather_small(self, row, deadline):
-        """Inside a call: every rank's `row` (a small contiguous array), stacked, in one inline
-        round of the moving kind (allgather's layout)."""
-        result, flat = _moving.gather_fill(row, self.rank, self.size)
-        desc = row.shape + (row.itemsize, 0)
-        if self._quick(flat, "bor", flat, deadline, KIND_ALLGATHER, desc) is None:
-            self._collective(KIND_ALLGATHER, OPS["bor"], _U1, flat, flat, desc, deadline)
-        return result
-
-    def _fail_local(self, note):
-        """Something went wrong in this rank between the rounds of a call: abort the group."""
-        self.group.abort(ABORT_FAILED, self.rank, note=note)
 
     def _own_algorithm(self, collective, nbytes) -> bool:
         """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than

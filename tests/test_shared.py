@@ -1,4 +1,5 @@
-"""Shared arrays (comm.empty / comm.zeros) and the single-copy collectives (shmtree/shared.py).
+"""Shared arrays (comm.empty / comm.zeros, shmtree/shared.py) and the single-copy collectives
+(the engine's alg_direct).
 
 The single-copy path must give the very bits of the private path in the same group (the same
 reduction order), for every schedule; it must run only when every rank passed shared arrays at
@@ -21,21 +22,12 @@ from test_collectives import make, ops_for, same_bytes
 N = 100003                              # > 64 KiB for 8-byte items; not a multiple of P
 
 
-def single_copy_at_every_size():
-    """In a worker: every collective takes its single copy from the communicator's gate
-    (SINGLE_COPY_MIN) on, so that the tests reach it with messages they can afford (by default
-    each collective starts at MIN_BYTES, the size from which it pays: test_default_sizes)."""
-    import shmtree.shared as S
-    S.MIN_BYTES.update(dict.fromkeys(S.MIN_BYTES, S.SINGLE_COPY_MIN))
-
-
 def maps_of_arrays():
     with open("/proc/self/maps") as f:
         return sum("shmtree-array" in line for line in f)
 
 
 def exactness_worker(comm, cases):
-    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -99,6 +91,17 @@ def every_size_worker(comm, cases):
         ag, asent = _sent(comm, lambda: comm.allgather(ao[comm.rank], out=ao))
         out.append((bg is so and ag is ao, bw.tobytes() == so.tobytes(),
                     aw.tobytes() == ao.tobytes(), max(bsent, asent)))
+        # reduce into the root's input (in place), reduce_scatter of shared inputs
+        rw = comm.reduce(x, op=op, root=root)
+        sx[...] = x
+        rg, rsent = _sent(comm, lambda: comm.reduce(sx, op=op, root=root,
+                                                    out=sx if comm.rank == root else None))
+        rexact = comm.rank != root or rw.tobytes() == sx.tobytes()
+        sw = comm.reduce_scatter(x, op=op)
+        sx[...] = x
+        sg, ssent = _sent(comm, lambda: comm.reduce_scatter(sx, op=op))
+        out.append((comm.rank != root or rg is sx, rexact, sw.tobytes() == sg.tobytes(),
+                    max(rsent, ssent)))
     return out
 
 
@@ -109,7 +112,8 @@ def test_single_copy_from_small_bytes(P, tree):
     """Without lowering any threshold: an allreduce of shared arrays runs single-copy (no data
     through the rings) at any size above small_bytes - odd sizes, every part length, parts that
     are empty - with the private path's bits, blocking and nonblocking; so do broadcast and
-    allgather into shared outs (in place)."""
+    allgather into shared outs, reduce into the root's input and reduce_scatter of shared
+    inputs (in place)."""
     small = shmtree.plan.plan_group(P, tree=tree).small_bytes
     cases = []
     for dt, ops in [("float32", ("sum", "max")), ("float16", ("sum", "prod")),
@@ -122,7 +126,7 @@ def test_single_copy_from_small_bytes(P, tree):
                 cases += [(dt, op, n) for op in ops]
     outs = run_ok(every_size_worker, P, args=(cases,), tree=tree)
     for rank, out in enumerate(outs):
-        for (dt, op, n), (same, exact, exact2, sent) in zip([c for c in cases for _ in "ab"],
+        for (dt, op, n), (same, exact, exact2, sent) in zip([c for c in cases for _ in "abc"],
                                                             out):
             assert same and exact and exact2, (rank, dt, op, n, same, exact, exact2)
             assert sent < 4096, (rank, dt, op, n, sent)
@@ -130,7 +134,6 @@ def test_single_copy_from_small_bytes(P, tree):
 
 def mixed_worker(comm):
     """Shared on some ranks, private on others; views of shared arrays; strided views."""
-    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     res = {}
     base = np.arange(N, dtype=np.float64) + r
@@ -261,7 +264,6 @@ def test_a_rank_killed_while_holding_shared_arrays():
 def moves_worker(comm):
     """broadcast and allgather straight between shared arrays, and the same calls when some
     rank's arrays are private (the private path, on every rank)."""
-    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     n = 50001
     res = {}
@@ -302,7 +304,6 @@ def test_broadcast_and_allgather_single_copy(P):
 
 def rooted_worker(comm, cases):
     """reduce and reduce_scatter on shared inputs: the private path's bits, through no ring."""
-    single_copy_at_every_size()
     out = []
     for dtype, op, n in cases:
         x = make(dtype, op, n, comm.rank)
@@ -335,7 +336,6 @@ def test_reduce_and_reduce_scatter_single_copy(P, tree):
 
 
 def bf16_worker(comm):
-    single_copy_at_every_size()
     import ml_dtypes
     bf = ml_dtypes.bfloat16
     x = ((np.arange(N) % 13) * 0.37 + comm.rank * 1.01).astype(np.float32).astype(bf)
@@ -374,7 +374,7 @@ MOVES = ["uint8", "float64", "complex128", ">i4", "S5", [("a", "<i2"), ("b", ">f
 REDUCING = ["bool", "int8", "uint16", "int32", "uint64", "float16", "float32", "float64",
             "complex64", "complex128"]
 BIG = 100003                    # every dtype: >= 64 KiB, more than small_bytes; prime
-SMALL = (1, 4099)               # inline, and between small_bytes and SINGLE_COPY_MIN
+SMALL = (1, 4099)               # inline, and just above small_bytes (P=2)
 
 # layout: (input kind, out kind), every rank alike; out kind "same": out is the input (in
 # place), None: no out.  Kinds: priv, shared, slice (a stretch of a larger shared array, the
@@ -401,17 +401,17 @@ LAYOUTS = {
 # the layouts in which every rank's arrays allow the single-copy path of each collective (for
 # allreduce: every rank's input in one allocation and every rank's out in one, at any offsets;
 # for broadcast and allgather: every rank's out, in one allocation; for reduce_scatter: every
-# rank's input, at the same place; for reduce: the input, and the root's out; the others: the
-# private path on every rank)
+# rank's input, in one allocation; for reduce: the input, and the root's out in the inputs'
+# allocation; the others: the private path on every rank)
 SINGLE = {
     "allreduce": {"inplace", "shared_both", "slice", "slice_out", "view", "offsets"},
     "broadcast": {"inplace", "shared_both", "private_in_shared_out", "slice", "slice_out",
                   "view", "offsets"},         # (the root copies its input into its out first)
-    "reduce": {"inplace", "shared_both", "slice", "slice_out", "view"},
+    "reduce": {"inplace", "slice", "view", "offsets"},
     "allgather": {"inplace", "shared_both", "private_in_shared_out", "slice", "slice_out",
                   "view", "offsets"},
     "reduce_scatter": {"inplace", "shared_in", "shared_both", "shared_in_private_out",
-                       "slice", "slice_out", "view", "foreign_out"},
+                       "slice", "slice_out", "view", "foreign_out", "offsets"},
 }
 
 
@@ -466,7 +466,6 @@ def _sent(comm, call):
 def matrix_worker(comm, cases, other_group):
     """cases: (collective, dtype, op, n, layout, root); returns per case (the result was `out`
     where one was given, the very bytes of the private path, bytes sent into the rings)."""
-    single_copy_at_every_size()
     r, P = comm.rank, comm.size
     with warnings.catch_warnings():               # (joining a second group warns)
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -555,13 +554,12 @@ def matrix_cases(P, dtypes_ops, layouts, sizes=(BIG,), moves=MOVES):
 
 
 def check_matrix(P, cases, outs, small_bytes):
-    from shmtree.shared import SINGLE_COPY_MIN
     for i, (coll, dt, op, n, layout, root) in enumerate(cases):
         got = [o[i] for o in outs]
         for rank, (same, exact, sent) in enumerate(got):
             assert same and exact, (rank, coll, dt, op, n, layout, root, same, exact)
         nbytes = n * np.dtype(dt).itemsize * (P if coll == "allgather" else 1)
-        if P == 1 or nbytes < SINGLE_COPY_MIN or nbytes <= small_bytes:
+        if P == 1 or nbytes <= small_bytes:
             continue
         sent = [s for _, _, s in got]
         single = layout in SINGLE[coll] or (     # (1-aligned dtypes are aligned anywhere)
@@ -618,55 +616,3 @@ def test_matrix_representative_at_larger_groups(P, tree):
         cases += matrix_cases(P, [pairs[j % len(pairs)], pairs[(j + 3) % len(pairs)]], [lay],
                               moves=[MOVES[j % len(MOVES)]])
     run_matrix(P, cases, tree)
-
-
-def default_sizes_worker(comm):
-    """Each collective on shared arrays just below its MIN_BYTES (above the communicator's gate)
-    and at it, with the defaults: (collective, bytes, the private path's bits, bytes sent)."""
-    from shmtree.shared import MIN_BYTES
-    r, P = comm.rank, comm.size
-    out = []
-    for coll, limit in MIN_BYTES.items():
-        for total in (limit // 2, limit):
-            n = total // 4 // (P if coll == "allgather" else 1)
-            x = make("float32", "sum", n, r)
-            s = comm.empty(n, np.float32)
-            s[...] = x
-            if coll == "allreduce":
-                want = comm.allreduce(x)
-                got, sent = _sent(comm, lambda: comm.allreduce(s, out=s))
-            elif coll == "reduce":
-                want = comm.reduce(x, root=1)
-                got, sent = _sent(comm, lambda: comm.reduce(s, root=1,
-                                                            out=s if r == 1 else None))
-            elif coll == "reduce_scatter":
-                want = comm.reduce_scatter(x)
-                got, sent = _sent(comm, lambda: comm.reduce_scatter(s))
-            elif coll == "broadcast":
-                want = comm.broadcast(make("float32", None, n, 1) if r == 1 else None, root=1)
-                s[...] = want if r == 1 else 0
-                got, sent = _sent(comm, lambda: comm.broadcast(s if r == 1 else None, root=1,
-                                                               out=s))
-            else:
-                want = comm.allgather(x)
-                o = comm.zeros((P, n), np.float32)
-                got, sent = _sent(comm, lambda: comm.allgather(x, out=o))
-            exact = want is None and got is None or want.tobytes() == got.tobytes()
-            out.append((coll, total, exact, sent))
-    return out
-
-
-@pytest.mark.timeout(120)
-def test_default_sizes():
-    """With the defaults a collective on shared arrays takes its single copy from its MIN_BYTES
-    on (the size from which it pays), the private path below; the bits are the same."""
-    from shmtree.shared import MIN_BYTES, SINGLE_COPY_MIN
-    assert SINGLE_COPY_MIN <= min(MIN_BYTES.values()) // 2
-    outs = run_ok(default_sizes_worker, 2)
-    for i, (coll, total, _, _) in enumerate(outs[0]):
-        sent = [o[i][3] for o in outs]
-        assert all(o[i][2] for o in outs), (coll, total)
-        if total < MIN_BYTES[coll]:
-            assert max(sent) >= total // 2, (coll, total, sent)        # through the rings
-        else:
-            assert max(sent) < 4096, (coll, total, sent)               # single copy

@@ -19,6 +19,11 @@
 #     (into scratch, a piece per rank) and copies it into every output, its own included.
 # broadcast: each rank, the root too, copies a share of the root's output (which holds the data)
 #   into every other rank's output: the work of P-1 copies spread over P cores.
+# reduce_scatter: every rank folds its own block (ring position p: the inputs of positions p+1,
+#   ..., p, the blocks algorithm's order) straight into its output (which may be private).
+# reduce: every rank folds a 1/P share of the elements in the chain's order towards the root
+#   (position q: the inputs of positions q+1, ..., q) straight into the root's output, which
+#   lies in the inputs' allocation (so every rank has it mapped).
 # allgather: every rank copies its own block (in its output) into every other rank's output, a
 #   piece at a time while it is in cache (pushing beat pulling each block: 2 MiB at P=2 152 us
 #   against 257).
@@ -26,6 +31,8 @@
 cdef enum:
     DIRECT_ALLREDUCE = 0      # the modes: _engine.pyx's COLL_* codes (it checks)
     DIRECT_BROADCAST = 1
+    DIRECT_REDUCE = 2
+    DIRECT_REDUCE_SCATTER = 3
     DIRECT_ALLGATHER = 4
     DIRECT_PIECE = 32768      # bytes reduced and copied out at a time (L1/L2-resident)
     DIRECT_COPY = 65536       # bytes copied at a time (broadcast, allgather): read once, written
@@ -53,10 +60,20 @@ cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
         share = (share + 63) // 64 * 64
         d.lo = <uint64_t>e.rank * share if <uint64_t>e.rank * share < k.nbytes else k.nbytes
         d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
-    else:                                     # allgather: this rank's own block
+    elif d.mode == DIRECT_ALLGATHER:          # this rank's own block
         k.chunk = DIRECT_COPY
         d.lo = k.offs[2 * d.pos]
         d.hi = k.offs[2 * d.pos + 1]
+    else:
+        k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
+        if k.chunk == 0:
+            k.chunk = k.itemsize
+        if d.mode == DIRECT_REDUCE_SCATTER:   # this rank's own block
+            d.lo = k.offs[2 * d.pos]
+            d.hi = k.offs[2 * d.pos + 1]
+        else:                                 # reduce: a share of the items per rank
+            d.lo = <uint64_t>e.rank * share if <uint64_t>e.rank * share < k.nbytes else k.nbytes
+            d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
     d.off = d.lo
 
 
@@ -79,13 +96,14 @@ cdef int direct_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
     return 0
 
 
-cdef inline void direct_ring_piece(Eng *e, Call *k, Direct *d, uint64_t off,
-                                   uint64_t n) noexcept nogil:
+cdef inline void direct_fold(Eng *e, Call *k, Direct *d, uint64_t off, uint64_t n, int start,
+                             char *target) noexcept nogil:
+    """Elements [off, off + n) of the inputs of ring positions start, start + 1, ... (mod P),
+    folded left to right into target (pairwise, rounding at every step, where the hops do)."""
     cdef int P = e.nranks, j
-    cdef char *target = d.outs[e.rank] + off
     cdef Py_ssize_t items = n // k.itemsize
     for j in range(P):
-        d.srcs[j] = d.ins[d.order[(d.pos + j) % P]] + off
+        d.srcs[j] = d.ins[d.order[(start + j) % P]] + off
     if d.pairwise and P > 2:
         k.fn(target, d.srcs, 2, items)
         for j in range(2, P):
@@ -94,7 +112,14 @@ cdef inline void direct_ring_piece(Eng *e, Call *k, Direct *d, uint64_t off,
             k.fn(target, d.srcs, 2, items)
     else:
         k.fn(target, d.srcs, P, items)
-    for j in range(P):
+
+
+cdef inline void direct_ring_piece(Eng *e, Call *k, Direct *d, uint64_t off,
+                                   uint64_t n) noexcept nogil:
+    cdef char *target = d.outs[e.rank] + off
+    cdef int j
+    direct_fold(e, k, d, off, n, d.pos, target)
+    for j in range(e.nranks):
         if j != e.rank:
             out(e, d.outs[j] + off, target, n)
 
@@ -137,6 +162,11 @@ cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
             for r in range(e.nranks):
                 if r != e.rank:
                     memcpy(d.outs[r] + d.off, d.outs[e.rank] + d.off, n)
+        elif d.mode == DIRECT_REDUCE_SCATTER:     # block p: x[p+1] op ... op x[p]
+            direct_fold(e, k, d, d.off, n, d.pos + 1, k.dst + (d.off - d.lo))
+        elif d.mode == DIRECT_REDUCE:             # towards root q: x[q+1] op ... op x[q]
+            direct_fold(e, k, d, d.off, n, k.root + 1, d.tmp)     # (the root's out may be its
+            memcpy(d.outs[d.order[k.root]] + d.off, d.tmp, n)    # input: the last operand)
         elif d.ring:
             direct_ring_piece(e, k, d, d.off, n)
         else:

@@ -151,6 +151,7 @@ cdef struct Direct:
     int *kid_start        # tree: the children of v are kids[kid_start[v] .. kid_start[v + 1]]
     int *kids
     char *scratch         # tree: one piece per rank (its partial result)
+    char *tmp             # reduce: one piece
     const void **srcs     # the operands of one fold [P]
     const char **ins      # every rank's input [P] (this call)
     char **outs           # every rank's output [P]
