@@ -247,7 +247,7 @@ class Communicator(Collectives):
 
     def empty(self, shape, dtype=float, order="C"):
         """A collective: a writable array every member can read, on every rank (each rank its
-        own), with the same shape and dtype everywhere.  Allreduces of such arrays (input and
+        own), with the same shape and dtype everywhere.  Collectives of such arrays (input and
         out=) run single-copy, reading and writing them in place.  The memory lives while this
         rank holds a reference, and is unshared when the communicator closes."""
         if self._shared is None:

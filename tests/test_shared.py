@@ -584,8 +584,8 @@ def every_dtype_op():
 @pytest.mark.parametrize("P,tree", [(2, None), (3, "ring"), (3, None)])
 def test_matrix_every_dtype_and_op_in_place(P, tree):
     """Every reducing dtype and op, and the moves' dtypes, in place on shared arrays, and on
-    arrays of another group (the private path); at P=2 small sizes too (inline, and below
-    SINGLE_COPY_MIN but above small_bytes: the private path on shared arrays)."""
+    arrays of another group (the private path); at P=2 small sizes too (inline, and just above
+    small_bytes: the single copy)."""
     run_matrix(P, matrix_cases(P, every_dtype_op(), ["inplace", "foreign"],
                                sizes=SMALL + (BIG,) if P == 2 else (BIG,)), tree)
 

@@ -14,8 +14,7 @@ side by side, with the options given: ``arrays=private`` (numpy arrays of each r
 path, through the rings) and ``arrays=shared`` (``comm.empty`` arrays, in place: the single-copy
 path, each rank reading its part of the result from every rank's array and writing it into every
 rank's; the arrays are first-touched by their owner after pinning, so each part crosses a socket
-link once; below ``shmtree.shared.MIN_BYTES["allreduce"]`` shared arrays take the private path
-too).
+link once; up to ``small_bytes`` shared arrays travel inline like private ones).
 Then the knobs of the copy path: where ring pages live (``numa`` = consumer / producer /
 interleave), pinned vs unpinned ranks, and the topology-aware tree vs the rank-order chain.  On a
 one-node machine the matrix is 1x1 and the placement policies cannot differ in where pages land;
