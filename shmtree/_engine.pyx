@@ -79,6 +79,22 @@ for _ch in np.typecodes["All"]:
 _OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}     # the kernels' one op table
 
 
+cdef int64_t _budget(int64_t slice_ns, timeout):
+    """A fast path's time slice: slice_ns, or less when timeout (None or seconds, a float or int
+    >= 0) is shorter, but at least 0.5 ms; -1 for a timeout the general path must check."""
+    cdef double wait
+    if timeout is None:
+        return slice_ns
+    if type(timeout) is not float and type(timeout) is not int:
+        return -1
+    wait = timeout
+    if not wait >= 0:
+        return -1
+    if wait * 1e9 < slice_ns:
+        slice_ns = <int64_t>(wait * 1e9)
+    return slice_ns if slice_ns >= 500000 else 500000
+
+
 cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
     cdef char *pa = <char *>cnp.PyArray_DATA(a)
     cdef char *pb = <char *>cnp.PyArray_DATA(b)
@@ -951,8 +967,8 @@ cdef class Engine:
             shm_store_release64(&me.call, 0)
         return rc
 
-    def quick(self, array, op, out, uint64_t small_bytes, int64_t slice_ns, timeout,
-              int kind=KIND_ALLREDUCE, tuple dims=None):
+    def quick(self, array, op, out, uint64_t small_bytes, int kind, tuple dims, int64_t slice_ns,
+              timeout):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
         native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
         an ndarray of the same dtype and shape that is the input itself or does not overlap it.
@@ -963,18 +979,9 @@ cdef class Engine:
         general path must handle the call (validation, copies, error messages)."""
         if self.busy or type(array) is not np.ndarray:
             return None
-        cdef int64_t budget_ns = slice_ns
-        cdef double wait
-        if timeout is not None:
-            if type(timeout) is not float and type(timeout) is not int:
-                return None
-            wait = timeout
-            if not wait >= 0:
-                return None
-            if wait * 1e9 < budget_ns:
-                budget_ns = <int64_t>(wait * 1e9)
-            if budget_ns < 500000:
-                budget_ns = 500000
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            return None
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef cnp.ndarray res
         cdef int num = cnp.PyArray_TYPE(a)
@@ -1037,18 +1044,9 @@ cdef class Engine:
         cdef int ch = self._ring_channel()
         if ch < 0:
             return None
-        cdef int64_t budget_ns = slice_ns
-        cdef double wait
-        if timeout is not None:
-            if type(timeout) is not float and type(timeout) is not int:
-                return None
-            wait = timeout
-            if not wait >= 0:
-                return None
-            if wait * 1e9 < budget_ns:
-                budget_ns = <int64_t>(wait * 1e9)
-            if budget_ns < 500000:
-                budget_ns = 500000
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            return None
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef cnp.ndarray o = <cnp.ndarray>out
         cdef int nd = cnp.PyArray_NDIM(a)

@@ -239,9 +239,9 @@ class Collectives:
                 return got[0]
         elif (axis is None and type(array) is np.ndarray and type(out) is np.ndarray and P > 1
               and array.nbytes * P > self._small_bytes and self._idle()):
-            got = self._quick_gather(array, out, _deadline(timeout),
-                                     _dtype_digest(array.dtype))     # (in C: blocks or single
-            if got is not None:                                      # copy)
+            got = self._quick(array, None, out, _deadline(timeout), KIND_ALLGATHER,
+                              digest=_dtype_digest(array.dtype))    # (in C: the blocks or
+            if got is not None:                                     # the single copy)
                 return got
         return self._now(self._prep_allgather(array, axis, out, timeout))
 

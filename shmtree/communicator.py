@@ -30,7 +30,7 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 
 from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
+                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
                     KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
@@ -170,39 +170,24 @@ class Communicator(Collectives):
         n = self._posted = self._posted + 1
         return progress.post(Request(name, n, progress), run)
 
-    def _quick(self, array, op, out, deadline, kind, dims=None, limit=None):
+    def _quick(self, array, op, out, deadline, kind, dims=None, limit=None, digest=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
         of inline messages), with descriptor kind `kind`: the result, or None when the general
         path must take the call (engine.quick also declines a call while another thread of this
         rank is inside one: that call then fails on the general path).  deadline: None or a
         time.monotonic() value; dims: the descriptor's shape, when it is not the array's;
-        limit: the largest message that travels inline (small_bytes unless said)."""
+        limit: the largest message that travels inline (small_bytes unless said); digest (of the
+        dtype): allgather(array, out=out) on its own fast path (engine.quick_allgather)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
         try:
-            r = eng.quick(array, op, out, limit or self._small_bytes, SLICE_NS,
-                          None if deadline is None else max(0.0, deadline - time.monotonic()),
-                          kind, dims)
-            if r is None:
-                return None
-            if r[0] != _engine.DONE:
-                self._drive(eng.seq, deadline, r[0])
-            return r[1]
-        except BaseException:
-            self._interrupted(eng)
-            raise
-
-    def _quick_gather(self, array, out, deadline, digest):
-        """The fast path of allgather(array, out=out) (engine.quick_allgather): the result, or
-        None when the general path must take the call."""
-        eng = self._engine
-        if self._gen != _fork_gen or self._closed or self.group._closed:
-            return None
-        try:
-            r = eng.quick_allgather(array, out, digest, KIND_ALLGATHER, SLICE_NS,
-                                    None if deadline is None else
-                                    max(0.0, deadline - time.monotonic()))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if digest is None:
+                r = eng.quick(array, op, out, limit or self._small_bytes, kind, dims, SLICE_NS,
+                              left)
+            else:
+                r = eng.quick_allgather(array, out, digest, kind, SLICE_NS, left)
             if r is None:
                 return None
             if r[0] != _engine.DONE:
