@@ -22,8 +22,9 @@
 # reduce_scatter: every rank folds its own block (ring position p: the inputs of positions p+1,
 #   ..., p, the blocks algorithm's order) straight into its output (which may be private).
 # reduce: every rank folds a 1/P share of the elements in the chain's order towards the root
-#   (position q: the inputs of positions q+1, ..., q) straight into the root's output, which
-#   lies in the inputs' allocation (so every rank has it mapped).
+#   (position q: the inputs of positions q+1, ..., q), a piece at a time in a buffer (the root's
+#   output may be its input, the last operand), into the root's output, which lies in the
+#   inputs' allocation (so every rank has it mapped).
 # allgather: every rank copies its own block (in its output) into every other rank's output, a
 #   piece at a time while it is in cache (pushing beat pulling each block: 2 MiB at P=2 152 us
 #   against 257).
@@ -48,12 +49,12 @@ cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
     cdef uint64_t part = d.pos if d.ring else e.rank
     d.published = 0
     d.finished = 0
+    k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize       # (reductions: whole items)
+    if k.chunk == 0:
+        k.chunk = k.itemsize
     if d.mode == DIRECT_ALLREDUCE:
         d.lo = part * share if part * share < k.nbytes else k.nbytes
         d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
-        k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
-        if k.chunk == 0:
-            k.chunk = k.itemsize
     elif d.mode == DIRECT_BROADCAST:          # a share of the bytes per rank, the root's too
         k.chunk = DIRECT_COPY
         share = (k.nbytes + e.nranks - 1) // e.nranks
@@ -64,16 +65,12 @@ cdef void direct_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
         k.chunk = DIRECT_COPY
         d.lo = k.offs[2 * d.pos]
         d.hi = k.offs[2 * d.pos + 1]
-    else:
-        k.chunk = DIRECT_PIECE // k.itemsize * k.itemsize
-        if k.chunk == 0:
-            k.chunk = k.itemsize
-        if d.mode == DIRECT_REDUCE_SCATTER:   # this rank's own block
-            d.lo = k.offs[2 * d.pos]
-            d.hi = k.offs[2 * d.pos + 1]
-        else:                                 # reduce: a share of the items per rank
-            d.lo = <uint64_t>e.rank * share if <uint64_t>e.rank * share < k.nbytes else k.nbytes
-            d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
+    elif d.mode == DIRECT_REDUCE_SCATTER:     # this rank's own block
+        d.lo = k.offs[2 * d.pos]
+        d.hi = k.offs[2 * d.pos + 1]
+    else:                                     # reduce: a share of the items per rank
+        d.lo = <uint64_t>e.rank * share if <uint64_t>e.rank * share < k.nbytes else k.nbytes
+        d.hi = d.lo + share if d.lo + share < k.nbytes else k.nbytes
     d.off = d.lo
 
 
