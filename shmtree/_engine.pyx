@@ -14,7 +14,7 @@ and the primitives inline into the algorithms):
   * engine/alg_*.pxi: one algorithm per file, written in the primitives: alg_inline (the
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
-    other collectives), alg_direct (the single-copy allreduce of shared arrays, no rings).
+    other collectives), alg_direct (the single copies of shared arrays, no rings).
   * here: the table of algorithms [collective][algorithm], the one loop driver, Engine (one rank's
     view of the group, one resumable call at a time; progress() drives the call with the GIL
     released until it is done, the group is aborted, or the time slice ends - the Python layer
@@ -565,12 +565,13 @@ cdef class Engine:
         free(self.share_len)
         free(self.share_bases)
 
-    # ---- shared arrays: the single-copy allreduce (alg_direct.pxi) ----
+    # ---- shared arrays: the single-copy collectives (alg_direct.pxi) ----
 
     def direct_order(self, list ring, list children=None, int root=0):
-        """The fold order of the single-copy allreduce: the group's ring schedule (ring: the
-        ranks in ring order; children None), or its pipelined tree (children[v]: v's children,
-        left to right, under root).  The same order as the private path's, hence its bits."""
+        """The fold orders of the single copies: the ring order (the ranks by ring position:
+        reduce_scatter's and reduce's, and allreduce's under the ring schedule, children None),
+        or allreduce's pipelined tree (children[v]: v's children, left to right, under root).
+        The same orders as the private paths', hence their bits."""
         cdef Direct *d = &self.e.dir
         cdef int P = self.e.nranks, i, j, n
         if sorted(ring) != list(range(P)):
