@@ -278,12 +278,12 @@ class Collectives:
         result, copy_back = _out_for(out, shape, a.dtype, "allgather")
         view = _bytes_of(result)
         own = view[offsets[me]:offsets[me + 1]]
-        in_place = (a.flags.c_contiguous and a.nbytes == own.size and a.nbytes
+        blocks = self._own_algorithm("allgather", view.size)    # (shared outs: single copy)
+        in_place = (blocks and a.flags.c_contiguous and a.nbytes == own.size and a.nbytes
                     and _moving.address(a) == _moving.address(own))     # out[rank] passed
-        if np.may_share_memory(a, result) and not (
-                in_place and self._own_algorithm("allgather", view.size)):
+        if not in_place and np.may_share_memory(a, result):
             a = a.copy()                      # (out overlaps the input)
-        if self._own_algorithm("allgather", view.size):    # (shared outs: the single copy)
+        if blocks:
             if not in_place:
                 own[...] = _bytes_of(a)
             self._collective(kind, _BOR, _U1, None, view, desc, deadline,
