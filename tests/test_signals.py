@@ -349,6 +349,10 @@ def fastpath_verdict(reports, victim):
     if sorted(reports) != [0, 1]:
         return f"no report from rank(s) {sorted({0, 1} - set(reports))} (wedged or died)"
     ends = {r: reports[r]["end"] for r in (0, 1)}
+    if ends[1 - victim] == "setup PeerLostError" and ends[victim] == "PeerLostError":
+        ends[1 - victim] = "PeerLostError"          # (the victim's first call was interrupted
+                                                    # before its peer joined: join refuses the
+                                                    # aborted group, with the same error)
     if set(ends.values()) == {"stopped"}:
         return ""                                   # usable after every interrupt
     if set(ends.values()) == {"PeerLostError"}:     # cleanly aborted
