@@ -29,26 +29,15 @@ from . import _moving
 from .errors import CollectiveMismatchError, ShmtreeError
 
 
-class _Alloc:
-    """One allocation as this rank sees it: its place, and the peers' memory as flat uint8
-    arrays (None for this rank), which hold their mappings while the allocation lives here."""
-
-    __slots__ = ("id", "start", "nbytes", "peers")
-
-    def __init__(self, ident, own, nbytes, peers):
-        self.id = ident
-        self.start = own.address
-        self.nbytes = nbytes
-        self.peers = peers
-
-
 class SharedArrays:
     """A communicator's shared allocations."""
 
     def __init__(self, comm):
         self._comm = comm
         self.count = 0                # allocations made by the group (the same on every rank)
-        self._live = {}               # id -> _Alloc, while this rank's own array lives
+        self._live = {}               # id -> the peers' memory (flat uint8 arrays, None for
+                                      # this rank), holding their mappings while this rank's
+                                      # own array of the allocation lives
 
     # ---- allocation ----
 
@@ -98,13 +87,12 @@ class SharedArrays:
             raise ShmtreeError(f"shmtree: {what}: " + (error or "a peer could not map this "
                                "rank's array (ranks must run as the same user)"))
         self.count += 1
-        alloc = _Alloc(self.count, own, nbytes, peers)
-        self._live[alloc.id] = alloc
-        # the engine's single-copy allreduce finds the allocation by address (and forgets it
-        # before the mappings go)
-        comm._engine.share(alloc.id, alloc.start, nbytes,
-                           [alloc.start if v is None else _address(v) for v in peers])
-        weakref.finalize(own, self._forget, alloc.id)
+        self._live[self.count] = peers
+        # the engine's single copies find the allocation by address (and forget it before the
+        # mappings go)
+        comm._engine.share(self.count, own.address, nbytes,
+                           [own.address if v is None else _address(v) for v in peers])
+        weakref.finalize(own, self._forget, self.count)
         array = np.frombuffer(own, np.uint8, nbytes) if nbytes else np.empty(0, np.uint8)
         return array.view(dtype).reshape(shape, order=order)
 
