@@ -115,6 +115,15 @@ STALLED = RC_STALLED
 ABORTED = RC_ABORTED
 MISMATCH = RC_MISMATCH
 CORRUPT = RC_CORRUPT
+NEED_OUT = RC_NEED_OUT
+# broadcast's first round (its layout is _moving.pyx's, which checks these): what the engine
+# reads of it
+cdef enum:
+    BC_CLAIM = 8                      # rank r's claim at BC_CLAIM * r, zero when it passed None
+    BC_META = 96                      # then the root's description: +0 present, +1 long, +8
+                                      # nbytes; then the data room
+BCAST_CLAIM = BC_CLAIM
+BCAST_META = BC_META
 
 # ---------------------------------------------------------------------------------------------
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
@@ -422,6 +431,14 @@ cdef class Engine:
     cdef char **share_bases           # [nshares * nranks]
     cdef int nshares, share_cap
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
+    # a broadcast's first round that carries its data on, in the same call (quick_bcast)
+    cdef int bc_pending               # the round runs; its result says whether data follows
+    cdef int bc_need                  # the data follows and waits for this rank's output
+    cdef int bc_root, bc_root_pos
+    cdef uint64_t bc_small, bc_nbytes
+    cdef char *bc_dst                 # this rank's output for the data (NULL: none yet)
+    cdef object bc_ref
+    cdef public int bc_ran            # the last quick_bcast call carried the data
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
@@ -830,6 +847,9 @@ cdef class Engine:
         self.coll = coll
         self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
+        self.bc_pending = 0
+        self.bc_need = 0
+        self.bc_ran = 0
         if coll == COLL_ALLREDUCE:
             self._place(seq, src_p, dst_p, nbytes, nbytes > small_bytes)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
@@ -904,6 +924,8 @@ cdef class Engine:
         """Run the phases of the call in progress (see begin)."""
         cdef int rc = drive(&self.e, self._alg())
         cdef int ch, alg
+        if rc == RC_DONE and self.phase == 0 and self.bc_pending:
+            return self._bcast_on()
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
             self.phase = 1
             self.direct = self._direct_agreed()
@@ -916,6 +938,110 @@ cdef class Engine:
             self._start_phase(ch, alg, self.src_p, self.dst_p, self.msg_nbytes)
             rc = drive(&self.e, self._alg())
         return rc
+
+    cdef int _bcast_on(self) noexcept nogil:
+        """After a broadcast's first round (quick_bcast): when its result says the data follows
+        (every claim agrees with the root's, the description is not long, and the data is
+        larger than both the round's room and small_bytes), run it in the same call on the ring
+        channel: the chain from the root, or the single copy when every rank's output lies in
+        one shared allocation (the round was the agreement).  Every rank reads the same round,
+        so every rank decides alike.  RC_NEED_OUT when this rank has no output yet."""
+        cdef int P = self.e.nranks, r, ch
+        cdef const uint8_t *p = <const uint8_t *>self.dst_p
+        cdef const uint64_t *claims = <const uint64_t *>p
+        cdef const uint8_t *m = p + BC_CLAIM * P
+        cdef uint64_t want, n, head = BC_CLAIM * P + BC_META
+        self.bc_pending = 0
+        ch = self._ring_channel()
+        if ch < 0 or self.msg_nbytes < head:
+            return RC_DONE
+        want = claims[self.bc_root]
+        if want == 0 or m[0] != 1 or m[1] != 0:
+            return RC_DONE
+        for r in range(P):
+            if claims[r] != 0 and claims[r] != want:
+                return RC_DONE                # (a mismatch: the caller says it)
+        memcpy(&n, m + 8, 8)
+        if n <= self.msg_nbytes - head or n <= self.bc_small:
+            return RC_DONE                    # (the data came inline, or takes a round of its
+        self.bc_ran = 1                       # own: the caller's)
+        self.phase = 1
+        self.direct = self._direct_agreed()   # (zero places where an output is missing)
+        self.coll = COLL_BROADCAST
+        self.msg_nbytes = n
+        self.src_p = NULL
+        self.e.call.root = self.bc_root_pos
+        self.e.call.coll_kind = CHAIN_BCAST
+        self.e.dir.mode = COLL_BROADCAST
+        self.e.dir.pairwise = 0
+        self.e.nt = not self.direct and self.nt_bytes > 0 and n >= self.nt_bytes
+        if self.bc_dst == NULL:
+            self.bc_need = 1
+            return RC_NEED_OUT
+        self.dst_p = self.bc_dst
+        self._start_phase(1 if self.direct else ch, ALG_DIRECT if self.direct else ALG_RING,
+                          NULL, self.dst_p, n)
+        return drive(&self.e, self._alg())
+
+    def quick_bcast(self, first, dst, int root, int root_pos, int kind, uint64_t limit,
+                    uint64_t small_bytes, int64_t slice_ns, timeout):
+        """Broadcast in one call (collectives.py): its first round - `first`, this rank's uint8
+        contribution, or-ed in place with every rank's (kind, the shape (len(first),), carried
+        inline up to limit bytes) - and, when that round's result says the data follows, the
+        data itself from the root, in the same call (root: a rank, root_pos: its ring
+        position).  dst: this rank's output as a C-contiguous writable uint8 array (the root's
+        holding the data), when it knows it before the round, else None (the call then stops
+        with NEED_OUT after the round: resume_bcast).  Runs one time slice (see quick); returns
+        the rc, or None when another call is in progress.  bc_ran says whether the data came."""
+        if self.busy:
+            return None
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            budget_ns = slice_ns
+        cdef cnp.ndarray f = first
+        cdef cnp.ndarray o
+        if (cnp.PyArray_TYPE(f) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(f)
+                or not cnp.PyArray_ISWRITEABLE(f) or not 0 <= root < self.e.nranks):
+            raise ValueError("shmtree: quick_bcast: bad first round or root")
+        if dst is not None:
+            o = dst
+            if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(o)
+                    or not cnp.PyArray_ISWRITEABLE(o)):
+                raise ValueError("shmtree: quick_bcast: dst must be C-contiguous writable uint8")
+        if aborted(&self.e):
+            return RC_ABORTED
+        cdef int64_t dims[1]
+        dims[0] = cnp.PyArray_SIZE(f)
+        self._begin_c(f, f, 1, OP_BOR, DT_U1, kind, 1, dims, limit)
+        self.bc_pending = 1
+        self.bc_need = 0
+        self.bc_ran = 0
+        self.bc_root = root
+        self.bc_root_pos = root_pos
+        self.bc_small = small_bytes
+        self.bc_ref = dst
+        self.bc_dst = NULL
+        if dst is not None:
+            self.bc_dst = <char *>cnp.PyArray_DATA(o)
+            self.bc_nbytes = cnp.PyArray_NBYTES(o)
+            self._place(self.cur_seq, self.bc_dst, self.bc_dst, self.bc_nbytes, True)
+        return self._progress(budget_ns)
+
+    def resume_bcast(self, dst):
+        """Give the broadcast that stopped with NEED_OUT this rank's output (C-contiguous
+        writable uint8, of the data's size); progress() then runs the data."""
+        cdef cnp.ndarray o = dst
+        if not self.busy or not self.bc_need:
+            raise RuntimeError("shmtree: resume_bcast: no broadcast waits for its output")
+        if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(o)
+                or not cnp.PyArray_ISWRITEABLE(o)
+                or <uint64_t>cnp.PyArray_NBYTES(o) != self.msg_nbytes):
+            raise ValueError("shmtree: resume_bcast: dst must be C-contiguous writable uint8 of "
+                             "the data's size")
+        self.bc_need = 0
+        self.bc_ref = dst
+        self.dst_p = <char *>cnp.PyArray_DATA(o)
+        self._start_phase(self._ring_channel(), ALG_RING, NULL, self.dst_p, self.msg_nbytes)
 
     cdef void _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
                           int ndim, int64_t *dims) noexcept:
@@ -951,13 +1077,18 @@ cdef class Engine:
     cdef int _progress(self, int64_t budget_ns):
         cdef int rc
         cdef shm_rank_block *me = self.seg.block(self.e.rank)
+        if self.bc_need:
+            return RC_NEED_OUT
         with nogil:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+        if rc == RC_NEED_OUT:
+            return rc
         if rc != RC_STALLED:
+            self.bc_ref = None
             self.busy = 0
             self.src_ref = None
             self.dst_ref = None
@@ -1097,6 +1228,9 @@ cdef class Engine:
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""
         self.busy = 0
+        self.bc_pending = 0
+        self.bc_need = 0
+        self.bc_ref = None
         self.src_ref = None
         self.dst_ref = None
         shm_store_release64(&self.seg.block(self.e.rank).call, 0)

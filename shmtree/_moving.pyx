@@ -25,7 +25,7 @@ structured ones), then ndim and every dim; every rank checks every claim against
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 import pickle
 
@@ -71,8 +71,13 @@ cdef uint64_t _fnv(const uint8_t *p, Py_ssize_t n, uint64_t h) noexcept nogil:
 
 
 cdef uint64_t _claim_c(bytes key, int ndim, const int64_t *dims):
-    cdef uint64_t h = _fnv(<const uint8_t *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
-                           1469598103934665603ULL)
+    return _claim_raw(<const uint8_t *>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), ndim,
+                      dims)
+
+
+cdef uint64_t _claim_raw(const uint8_t *key, Py_ssize_t n, int ndim,
+                         const int64_t *dims) noexcept nogil:
+    cdef uint64_t h = _fnv(key, n, 1469598103934665603ULL)
     cdef int i
     h = (h ^ <uint64_t>ndim) * 1099511628211ULL
     for i in range(ndim):
@@ -99,18 +104,27 @@ def round_bytes(int P, Py_ssize_t room):
 
 def bcast_fill(a, bint is_root, int rank, int P, Py_ssize_t room):
     """This rank's contribution to broadcast's first round: a new uint8 array of F bytes.  a:
-    None, or an ndarray (on the root: C-contiguous and aligned)."""
+    None, or an ndarray of a dtype without Python objects (on the root: C-contiguous and
+    aligned); None when a is not so (broadcast's fast path leaves the call to the general
+    path, which makes it so or says why not)."""
+    cdef cnp.ndarray arr
+    if a is not None:
+        if not isinstance(a, np.ndarray):
+            return None
+        arr = <cnp.ndarray>a
+        if (cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(arr)) & 1   # (Python objects)
+                or (is_root and not (cnp.PyArray_IS_C_CONTIGUOUS(arr)
+                                     and cnp.PyArray_ISALIGNED(arr)))):
+            return None
     cdef cnp.npy_intp n = CLAIM * P + META + room
     cdef cnp.ndarray buf = cnp.PyArray_ZEROS(1, &n, cnp.NPY_UINT8, 0)
     cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(buf)
     cdef uint8_t *m = p + CLAIM * P
-    cdef cnp.ndarray arr
     cdef int nd, i
     cdef uint64_t c, nbytes
     cdef bytes key, blob
     if a is None:
         return buf
-    arr = <cnp.ndarray>a
     nd = cnp.PyArray_NDIM(arr)
     key, short = _key(arr.dtype)
     c = _claim_c(key, nd, <const int64_t *>cnp.PyArray_DIMS(arr))
@@ -179,28 +193,45 @@ def bcast_read(cnp.ndarray buf, out, int P, Py_ssize_t room):
     if m[1]:
         return ("long", (<uint32_t *>(m + 4))[0])
     memcpy(&nbytes, m + 8, 8)
-    key = (<char *>(m + 16))[:slen]
-    dt = _DTYPES.get(key)
-    if dt is None:
-        if len(_DTYPES) > 1024:
-            _DTYPES.clear()
-        dt = _DTYPES[key] = np.dtype(key.decode())
     cdef const int64_t *dims = <const int64_t *>(m + 32)
-    shape = tuple([dims[i] for i in range(nd)])
-    wrong = wrong_claims(buf, P, _claim_c(key, nd, dims))
-    if wrong:
-        return ("mismatch", dt, shape, wrong)
-    if nbytes > <uint64_t>room:
-        return ("data", dt, shape)
-    if out is None:
-        res = np.empty(shape, dt)
-    elif (type(out) is np.ndarray and (<cnp.ndarray>out).dtype == dt and out.shape == shape
-          and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
-          and cnp.PyArray_ISALIGNED(<cnp.ndarray>out)
-          and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)):
-        res = <cnp.ndarray>out
-    else:
-        return ("inline", dt, shape)
+    cdef uint64_t want = _claim_raw(m + 16, slen, nd, dims)
+    cdef const uint64_t *claims = <const uint64_t *>p
+    cdef bint agreed = True
+    cdef int r
+    for r in range(P):
+        agreed = agreed and (claims[r] == 0 or claims[r] == want)
+    res = None
+    if (agreed and nbytes <= <uint64_t>room and type(out) is np.ndarray
+            and cnp.PyArray_NDIM(<cnp.ndarray>out) == nd
+            and memcmp(cnp.PyArray_DIMS(<cnp.ndarray>out), dims, nd * sizeof(int64_t)) == 0
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+            and cnp.PyArray_ISALIGNED(<cnp.ndarray>out)
+            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)):
+        key, short = _key((<cnp.ndarray>out).dtype)        # (the common case: out given; no
+        if (short and PyBytes_GET_SIZE(key) == slen         # dtype or shape objects built)
+                and memcmp(PyBytes_AS_STRING(key), m + 16, slen) == 0):
+            res = <cnp.ndarray>out
+    if res is None:
+        key = (<char *>(m + 16))[:slen]
+        dt = _DTYPES.get(key)
+        if dt is None:
+            if len(_DTYPES) > 1024:
+                _DTYPES.clear()
+            dt = _DTYPES[key] = np.dtype(key.decode())
+        shape = tuple([dims[i] for i in range(nd)])
+        if not agreed:
+            return ("mismatch", dt, shape, wrong_claims(buf, P, want))
+        if nbytes > <uint64_t>room:
+            return ("data", dt, shape)
+        if out is None:
+            res = np.empty(shape, dt)
+        elif (type(out) is np.ndarray and (<cnp.ndarray>out).dtype == dt and out.shape == shape
+              and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+              and cnp.PyArray_ISALIGNED(<cnp.ndarray>out)
+              and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)):
+            res = <cnp.ndarray>out
+        else:
+            return ("inline", dt, shape)
     if nbytes:
         memcpy(cnp.PyArray_DATA(res), m + META, nbytes)
     return res

@@ -28,8 +28,8 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 
 from . import _engine, _kernels, _moving, arrays as _arrays
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
-from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST, KIND_REDUCE,
-                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
+from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST,
+                    KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
 from .errors import CollectiveMismatchError
 from .ops import reduction_codes
 
@@ -117,7 +117,36 @@ class Collectives:
         Returns a new array on every rank, or `out`."""
         if _foreign(array, out):
             return _arrays.call(self.broadcast, array, out, "broadcast", root, timeout=timeout)
+        if type(root) is int and 0 <= root < self.size and self._idle():
+            got = self._quick_broadcast(array, root, out, timeout)
+            if got is not None:
+                return got[0]
         return self._now(self._prep_broadcast(array, root, out, timeout))
+
+    def _quick_broadcast(self, array, root, out, timeout):
+        """broadcast's fast path: the general path's very rounds without its layers (in a
+        loop of small broadcasts those cost more than the round).  (result,), or None when
+        the general path must take the call (nothing has run then)."""
+        me = self.rank
+        a = array
+        if array is None:
+            if me == root:
+                return None                   # (the general path says what is wrong)
+            if out is not None:               # (its out's dtype and shape are its claim)
+                if type(out) is not np.ndarray or not out.flags.writeable:
+                    return None
+                a = out
+        room = self._bcast_room
+        first = _moving.bcast_fill(a, me == root, me, self.size, room)
+        if first is None:
+            return None
+        if not self._exec.acquire(False):
+            return None                       # (another thread is in a call: the general
+        try:                                  # path raises)
+            deadline = None if timeout is None else _deadline(timeout)
+            return (self._broadcast_on(a, root, out, deadline, first, room),)
+        finally:
+            self._exec.release()
 
     def ibroadcast(self, array, root=0, *, out=None, timeout=None):
         """broadcast, nonblocking: a Request."""
@@ -133,20 +162,62 @@ class Collectives:
             if me == root:
                 raise ValueError("shmtree: broadcast: the root must pass the array")
             a = None
+            if out is not None:               # its dtype and shape are this rank's claim
+                if not isinstance(out, np.ndarray):
+                    raise ValueError(f"shmtree: broadcast: out must be a numpy array, got "
+                                     f"{type(out).__name__}")
+                if not out.flags.writeable:
+                    raise ValueError("shmtree: broadcast: out is read-only")
+                a = _movable(out, "broadcast")
         else:
             a = array if type(array) is np.ndarray and not array.dtype.hasobject \
                 else _movable(array, "broadcast")
-        kind = KIND_BROADCAST + KIND_ROOT_STEP * root
-        return lambda: self._broadcast(a, root, out, deadline, kind)
+            if out is not None:
+                _out_for(out, a.shape, a.dtype, "broadcast")          # (checks out)
+        return lambda: self._broadcast(a, root, out, deadline)
 
-    def _broadcast(self, a, root, out, deadline, kind):
+    def _broadcast(self, a, root, out, deadline):
+        """broadcast (the general path): a is what this rank passed (on a rank that passed None
+        with out=, out: its claim), None when it passed neither."""
         P, me = self.size, self.rank
         if me == root and not (a.flags.c_contiguous and a.flags.aligned):
-            a = np.ascontiguousarray(a)
+            a = np.array(a, order="C")          # (aligned too)
         room = self._bcast_room
         first = _moving.bcast_fill(a, me == root, me, P, room)       # claims | meta | data
-        self._bytes_round(first, kind, deadline, self._round_limit)
+        return self._broadcast_on(a, root, out, deadline, first, room)
+
+    def _broadcast_on(self, a, root, out, deadline, first, room):
+        """broadcast from its first round on (`first`: this rank's part of it, with data room
+        `room`).  One engine call carries the round and, when the data is neither inline nor
+        described at length, the data too (Engine.quick_bcast); a rank that passed None gets
+        its output allocated between the two."""
+        P, me = self.size, self.rank
+        kind = KIND_BROADCAST + KIND_ROOT_STEP * root
+        eng = self._engine
+        pre = None                            # this rank's output, known before the round
+        if a is not None and P > 1 and a.nbytes > self._small_bytes:
+            pre = self._bcast_output(a, out, me == root)
+        rc = self._bcast_call(first, None if pre is None else _bytes_of(pre[0]), root, kind,
+                              deadline)
         self._bcast_room = _moving.next_room(first, P, self._small_bytes)
+        if rc == _engine.NEED_OUT:            # (the data follows: the root's dtype and shape
+            got = _moving.bcast_read(first, None, P, room)             # are in the round)
+            try:
+                result, copy_back = _out_for(out, got[2], got[1], "broadcast")
+                eng.resume_bcast(_bytes_of(result))
+            except BaseException as exc:
+                eng.cancel()
+                self.group.abort(ABORT_FAILED, me, note=f"{type(exc).__name__} inside "
+                                 f"{self._call_name(eng.seq)}: {exc}")
+                raise
+            try:
+                self._drive(eng.seq, deadline)
+            except BaseException:
+                self._interrupted(eng)
+                raise
+            return _finish(result, copy_back)
+        if eng.bc_ran:
+            return _finish(*pre)
         got = _moving.bcast_read(first, out, P, room)
         if type(got) is not tuple:
             return got                        # the data came inline
@@ -189,6 +260,15 @@ class Collectives:
                 src = view
             self._collective(kind, _BOR, _U1, src, view, (nbytes,), deadline)
         return _finish(result, copy_back)
+
+    def _bcast_output(self, a, out, is_root):
+        """A broadcast's output as this rank knows it before the first round, from what it
+        passed: (result, copy_back) as _out_for gives them (the root's holding its data); a
+        ValueError, before any round, when `out` does not fit `a`."""
+        result, copy_back = _out_for(out, a.shape, a.dtype, "broadcast")
+        if is_root and _moving.address(result) != _moving.address(a):
+            _bytes_of(result)[...] = _bytes_of(a)       # (the data leaves from the output)
+        return result, copy_back
 
     def _bytes_round(self, buf, kind, deadline, limit=None):
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise

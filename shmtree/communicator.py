@@ -197,6 +197,25 @@ class Communicator(Collectives):
             self._interrupted(eng)
             raise
 
+    def _bcast_call(self, first, dst, root, kind, deadline):
+        """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this
+        rank must give its output): that rc."""
+        if self._closed or self._gen != _fork_gen or self.group._closed:
+            self._check_usable()
+        eng = self._engine
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            rc = eng.quick_bcast(first, dst, root, self._pos[root], kind, self._round_limit,
+                                 self._small_bytes, SLICE_NS, left)
+            if rc is None:
+                raise ShmtreeError(_CONCURRENT)
+            if rc != _engine.DONE:
+                rc = self._drive(eng.seq, deadline, rc)
+            return rc
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
     def _prep_reducing(self, array, op, out, timeout, kind, root=None):
         """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
         and prepared (the result is allocated when the call runs).  With a root
@@ -337,7 +356,8 @@ class Communicator(Collectives):
 
     def _drive(self, seq, deadline, rc=None):
         """Run the engine to the end of call `seq` (rc: the result of a slice already run), and
-        between time slices check the group, the peers and the deadline."""
+        between time slices check the group, the peers and the deadline.  Returns DONE, or
+        NEED_OUT where a broadcast waits for this rank's output."""
         eng = self._engine
         while True:
             if rc is None:
@@ -345,8 +365,8 @@ class Communicator(Collectives):
                 if deadline is not None:
                     budget = max(0.0005, min(budget, deadline - time.monotonic()))
                 rc = eng.progress(int(budget * 1e9))
-            if rc == _engine.DONE:
-                return
+            if rc == _engine.DONE or rc == _engine.NEED_OUT:
+                return rc                     # (NEED_OUT: Engine.quick_bcast)
             if rc == _engine.STALLED:
                 self._check_peers(seq, deadline)
                 rc = None

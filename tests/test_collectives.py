@@ -382,6 +382,13 @@ MISMATCHES = {
         np.zeros(2, [("a", "<i2"), ("b", ">f8" if c.rank != 2 else "<f8")]), root=1),
     "bcast_two_rounds_shape": lambda c: c.broadcast(np.ones(300 + (c.rank == 0)), root=2),
     "kind": lambda c: (c.broadcast(np.ones(3)) if c.rank else c.allreduce(np.ones(3))),
+    # a rank that passes None claims its out's dtype and shape
+    "bcast_out_claim_shape": lambda c: c.broadcast(
+        np.ones(7) if c.rank == 0 else None, root=0,
+        out=np.empty(7 + (c.rank == 2)) if c.rank else None),
+    "bcast_out_claim_dtype": lambda c: c.broadcast(
+        np.ones(50001) if c.rank == 1 else None, root=1,
+        out=np.empty(50001, np.float32 if c.rank == 0 else float) if c.rank != 1 else None),
     "kind2": lambda c: (c.reduce(np.ones(3)) if c.rank else c.reduce_scatter(np.ones(3))),
     # large: the engine's own ring algorithms (under tree="ring")
     "large_bcast_root": lambda c: c.broadcast(np.ones(50001), root=c.rank % 2),
@@ -416,6 +423,41 @@ def test_mismatch_of_every_kind_on_every_rank_then_usable(tree):
                 continue
             assert what == "CollectiveMismatchError", (rank, name, what, msg)
             assert "disagree" in msg, (rank, name, msg)
+
+
+def one_call_worker(comm, n):
+    """Large broadcasts whatever the ranks pass (the array, None, None with out=, a shared out):
+    each is one engine call - the first round and the data in one - with the root's values."""
+    r, P = comm.rank, comm.size
+    calls, got = [], []
+    shared = comm.zeros(n)
+    for root in range(P):
+        x = np.arange(n, dtype=float) + root
+        for how in ("array", "none", "none_out", "shared"):
+            if how == "array":
+                args = (x if r == root else np.zeros(n),)
+                kw = {}
+            elif how == "none":
+                args, kw = (x if r == root else None,), {}
+            elif how == "none_out":
+                args, kw = (x if r == root else None,), dict(out=np.empty(n))
+            else:
+                if r == root:
+                    shared[...] = x
+                args, kw = (shared if r == root else None,), dict(out=shared)
+            before = comm.stats()["calls"]
+            res = comm.broadcast(*args, root=root, **kw)
+            calls.append(comm.stats()["calls"] - before)
+            got.append(bool(np.array_equal(res, x)))
+    return calls, got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_large_broadcast_is_one_call(P):
+    for calls, got in run_ok(one_call_worker, P, args=(50001,)):
+        assert all(got), got
+        assert calls == [1] * len(calls), calls
 
 
 def killed_mid_collective(comm, which):

@@ -84,6 +84,8 @@ cdef enum:
     RC_ABORTED = 2
     RC_MISMATCH = 3
     RC_CORRUPT = 4
+    RC_NEED_OUT = 5         # a broadcast's data follows and this rank has no output yet
+                            # (Engine.quick_bcast, resume_bcast)
 
 
 cdef struct Conn:
