@@ -989,10 +989,11 @@ cdef class Engine:
         contribution, or-ed in place with every rank's (kind, the shape (len(first),), carried
         inline up to limit bytes) - and, when that round's result says the data follows, the
         data itself from the root, in the same call (root: a rank, root_pos: its ring
-        position).  dst: this rank's output as a C-contiguous writable uint8 array (the root's
-        holding the data), when it knows it before the round, else None (the call then stops
-        with NEED_OUT after the round: resume_bcast).  Runs one time slice (see quick); returns
-        the rc, or None when another call is in progress.  bc_ran says whether the data came."""
+        position).  dst: this rank's output, a C-contiguous writable array (the root's holding
+        the data; its bytes are what moves), when it knows it before the round, else None (the
+        call then stops with NEED_OUT after the round: resume_bcast).  Runs one time slice (see
+        quick); returns the rc, or None when another call is in progress.  bc_ran says whether
+        the data came."""
         if self.busy:
             return None
         cdef int64_t budget_ns = _budget(slice_ns, timeout)
@@ -1005,9 +1006,8 @@ cdef class Engine:
             raise ValueError("shmtree: quick_bcast: bad first round or root")
         if dst is not None:
             o = dst
-            if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(o)
-                    or not cnp.PyArray_ISWRITEABLE(o)):
-                raise ValueError("shmtree: quick_bcast: dst must be C-contiguous writable uint8")
+            if not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o):
+                raise ValueError("shmtree: quick_bcast: dst must be C-contiguous and writable")
         if aborted(&self.e):
             return RC_ABORTED
         cdef int64_t dims[1]
@@ -1028,16 +1028,15 @@ cdef class Engine:
         return self._progress(budget_ns)
 
     def resume_bcast(self, dst):
-        """Give the broadcast that stopped with NEED_OUT this rank's output (C-contiguous
-        writable uint8, of the data's size); progress() then runs the data."""
+        """Give the broadcast that stopped with NEED_OUT this rank's output (a C-contiguous
+        writable array of the data's size in bytes); progress() then runs the data."""
         cdef cnp.ndarray o = dst
         if not self.busy or not self.bc_need:
             raise RuntimeError("shmtree: resume_bcast: no broadcast waits for its output")
-        if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(o)
-                or not cnp.PyArray_ISWRITEABLE(o)
+        if (not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o)
                 or <uint64_t>cnp.PyArray_NBYTES(o) != self.msg_nbytes):
-            raise ValueError("shmtree: resume_bcast: dst must be C-contiguous writable uint8 of "
-                             "the data's size")
+            raise ValueError("shmtree: resume_bcast: dst must be C-contiguous, writable, of the "
+                             "data's size")
         self.bc_need = 0
         self.bc_ref = dst
         self.dst_p = <char *>cnp.PyArray_DATA(o)

@@ -237,11 +237,31 @@ def bcast_read(cnp.ndarray buf, out, int P, Py_ssize_t room):
     return res
 
 
+def fits(out, a):
+    """Is `out` an ndarray that can take `a`'s values in place: a's dtype and shape,
+    C-contiguous, aligned and writable (the common out=, checked without building objects)?"""
+    if not isinstance(out, np.ndarray):
+        return False
+    cdef cnp.ndarray o = <cnp.ndarray>out
+    cdef cnp.ndarray x = <cnp.ndarray>a
+    cdef int nd = cnp.PyArray_NDIM(o)
+    return (nd == cnp.PyArray_NDIM(x)
+            and memcmp(cnp.PyArray_DIMS(o), cnp.PyArray_DIMS(x), nd * sizeof(cnp.npy_intp)) == 0
+            and cnp.PyArray_IS_C_CONTIGUOUS(o) and cnp.PyArray_ISALIGNED(o)
+            and cnp.PyArray_ISWRITEABLE(o)
+            and cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(o),
+                                       <cnp.dtype>cnp.PyArray_DESCR(x)))
+
+
 def gather_fill(cnp.ndarray a, int rank, int P, out=None):
     """allgather(axis=None) inline: (result, bytes) where result is `out`, or a new (P,
     *a.shape) array, holding zeros and, at [rank], a's values, and bytes its flat uint8 view.
-    a: C-contiguous and aligned.  None when `out` is not a C-contiguous, aligned, writable
-    array of the result's dtype and shape, clear of a (the general path handles it)."""
+    None (the general path handles it) when a is not C-contiguous and aligned or holds Python
+    objects, or when `out` is not a C-contiguous, aligned, writable array of the result's dtype
+    and shape, clear of a."""
+    if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+            or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1):
+        return None
     cdef cnp.npy_intp part = cnp.PyArray_NBYTES(a)
     cdef cnp.npy_intp total = part * P
     cdef cnp.ndarray res

@@ -195,16 +195,17 @@ class Collectives:
         kind = KIND_BROADCAST + KIND_ROOT_STEP * root
         eng = self._engine
         pre = None                            # this rank's output, known before the round
-        if a is not None and P > 1 and a.nbytes > self._small_bytes:
+        if a is not None and a.nbytes > self._small_bytes:
             pre = self._bcast_output(a, out, me == root)
-        rc = self._bcast_call(first, None if pre is None else _bytes_of(pre[0]), root, kind,
-                              deadline)
+        rc = self._bcast_call(first, None if pre is None else pre[0], root, kind, deadline)
         self._bcast_room = _moving.next_room(first, P, self._small_bytes)
+        if P == 1 and pre is not None:
+            return _finish(*pre)              # (the root's output holds its data)
         if rc == _engine.NEED_OUT:            # (the data follows: the root's dtype and shape
             got = _moving.bcast_read(first, None, P, room)             # are in the round)
             try:
                 result, copy_back = _out_for(out, got[2], got[1], "broadcast")
-                eng.resume_bcast(_bytes_of(result))
+                eng.resume_bcast(result)
             except BaseException as exc:
                 eng.cancel()
                 self.group.abort(ABORT_FAILED, me, note=f"{type(exc).__name__} inside "
@@ -252,6 +253,8 @@ class Collectives:
                 view[...] = _bytes_of(a)       # the chain starts from the root's output
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), deadline,
                              coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
+        elif P == 1:
+            view[...] = _bytes_of(a)
         else:                                 # (a bitwise-or in which only the root has bits)
             if me == root:
                 src = _bytes_of(a)
@@ -265,8 +268,11 @@ class Collectives:
         """A broadcast's output as this rank knows it before the first round, from what it
         passed: (result, copy_back) as _out_for gives them (the root's holding its data); a
         ValueError, before any round, when `out` does not fit `a`."""
-        result, copy_back = _out_for(out, a.shape, a.dtype, "broadcast")
-        if is_root and _moving.address(result) != _moving.address(a):
+        if out is not None and _moving.fits(out, a):
+            result, copy_back = out, None
+        else:
+            result, copy_back = _out_for(out, a.shape, a.dtype, "broadcast")
+        if is_root and result is not a and _moving.address(result) != _moving.address(a):
             _bytes_of(result)[...] = _bytes_of(a)       # (the data leaves from the output)
         return result, copy_back
 
@@ -310,12 +316,12 @@ class Collectives:
                                 timeout=timeout)
         P = self.size
         if (axis is None and type(array) is np.ndarray
-                and array.nbytes * P <= self._small_bytes and not array.dtype.hasobject
-                and array.flags.c_contiguous and array.flags.aligned and self._idle()):
+                and array.nbytes * P <= self._small_bytes and self._idle()):
             got = _moving.gather_fill(array, self.rank, P, out)      # inline, in one round
-            desc = array.shape + (array.itemsize, _dtype_digest(array.dtype))
-            if got is not None and self._quick(got[1], "bor", got[1], _deadline(timeout),
-                                               KIND_ALLGATHER, desc) is not None:
+            if got is not None and self._quick(
+                    got[1], "bor", got[1], None if timeout is None else _deadline(timeout),
+                    KIND_ALLGATHER, array.shape + (array.itemsize, _dtype_digest(array.dtype))
+            ) is not None:
                 return got[0]
         elif (axis is None and type(array) is np.ndarray and type(out) is np.ndarray and P > 1
               and array.nbytes * P > self._small_bytes and self._idle()):
