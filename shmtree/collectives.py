@@ -198,25 +198,24 @@ class Collectives:
         if a is not None and a.nbytes > self._small_bytes:
             pre = self._bcast_output(a, out, me == root)
         rc = self._bcast_call(first, None if pre is None else pre[0], root, kind, deadline)
-        self._bcast_room = _moving.next_room(first, P, self._small_bytes)
-        if P == 1 and pre is not None:
-            return _finish(*pre)              # (the root's output holds its data)
-        if rc == _engine.NEED_OUT:            # (the data follows: the root's dtype and shape
-            got = _moving.bcast_read(first, None, P, room)             # are in the round)
-            try:
+        try:
+            self._bcast_room = _moving.next_room(first, P, self._small_bytes)
+            if rc == _engine.NEED_OUT:        # (the data follows: the root's dtype and shape
+                got = _moving.bcast_read(first, None, P, room)         # are in the round)
                 result, copy_back = _out_for(out, got[2], got[1], "broadcast")
                 eng.resume_bcast(result)
-            except BaseException as exc:
+                self._drive(eng.seq, deadline)
+                return _finish(result, copy_back)
+        except BaseException as exc:          # (the call is half-done: the group cannot go on)
+            if isinstance(exc, Exception) and eng.owns_call():
                 eng.cancel()
                 self.group.abort(ABORT_FAILED, me, note=f"{type(exc).__name__} inside "
                                  f"{self._call_name(eng.seq)}: {exc}")
-                raise
-            try:
-                self._drive(eng.seq, deadline)
-            except BaseException:
+            else:
                 self._interrupted(eng)
-                raise
-            return _finish(result, copy_back)
+            raise
+        if P == 1 and pre is not None:
+            return _finish(*pre)              # (the root's output holds its data)
         if eng.bc_ran:
             return _finish(*pre)
         got = _moving.bcast_read(first, out, P, room)

@@ -460,6 +460,37 @@ def test_large_broadcast_is_one_call(P):
         assert calls == [1] * len(calls), calls
 
 
+def output_fails_worker(comm, n):
+    """A rank that passed None cannot get its output between the first round and the data (its
+    allocation fails): it raises that error, the others PeerLostError saying so, at once (in
+    this call, or the next where the root was through its part)."""
+    import time
+
+    from shmtree import collectives
+
+    if comm.rank == 1:
+        def no_memory(out, shape, dtype, what):
+            raise MemoryError(f"no room for {shape}")
+        collectives._out_for = no_memory
+    t0 = time.monotonic()
+    try:
+        comm.broadcast(np.ones(n) if comm.rank == 0 else None, root=0, timeout=60)
+        comm.barrier(timeout=60)              # (the root may be through its part already)
+    except (MemoryError, shmtree.PeerLostError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_output_failing_between_round_and_data():
+    outs = run_ok(output_fails_worker, 3, args=(50001,))
+    assert outs[1][:2] == ("MemoryError", "no room for (50001,)"), outs
+    for rank in (0, 2):
+        what, msg, secs = outs[rank]
+        assert what == "PeerLostError" and "MemoryError inside broadcast" in msg, outs
+        assert secs < 10, outs
+
+
 def killed_mid_collective(comm, which):
     import os
     import signal
