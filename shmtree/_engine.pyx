@@ -23,7 +23,7 @@ and the primitives inline into the algorithms):
     records, call descriptors).
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t, int32_t
-from libc.string cimport memcpy, memcmp, memset
+from libc.string cimport memcpy, memcmp, memmove, memset
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
@@ -63,7 +63,7 @@ include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 
 import numpy as np
-from shmtree import _kernels
+from shmtree import _kernels, _moving
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
 cdef int _TYPENUM_CODE[N_TYPENUMS]
@@ -983,6 +983,60 @@ cdef class Engine:
                           NULL, self.dst_p, n)
         return drive(&self.e, self._alg())
 
+    def quick_broadcast(self, array, out, int root, int root_pos, int kind, Py_ssize_t room,
+                        uint64_t limit, uint64_t small_bytes, int64_t slice_ns, timeout):
+        """broadcast's fast path (Communicator._quick_broadcast) for the common case: this rank
+        passed an ndarray (the root: C-contiguous and aligned), or None with an ndarray out=
+        that is, and out= is None or fits what it passed as is (_moving.fits).  Builds the
+        first round (_moving.bcast_fill, with data room `room`), gives the output to a large
+        message's data before the round (the root's holding its data), and runs quick_bcast's
+        call for one time slice (see quick).  Returns None when the general path must take the
+        call (nothing has run); ("done", result, the next room) when the call is complete; or
+        ("on", rc, first, what this rank passed (or its out), (result, None) or None) when the
+        caller goes on with it (collectives.py, _broadcast_after)."""
+        if self.busy:
+            return None
+        cdef int me = self.e.rank, P = self.e.nranks
+        cdef bint is_root = me == root
+        claim = array
+        if array is None:
+            if is_root or out is None:
+                return None
+            claim = out
+        if type(claim) is not np.ndarray or (out is not None and (type(out) is not np.ndarray
+                                                                 or not _moving.fits(out, claim))):
+            return None
+        cdef cnp.ndarray c = <cnp.ndarray>claim
+        cdef uint64_t n = cnp.PyArray_NBYTES(c)
+        if n > <uint64_t>room and n <= small_bytes:
+            return None                       # (a round of its own follows: the general path's)
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            return None
+        first = _moving.bcast_fill(claim, is_root, me, P, room)
+        if first is None:
+            return None
+        cdef cnp.ndarray res
+        result = out
+        if n > small_bytes:
+            if result is None:
+                result = np.empty((<object>c).shape, c.dtype)
+            res = <cnp.ndarray>result
+            if is_root and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(c):
+                memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(c), n)
+        rc = self._bcast_begin(first, result if n > small_bytes else None, root, root_pos, kind,
+                               limit, small_bytes)
+        if rc == RC_DONE:
+            rc = self._progress(budget_ns)
+        if rc == RC_DONE:
+            if self.bc_ran:
+                return "done", result, _moving.next_room(first, P, small_bytes)
+            if n <= <uint64_t>room:
+                got = _moving.bcast_read(first, out, P, room)
+                if type(got) is not tuple:
+                    return "done", got, _moving.next_room(first, P, small_bytes)
+        return "on", rc, first, claim, (result, None) if n > small_bytes else None
+
     def quick_bcast(self, first, dst, int root, int root_pos, int kind, uint64_t limit,
                     uint64_t small_bytes, int64_t slice_ns, timeout):
         """Broadcast in one call (collectives.py): its first round - `first`, this rank's uint8
@@ -999,6 +1053,12 @@ cdef class Engine:
         cdef int64_t budget_ns = _budget(slice_ns, timeout)
         if budget_ns < 0:
             budget_ns = slice_ns
+        cdef int rc = self._bcast_begin(first, dst, root, root_pos, kind, limit, small_bytes)
+        return self._progress(budget_ns) if rc == RC_DONE else rc
+
+    cdef int _bcast_begin(self, first, dst, int root, int root_pos, int kind, uint64_t limit,
+                          uint64_t small_bytes) except -1:
+        """Begin quick_bcast's call (RC_DONE), or say that the group is aborted (RC_ABORTED)."""
         cdef cnp.ndarray f = first
         cdef cnp.ndarray o
         if (cnp.PyArray_TYPE(f) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(f)
@@ -1025,7 +1085,7 @@ cdef class Engine:
             self.bc_dst = <char *>cnp.PyArray_DATA(o)
             self.bc_nbytes = cnp.PyArray_NBYTES(o)
             self._place(self.cur_seq, self.bc_dst, self.bc_dst, self.bc_nbytes, True)
-        return self._progress(budget_ns)
+        return RC_DONE
 
     def resume_bcast(self, dst):
         """Give the broadcast that stopped with NEED_OUT this rank's output (a C-contiguous

@@ -123,31 +123,6 @@ class Collectives:
                 return got[0]
         return self._now(self._prep_broadcast(array, root, out, timeout))
 
-    def _quick_broadcast(self, array, root, out, timeout):
-        """broadcast's fast path: the general path's very rounds without its layers (in a
-        loop of small broadcasts those cost more than the round).  (result,), or None when
-        the general path must take the call (nothing has run then)."""
-        me = self.rank
-        a = array
-        if array is None:
-            if me == root:
-                return None                   # (the general path says what is wrong)
-            if out is not None:               # (its out's dtype and shape are its claim)
-                if type(out) is not np.ndarray or not out.flags.writeable:
-                    return None
-                a = out
-        room = self._bcast_room
-        first = _moving.bcast_fill(a, me == root, me, self.size, room)
-        if first is None:
-            return None
-        if not self._exec.acquire(False):
-            return None                       # (another thread is in a call: the general
-        try:                                  # path raises)
-            deadline = None if timeout is None else _deadline(timeout)
-            return (self._broadcast_on(a, root, out, deadline, first, room),)
-        finally:
-            self._exec.release()
-
     def ibroadcast(self, array, root=0, *, out=None, timeout=None):
         """broadcast, nonblocking: a Request."""
         array, out = _numpy_args(array, out, "ibroadcast")
@@ -191,14 +166,23 @@ class Collectives:
         `room`).  One engine call carries the round and, when the data is neither inline nor
         described at length, the data too (Engine.quick_bcast); a rank that passed None gets
         its output allocated between the two."""
-        P, me = self.size, self.rank
+        me = self.rank
         kind = KIND_BROADCAST + KIND_ROOT_STEP * root
-        eng = self._engine
         pre = None                            # this rank's output, known before the round
         if a is not None and a.nbytes > self._small_bytes:
             pre = self._bcast_output(a, out, me == root)
         rc = self._bcast_call(first, None if pre is None else pre[0], root, kind, deadline)
+        return self._broadcast_after(rc, a, root, out, deadline, first, room, pre)
+
+    def _broadcast_after(self, rc, a, root, out, deadline, first, room, pre):
+        """broadcast after its engine call began (rc: what it returned; pre: this rank's
+        output if it gave it, as _bcast_output)."""
+        P, me = self.size, self.rank
+        kind = KIND_BROADCAST + KIND_ROOT_STEP * root
+        eng = self._engine
         try:
+            if rc != _engine.DONE and rc != _engine.NEED_OUT:
+                rc = self._drive(eng.seq, deadline, rc)
             self._bcast_room = _moving.next_room(first, P, self._small_bytes)
             if rc == _engine.NEED_OUT:        # (the data follows: the root's dtype and shape
                 got = _moving.bcast_read(first, None, P, room)         # are in the round)

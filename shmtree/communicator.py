@@ -31,7 +31,8 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
-                    KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text, states_text)
+                    KIND_BROADCAST, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text,
+                    states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .collectives import Collectives, _deadline
@@ -196,6 +197,29 @@ class Communicator(Collectives):
         except BaseException:
             self._interrupted(eng)
             raise
+
+    def _quick_broadcast(self, array, root, out, timeout):
+        """broadcast's fast path (Engine.quick_broadcast: the general path's very call without
+        its layers, which in a loop of small broadcasts cost more than the round): (result,),
+        or None when the general path must take the call (nothing has run then)."""
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        deadline = None if timeout is None else _deadline(timeout)
+        eng = self._engine
+        try:                                  # (declined while another thread is in a call)
+            got = eng.quick_broadcast(array, out, root, self._pos[root],
+                                      KIND_BROADCAST + KIND_ROOT_STEP * root, self._bcast_room,
+                                      self._round_limit, self._small_bytes, SLICE_NS, timeout)
+        except BaseException:
+            self._interrupted(eng)
+            raise
+        if got is None:
+            return None
+        if got[0] == "done":
+            self._bcast_room = got[2]
+            return got[1:2]
+        return (self._broadcast_after(got[1], got[3], root, out, deadline, got[2],
+                                      self._bcast_room, got[4]),)
 
     def _bcast_call(self, first, dst, root, kind, deadline):
         """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this
