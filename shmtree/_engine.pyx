@@ -1029,8 +1029,8 @@ cdef class Engine:
         if rc == RC_DONE:
             rc = self._progress(budget_ns)
         if rc == RC_DONE:
-            if self.bc_ran:
-                return "done", result, _moving.next_room(first, P, small_bytes)
+            if self.bc_ran or (P == 1 and n > small_bytes):     # (one rank: result holds the
+                return "done", result, _moving.next_room(first, P, small_bytes)      # data)
             if n <= <uint64_t>room:
                 got = _moving.bcast_read(first, out, P, room)
                 if type(got) is not tuple:
