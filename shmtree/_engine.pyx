@@ -1024,6 +1024,8 @@ cdef class Engine:
             res = <cnp.ndarray>result
             if is_root and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(c):
                 memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(c), n)
+        if self.busy:                 # (another thread began a call meanwhile: a collector run
+            return None               # by an allocation above may have let it in)
         rc = self._bcast_begin(first, result if n > small_bytes else None, root, root_pos, kind,
                                limit, small_bytes)
         if rc == RC_DONE:

@@ -426,17 +426,21 @@ def test_mismatch_of_every_kind_on_every_rank_then_usable(tree):
 
 
 def one_call_worker(comm, n):
-    """Large broadcasts whatever the ranks pass (the array, None, None with out=, a shared out):
-    each is one engine call - the first round and the data in one - with the root's values."""
+    """Large broadcasts whatever the ranks pass (the array, None, None with out=, a shared out,
+    strided arrays): each is one engine call - the first round and the data in one - with the
+    root's values."""
     r, P = comm.rank, comm.size
     calls, got = [], []
     shared = comm.zeros(n)
     for root in range(P):
         x = np.arange(n, dtype=float) + root
-        for how in ("array", "none", "none_out", "shared"):
+        for how in ("array", "none", "none_out", "shared", "strided"):
             if how == "array":
                 args = (x if r == root else np.zeros(n),)
                 kw = {}
+            elif how == "strided":            # the general path on some ranks, C's on others
+                args = (np.repeat(x, 2)[::2] if r == root else None,)
+                kw = dict(out=np.empty(2 * n)[::2]) if r % 2 else {}
             elif how == "none":
                 args, kw = (x if r == root else None,), {}
             elif how == "none_out":
