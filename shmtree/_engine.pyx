@@ -1221,56 +1221,62 @@ cdef class Engine:
         self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dp, small_bytes)
         return self._progress(budget_ns), res
 
-    def quick_allgather(self, array, out, uint64_t digest, int kind, int64_t slice_ns,
-                        timeout):
-        """The fast path of allgather(array, out=out) (axis None) in a group of more than one
-        rank, for a message that does not travel inline: array a C-contiguous, aligned
-        ndarray, out a writable C-contiguous, aligned ndarray of the same dtype and shape
-        (P, *array.shape); array is out[rank] itself or does not overlap out.  Copies array into
-        out[rank], then begins the blocks algorithm (or the single copy, when every rank's out
-        is shared) with the very descriptor the general path gives it (kind, the shape
-        array.shape + (itemsize, digest), bytes, bitwise or), and runs it for one time slice
-        (see quick).  Returns (rc, out), or None when the general path must take the call."""
-        if self.busy or type(array) is not np.ndarray or type(out) is not np.ndarray:
+    def quick_allgather(self, array, out, uint64_t digest, int kind, uint64_t small_bytes,
+                        int64_t slice_ns, timeout):
+        """The fast path of allgather(array, out=out) (axis None): array a C-contiguous,
+        aligned ndarray without Python objects; out None (a new array) or a writable
+        C-contiguous, aligned ndarray of the same dtype and shape (P, *array.shape), which
+        array is row `rank` of or does not overlap.  Copies array into out[rank], then begins
+        the very call of the general path (kind, the shape array.shape + (itemsize, digest),
+        bytes, bitwise or): up to small_bytes (or with one rank), as an allreduce of out with
+        zeros outside this rank's row; larger, the blocks algorithm (or the single copy, when every rank's
+        out is shared); and runs it for one time slice (see quick).  Returns (rc, out), or None
+        when the general path must take the call."""
+        if self.busy or type(array) is not np.ndarray or (out is not None
+                                                          and type(out) is not np.ndarray):
             return None
         cdef int P = self.e.nranks
         cdef int ch = self._ring_channel()
-        if ch < 0:
-            return None
         cdef int64_t budget_ns = _budget(slice_ns, timeout)
         if budget_ns < 0:
             return None
         cdef cnp.ndarray a = <cnp.ndarray>array
-        cdef cnp.ndarray o = <cnp.ndarray>out
         cdef int nd = cnp.PyArray_NDIM(a)
-        if (nd + 1 > MAX_NDIM or cnp.PyArray_NDIM(o) != nd + 1
-                or cnp.PyArray_DIMS(o)[0] != P
-                or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
-                          nd * sizeof(cnp.npy_intp)) != 0
-                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
-                or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
-                or not cnp.PyArray_ISWRITEABLE(o)):
-            return None
-        dt = a.dtype
-        if not (dt is o.dtype or dt == o.dtype) or dt.hasobject:
-            return None
         cdef uint64_t block = cnp.PyArray_NBYTES(a)
         cdef uint64_t nbytes = block * P
-        if block == 0:
+        cdef bint inline = nbytes <= small_bytes or P == 1     # (one rank: the allreduce)
+        if (nd + 2 > MAX_NDIM or not cnp.PyArray_IS_C_CONTIGUOUS(a)
+                or not cnp.PyArray_ISALIGNED(a)
+                or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1
+                or (not inline and (ch < 0 or block == 0))):
             return None
+        cdef cnp.ndarray o
+        if out is None:
+            out = np.empty((P,) + (<object>a).shape, a.dtype)
+            o = <cnp.ndarray>out
+        else:
+            o = <cnp.ndarray>out
+            if (cnp.PyArray_NDIM(o) != nd + 1 or cnp.PyArray_DIMS(o)[0] != P
+                    or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
+                              nd * sizeof(cnp.npy_intp)) != 0
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
+                    or not cnp.PyArray_ISWRITEABLE(o)
+                    or not cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(a),
+                                                  <cnp.dtype>cnp.PyArray_DESCR(o))):
+                return None
         cdef char *own = <char *>cnp.PyArray_DATA(o) + <uint64_t>self.e.rank * block
         cdef const char *mine = <const char *>cnp.PyArray_DATA(a)
         if mine != own:
-            if _ranges_overlap(a, o):
+            if block and _ranges_overlap(a, o):
                 return None
+            if inline and nbytes:
+                memset(cnp.PyArray_DATA(o), 0, nbytes)
             memcpy(own, mine, block)
-        cdef cnp.ndarray offs = np.empty(2 * P, np.uint64)
-        cdef uint64_t *op = <uint64_t *>cnp.PyArray_DATA(offs)
-        cdef int q, i
-        for q in range(P):
-            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
-            op[2 * q + 1] = op[2 * q] + block
+        elif inline and nbytes:               # (in place: zeros around this rank's row)
+            memset(cnp.PyArray_DATA(o), 0, own - <char *>cnp.PyArray_DATA(o))
+            memset(own + block, 0, nbytes - block * (self.e.rank + 1))
         cdef int64_t dims[MAX_NDIM]
+        cdef int q, i
         for i in range(nd):
             dims[i] = cnp.PyArray_DIMS(a)[i]
         dims[nd] = cnp.PyArray_ITEMSIZE(a)
@@ -1279,6 +1285,14 @@ cdef class Engine:
             return None               # run above may have let it in)
         if aborted(&self.e):
             return RC_ABORTED, out
+        if inline:
+            self._begin_c(o, o, 1, OP_BOR, DT_U1, kind, nd + 2, dims, small_bytes)
+            return self._progress(budget_ns), out
+        cdef cnp.ndarray offs = np.empty(2 * P, np.uint64)
+        cdef uint64_t *op = <uint64_t *>cnp.PyArray_DATA(offs)
+        for q in range(P):
+            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
+            op[2 * q + 1] = op[2 * q] + block
         self.offs_ref = offs
         self.e.call.offs = op
         self.e.call.root = 0

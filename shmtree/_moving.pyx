@@ -1,9 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The byte layouts of the rounds that move data without reducing it (collectives.py):
-broadcast's first round and allgather's inline round, built and read here in one C pass each,
-because in Python their handful of small numpy operations cost several times the round itself.
+"""The byte layout of broadcast's first round (collectives.py; the engine's quick_broadcast
+reads the claims and the description's first bytes too), built and read here in one C pass
+each, because in Python its handful of small numpy operations cost several times the round
+itself.  (allgather's inline round, the output with zeros outside each rank's row, is built in
+the engine: Engine.quick_allgather.)
 
-Both travel as a bitwise-or of bytes (op bor on uint8) in which each rank writes only its own
+It travels as a bitwise-or of bytes (op bor on uint8) in which each rank writes only its own
 part and zeros elsewhere, so the or of all contributions is every part, exactly, for any dtype.
 
 Broadcast's first round (bcast_fill / bcast_read): F = 8P + META + room bytes, where room (the
@@ -251,43 +253,6 @@ def fits(out, a):
             and cnp.PyArray_ISWRITEABLE(o)
             and cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(o),
                                        <cnp.dtype>cnp.PyArray_DESCR(x)))
-
-
-def gather_fill(cnp.ndarray a, int rank, int P, out=None):
-    """allgather(axis=None) inline: (result, bytes) where result is `out`, or a new (P,
-    *a.shape) array, holding zeros and, at [rank], a's values, and bytes its flat uint8 view.
-    None (the general path handles it) when a is not C-contiguous and aligned or holds Python
-    objects, or when `out` is not a C-contiguous, aligned, writable array of the result's dtype
-    and shape, clear of a."""
-    if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
-            or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1):
-        return None
-    cdef cnp.npy_intp part = cnp.PyArray_NBYTES(a)
-    cdef cnp.npy_intp total = part * P
-    cdef cnp.ndarray res
-    cdef char *d
-    shape = (P,) + (<object>a).shape
-    if out is None:
-        res = np.empty(shape, a.dtype)
-    else:
-        if type(out) is not np.ndarray:
-            return None
-        res = <cnp.ndarray>out
-        if (res.dtype != a.dtype or out.shape != shape or not cnp.PyArray_IS_C_CONTIGUOUS(res)
-                or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISWRITEABLE(res)):
-            return None
-        d = <char *>cnp.PyArray_DATA(res)
-        if total and d < <char *>cnp.PyArray_DATA(a) + part \
-                and <char *>cnp.PyArray_DATA(a) < d + total:
-            return None
-    d = <char *>cnp.PyArray_DATA(res)
-    if total:
-        memset(d, 0, total)
-        memcpy(d + part * rank, cnp.PyArray_DATA(a), part)
-    cdef cnp.ndarray flat = cnp.PyArray_SimpleNewFromData(1, &total, cnp.NPY_UINT8, d)
-    Py_INCREF(res)
-    cnp.PyArray_SetBaseObject(flat, res)
-    return res, flat
 
 
 cdef extern from "<errno.h>" nogil:

@@ -14,7 +14,9 @@ bitwise-or of bytes in which each rank contributes only its part (exact for ever
 reduce and reduce_scatter as the allreduce, keeping the root's result or the rank's block.
 Broadcast's first round carries every rank's claim (a digest of what it passed), the root's
 dtype and shape, and the data itself when it fits (layout in _moving.pyx, which builds and reads
-it in one C pass); allgather(axis=0) first exchanges the lengths.
+it in one C pass); a larger message follows in the same engine call (Engine.quick_bcast).
+allgather(axis=0) first exchanges the lengths.  The common calls of broadcast and allgather run
+whole in C (Engine.quick_broadcast, Engine.quick_allgather), with the same rounds.
 """
 from __future__ import annotations
 
@@ -297,20 +299,10 @@ class Collectives:
         if _foreign(array, out):
             return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
                                 timeout=timeout)
-        P = self.size
-        if (axis is None and type(array) is np.ndarray
-                and array.nbytes * P <= self._small_bytes and self._idle()):
-            got = _moving.gather_fill(array, self.rank, P, out)      # inline, in one round
-            if got is not None and self._quick(
-                    got[1], "bor", got[1], None if timeout is None else _deadline(timeout),
-                    KIND_ALLGATHER, array.shape + (array.itemsize, _dtype_digest(array.dtype))
-            ) is not None:
-                return got[0]
-        elif (axis is None and type(array) is np.ndarray and type(out) is np.ndarray and P > 1
-              and array.nbytes * P > self._small_bytes and self._idle()):
-            got = self._quick(array, None, out, _deadline(timeout), KIND_ALLGATHER,
-                              digest=_dtype_digest(array.dtype))    # (in C: the blocks or
-            if got is not None:                                     # the single copy)
+        if axis is None and type(array) is np.ndarray and self._idle():
+            got = self._quick(array, None, out, None if timeout is None else _deadline(timeout),
+                              KIND_ALLGATHER, digest=_dtype_digest(array.dtype))   # (in C:
+            if got is not None:                  # inline, the blocks or the single copy)
                 return got
         return self._now(self._prep_allgather(array, axis, out, timeout))
 

@@ -178,7 +178,7 @@ class Communicator(Collectives):
         rank is inside one: that call then fails on the general path).  deadline: None or a
         time.monotonic() value; dims: the descriptor's shape, when it is not the array's;
         limit: the largest message that travels inline (small_bytes unless said); digest (of the
-        dtype): allgather(array, out=out) on its own fast path (engine.quick_allgather)."""
+        dtype): allgather(array, out=...) on its own fast path (engine.quick_allgather)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
@@ -188,7 +188,8 @@ class Communicator(Collectives):
                 r = eng.quick(array, op, out, limit or self._small_bytes, kind, dims, SLICE_NS,
                               left)
             else:
-                r = eng.quick_allgather(array, out, digest, kind, SLICE_NS, left)
+                r = eng.quick_allgather(array, out, digest, kind, self._small_bytes, SLICE_NS,
+                                        left)
             if r is None:
                 return None
             if r[0] != _engine.DONE:
