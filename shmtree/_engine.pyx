@@ -924,6 +924,8 @@ cdef class Engine:
         """Run the phases of the call in progress (see begin)."""
         cdef int rc = drive(&self.e, self._alg())
         cdef int ch, alg
+        cdef const char *src
+        cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc_pending:
             return self._bcast_on()
         if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
@@ -935,7 +937,13 @@ cdef class Engine:
                                       # 64 MiB at P=2 1.3x the plain stores' time)
             self.e.dir.pairwise = self.msg_dtype == DT_F2 or self.msg_dtype == DT_BF16
             alg = self._phase1(&ch)
-            self._start_phase(ch, alg, self.src_p, self.dst_p, self.msg_nbytes)
+            src = self.src_p
+            if self.coll == COLL_ALLGATHER and src != NULL and not self.direct:
+                lo = self.e.call.offs[2 * self.e.dir.pos]     # (the blocks algorithm sends this
+                memcpy(self.dst_p + lo, src,                  # rank's block from its output)
+                       self.e.call.offs[2 * self.e.dir.pos + 1] - lo)
+                src = NULL
+            self._start_phase(ch, alg, src, self.dst_p, self.msg_nbytes)
             rc = drive(&self.e, self._alg())
         return rc
 
@@ -1226,12 +1234,13 @@ cdef class Engine:
         """The fast path of allgather(array, out=out) (axis None): array a C-contiguous,
         aligned ndarray without Python objects; out None (a new array) or a writable
         C-contiguous, aligned ndarray of the same dtype and shape (P, *array.shape), which
-        array is row `rank` of or does not overlap.  Copies array into out[rank], then begins
-        the very call of the general path (kind, the shape array.shape + (itemsize, digest),
+        array is row `rank` of or does not overlap.  Begins the very call of the general path (kind, the shape array.shape + (itemsize, digest),
         bytes, bitwise or): up to small_bytes (or with one rank), as an allreduce of out with
-        zeros outside this rank's row; larger, the blocks algorithm (or the single copy, when every rank's
-        out is shared); and runs it for one time slice (see quick).  Returns (rc, out), or None
-        when the general path must take the call."""
+        zeros outside this rank's row (array copied in); larger, the blocks algorithm (array
+        copied into out[rank] when it starts) or the single copy, when every rank's out is
+        shared (array written into every out, its own included); and runs it for one time
+        slice (see quick).  Returns (rc, out), or None when the general path must take the
+        call."""
         if self.busy or type(array) is not np.ndarray or (out is not None
                                                           and type(out) is not np.ndarray):
             return None
@@ -1271,8 +1280,10 @@ cdef class Engine:
                 return None
             if inline and nbytes:
                 memset(cnp.PyArray_DATA(o), 0, nbytes)
-            memcpy(own, mine, block)
-        elif inline and nbytes:               # (in place: zeros around this rank's row)
+            if inline:
+                memcpy(own, mine, block)      # (else the engine copies it, or the single copy
+        elif inline and nbytes:               # writes it with the others')
+            # (in place: zeros around this rank's row)
             memset(cnp.PyArray_DATA(o), 0, own - <char *>cnp.PyArray_DATA(o))
             memset(own + block, 0, nbytes - block * (self.e.rank + 1))
         cdef int64_t dims[MAX_NDIM]
@@ -1296,8 +1307,8 @@ cdef class Engine:
         self.offs_ref = offs
         self.e.call.offs = op
         self.e.call.root = 0
-        self._begin_call(None, o, NULL, <char *>cnp.PyArray_DATA(o), nbytes, 1, OP_BOR, DT_U1,
-                         kind, nd + 2, dims, 0, COLL_ALLGATHER)
+        self._begin_call(a, o, NULL if mine == own else mine, <char *>cnp.PyArray_DATA(o),
+                         nbytes, 1, OP_BOR, DT_U1, kind, nd + 2, dims, 0, COLL_ALLGATHER)
         return self._progress(budget_ns), out
 
     def cancel(self):

@@ -25,9 +25,10 @@
 #   (position q: the inputs of positions q+1, ..., q), a piece at a time in a buffer (the root's
 #   output may be its input, the last operand), into the root's output, which lies in the
 #   inputs' allocation (so every rank has it mapped).
-# allgather: every rank copies its own block (in its output) into every other rank's output, a
-#   piece at a time while it is in cache (pushing beat pulling each block: 2 MiB at P=2 152 us
-#   against 257).
+# allgather: every rank copies its own block (in its output, or from its input when the caller
+#   gave it apart: then into its own output too) into every other rank's output, a piece at a
+#   time while it is in cache (pushing beat pulling each block: 2 MiB at P=2 152 us against
+#   257).
 
 cdef enum:
     DIRECT_ALLREDUCE = 0      # the modes: _engine.pyx's COLL_* codes (it checks)
@@ -146,6 +147,7 @@ cdef inline void direct_tree_piece(Eng *e, Call *k, Direct *d, uint64_t off,
 
 cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef Direct *d = &e.dir
+    cdef const char *src
     cdef uint64_t n
     cdef int r, root
     if action == DIRECT_WORK:
@@ -155,10 +157,11 @@ cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
             for r in range(e.nranks):
                 if r != root:
                     memcpy(d.outs[r] + d.off, d.outs[root] + d.off, n)
-        elif d.mode == DIRECT_ALLGATHER:
+        elif d.mode == DIRECT_ALLGATHER:          # from the input when it is not out[rank]
+            src = d.outs[e.rank] + d.off if k.src == NULL else k.src + (d.off - d.lo)
             for r in range(e.nranks):
-                if r != e.rank:
-                    memcpy(d.outs[r] + d.off, d.outs[e.rank] + d.off, n)
+                if r != e.rank or k.src != NULL:
+                    memcpy(d.outs[r] + d.off, src, n)
         elif d.mode == DIRECT_REDUCE_SCATTER:     # block p: x[p+1] op ... op x[p]
             direct_fold(e, k, d, d.off, n, d.pos + 1, k.dst + (d.off - d.lo))
         elif d.mode == DIRECT_REDUCE:             # towards root q: x[q+1] op ... op x[q]
