@@ -1311,6 +1311,100 @@ cdef class Engine:
                          nbytes, 1, OP_BOR, DT_U1, kind, nd + 2, dims, 0, COLL_ALLGATHER)
         return self._progress(budget_ns), out
 
+    def quick_reduce_scatter(self, array, op, out, uint64_t small_bytes, int kind,
+                             int64_t slice_ns, timeout):
+        """The fast path of reduce_scatter(array, op, out=out): array a C-contiguous, aligned,
+        native-endian ndarray of at least one dimension, of a dtype and op with a kernel; out
+        None (a new array) or a writable C-contiguous, aligned ndarray of its dtype and of this
+        rank's block's shape (np.array_split's rows), clear of array.  Begins the general path's
+        very call - up to small_bytes the allreduce of the whole array (kind, its shape), into
+        a scratch array whose block is then copied out; larger, the blocks algorithm's
+        reduce-scatter (or the single copy) - and runs it for one time slice (see quick).
+        Returns (rc, result, None) or, when an inline call is not done yet, (rc, result,
+        (scratch, lo, hi)): the caller copies bytes [lo, hi) of scratch into result once it
+        is; None when the general path must take the call."""
+        if self.busy or type(array) is not np.ndarray or (out is not None
+                                                          and type(out) is not np.ndarray):
+            return None
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            return None
+        cdef cnp.ndarray a = <cnp.ndarray>array
+        cdef int num = cnp.PyArray_TYPE(a)
+        cdef int nd = cnp.PyArray_NDIM(a)
+        if (nd < 1 or nd > MAX_NDIM or num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
+                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
+                or not cnp.PyArray_ISALIGNED(a)):
+            return None
+        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
+        if code is None:
+            return None
+        cdef int opc = code
+        cdef int dtc = _TYPENUM_CODE[num]
+        if get_kernel(opc, dtc) == NULL:
+            return None
+        cdef int P = self.e.nranks, me = self.e.rank, q, r
+        cdef uint64_t nbytes = cnp.PyArray_NBYTES(a)
+        cdef bint inline = nbytes <= small_bytes
+        cdef int ch = self._ring_channel()
+        cdef int64_t n = cnp.PyArray_DIMS(a)[0]
+        if not inline and (ch < 0 or n == 0):
+            return None
+        cdef uint64_t row = nbytes // n if n else 0
+        cdef int64_t rlo = me * (n // P) + (me if me < n % P else n % P)
+        cdef int64_t rhi = rlo + n // P + (1 if me < n % P else 0)
+        cdef cnp.npy_intp dims[MAX_NDIM]
+        cdef cnp.ndarray res
+        memcpy(dims, cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
+        dims[0] = rhi - rlo
+        if out is None:
+            res = cnp.PyArray_EMPTY(nd, dims, num, 0)
+        else:
+            res = <cnp.ndarray>out
+            if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
+                    or memcmp(cnp.PyArray_DIMS(res), dims, nd * sizeof(cnp.npy_intp)) != 0
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
+                    or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)
+                    or (cnp.PyArray_NBYTES(res) and _ranges_overlap(a, res))):
+                return None
+        cdef cnp.ndarray full, offs
+        cdef uint64_t *o
+        cdef int64_t given[MAX_NDIM]
+        cdef int i
+        for i in range(nd):
+            given[i] = cnp.PyArray_DIMS(a)[i]
+        if inline:
+            full = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
+        else:
+            offs = np.empty(2 * P, np.uint64)
+            o = <uint64_t *>cnp.PyArray_DATA(offs)
+            for q in range(P):
+                r = self.e.dir.order[q]
+                o[2 * q] = (r * (n // P) + (r if r < n % P else n % P)) * row
+                o[2 * q + 1] = o[2 * q] + (n // P + (1 if r < n % P else 0)) * row
+        if self.busy:                 # (another thread began a call meanwhile: a collector
+            return None               # run by an allocation above may have let it in)
+        if aborted(&self.e):
+            return RC_ABORTED, res, None
+        if inline:
+            self._begin_c(a, full, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, given,
+                          small_bytes)
+            rc = self._progress(budget_ns)
+            if rc != RC_DONE:
+                return rc, res, (full, rlo * row, rhi * row)
+            if rhi > rlo:
+                memcpy(cnp.PyArray_DATA(res), <char *>cnp.PyArray_DATA(full) + rlo * row,
+                       (rhi - rlo) * row)
+            return rc, res, None
+        self.offs_ref = offs
+        self.e.call.offs = o
+        self.e.call.root = 0
+        self.e.call.coll_kind = CHAIN_REDUCE
+        self._begin_call(a, res, <const char *>cnp.PyArray_DATA(a),
+                         <char *>cnp.PyArray_DATA(res), nbytes, cnp.PyArray_ITEMSIZE(a), opc,
+                         dtc, kind, nd, given, 0, COLL_REDUCE_SCATTER)
+        return self._progress(budget_ns), res, None
+
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""
         self.busy = 0

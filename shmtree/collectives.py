@@ -396,17 +396,10 @@ class Collectives:
         if _foreign(array, out):
             return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
                                 timeout=timeout)
-        if (type(array) is np.ndarray and array.ndim and array.nbytes <= self._small_bytes
-                and self._idle()):
-            n, P, me = array.shape[0], self.size, self.rank
-            lo = me * (n // P) + min(me, n % P)
-            hi = lo + n // P + (me < n % P)
-            if out is None or (type(out) is np.ndarray and out.dtype == array.dtype
-                               and out.shape == (hi - lo,) + array.shape[1:]
-                               and out.flags.writeable):
-                full = self._quick(array, op, None, _deadline(timeout), KIND_REDUCE_SCATTER)
-                if full is not None:                              # inline: the allreduce
-                    return _keep(full[lo:hi], out)
+        if type(array) is np.ndarray and self._idle():
+            got = self._quick_reduce_scatter(array, op, out, timeout)     # (in C)
+            if got is not None:
+                return got
         return self._now(self._prep_reduce_scatter(array, op, out, timeout))
 
     def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):

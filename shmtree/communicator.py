@@ -30,9 +30,9 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 
 from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_NAMES,
-                    KIND_BROADCAST, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name, ranks_text,
-                    states_text)
+                    ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name,
+                    ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .collectives import Collectives, _deadline
@@ -221,6 +221,29 @@ class Communicator(Collectives):
             return got[1:2]
         return (self._broadcast_after(got[1], got[3], root, out, deadline, got[2],
                                       self._bcast_room, got[4]),)
+
+    def _quick_reduce_scatter(self, array, op, out, timeout):
+        """reduce_scatter's fast path (Engine.quick_reduce_scatter, the general path's very
+        call): the result, or None when the general path must take the call."""
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        deadline = None if timeout is None else _deadline(timeout)
+        eng = self._engine
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = eng.quick_reduce_scatter(array, op, out, self._small_bytes,
+                                           KIND_REDUCE_SCATTER, SLICE_NS, left)
+            if got is None:
+                return None
+            if got[0] != _engine.DONE:
+                self._drive(eng.seq, deadline, got[0])
+            if got[2] is not None:            # (inline, done in a later slice: its block)
+                full, lo, hi = got[2]
+                got[1].reshape(-1).view(np.uint8)[...] = full.reshape(-1).view(np.uint8)[lo:hi]
+            return got[1]
+        except BaseException:
+            self._interrupted(eng)
+            raise
 
     def _bcast_call(self, first, dst, root, kind, deadline):
         """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this

@@ -154,9 +154,23 @@ def allgather_worker(comm, cases):
 
 
 def reduce_scatter_worker(comm, cases):
+    """The ranks take different local paths in one call: a plain array (the C fast path), a
+    strided view (the general path) or an out= (the fast path into it)."""
     out = []
-    for dtype, op, n in cases:
-        out.append(comm.reduce_scatter(make(dtype, op, n, comm.rank), op=op))
+    P, r = comm.size, comm.rank
+    for i, (dtype, op, n) in enumerate(cases):
+        x = make(dtype, op, n, r)
+        how = (r + i) % 3
+        if how == 1 and x.ndim:
+            x = np.repeat(x, 2, axis=0)[::2]
+        if how == 2 and x.ndim:
+            rows = n // P + (r < n % P)
+            o = np.full((rows,) + x.shape[1:], 7, x.dtype)
+            got = comm.reduce_scatter(x, op=op, out=o)
+            assert got is o
+        else:
+            got = comm.reduce_scatter(x, op=op)
+        out.append(got)
     return out
 
 
