@@ -1311,6 +1311,68 @@ cdef class Engine:
                          nbytes, 1, OP_BOR, DT_U1, kind, nd + 2, dims, 0, COLL_ALLGATHER)
         return self._progress(budget_ns), out
 
+    def quick_reduce(self, array, op, out, int root, int root_pos, int kind, int64_t slice_ns,
+                     timeout):
+        """The fast path of reduce(array, op, root, out=out) for a message that does not
+        travel inline (the caller checks), in a group of more than one rank: array as for
+        quick; on the root out None (a new array) or such an ndarray of the same dtype and
+        shape that is the input itself or does not overlap it (elsewhere out is ignored).
+        Begins the general path's very call (the chain towards the root's ring position
+        root_pos, or the single copy) and runs it for one time slice (see quick).  Returns
+        (rc, result: None away from the root), or None when the general path must take it."""
+        if self.busy or type(array) is not np.ndarray or self._ring_channel() < 0:
+            return None
+        cdef int64_t budget_ns = _budget(slice_ns, timeout)
+        if budget_ns < 0:
+            return None
+        cdef cnp.ndarray a = <cnp.ndarray>array
+        cdef int num = cnp.PyArray_TYPE(a)
+        cdef int nd = cnp.PyArray_NDIM(a)
+        if (nd > MAX_NDIM or num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
+                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
+                or not cnp.PyArray_ISALIGNED(a) or cnp.PyArray_NBYTES(a) == 0
+                or not 0 <= root < self.e.nranks):
+            return None
+        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
+        if code is None:
+            return None
+        cdef int opc = code
+        cdef int dtc = _TYPENUM_CODE[num]
+        if get_kernel(opc, dtc) == NULL:
+            return None
+        cdef cnp.ndarray res = None
+        if root == self.e.rank:
+            if out is None:
+                res = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
+            else:
+                if type(out) is not np.ndarray:
+                    return None
+                res = <cnp.ndarray>out
+                if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
+                        or not cnp.PyArray_IS_C_CONTIGUOUS(res)
+                        or not cnp.PyArray_ISWRITEABLE(res) or not cnp.PyArray_ISALIGNED(res)
+                        or not cnp.PyArray_ISNOTSWAPPED(res)
+                        or memcmp(cnp.PyArray_DIMS(res), cnp.PyArray_DIMS(a),
+                                  nd * sizeof(cnp.npy_intp)) != 0
+                        or (res is not a and _ranges_overlap(a, res))):
+                    return None
+        cdef int64_t given[MAX_NDIM]
+        cdef int i
+        for i in range(nd):
+            given[i] = cnp.PyArray_DIMS(a)[i]
+        if self.busy:                 # (another thread began a call meanwhile: a collector
+            return None               # run by the allocation above may have let it in)
+        if aborted(&self.e):
+            return RC_ABORTED, res
+        self.offs_ref = None
+        self.e.call.root = root_pos
+        self.e.call.coll_kind = CHAIN_REDUCE
+        self._begin_call(a, res, <const char *>cnp.PyArray_DATA(a),
+                         NULL if res is None else <char *>cnp.PyArray_DATA(res),
+                         cnp.PyArray_NBYTES(a), cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd,
+                         given, 0, COLL_REDUCE)
+        return self._progress(budget_ns), res
+
     def quick_reduce_scatter(self, array, op, out, uint64_t small_bytes, int kind,
                              int64_t slice_ns, timeout):
         """The fast path of reduce_scatter(array, op, out=out): array a C-contiguous, aligned,

@@ -277,8 +277,11 @@ class Collectives:
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         mine = out if self.rank == root else None
-        if type(array) is np.ndarray and array.nbytes <= self._small_bytes and self._idle():
-            result = self._quick(array, op, mine, _deadline(timeout), kind)   # the allreduce
+        if type(array) is np.ndarray and self._idle():
+            if array.nbytes <= self._small_bytes:
+                result = self._quick(array, op, mine, _deadline(timeout), kind)  # the allreduce
+            else:
+                result = self._quick_reduce(array, op, mine, root, kind, timeout)     # (in C)
             if result is not None:
                 return result if self.rank == root else None
         return self._now(self._prep_reducing(array, op, mine, timeout, kind, root=root))

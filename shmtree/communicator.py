@@ -222,6 +222,26 @@ class Communicator(Collectives):
         return (self._broadcast_after(got[1], got[3], root, out, deadline, got[2],
                                       self._bcast_room, got[4]),)
 
+    def _quick_reduce(self, array, op, out, root, kind, timeout):
+        """reduce's fast path for a message that does not travel inline (Engine.quick_reduce,
+        the general path's very call): the result (a placeholder away from the root), or None
+        when the general path must take the call."""
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        deadline = None if timeout is None else _deadline(timeout)
+        eng = self._engine
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = eng.quick_reduce(array, op, out, root, self._pos[root], kind, SLICE_NS, left)
+            if got is None:
+                return None
+            if got[0] != _engine.DONE:
+                self._drive(eng.seq, deadline, got[0])
+            return got[1] if got[1] is not None else False
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
     def _quick_reduce_scatter(self, array, op, out, timeout):
         """reduce_scatter's fast path (Engine.quick_reduce_scatter, the general path's very
         call): the result, or None when the general path must take the call."""

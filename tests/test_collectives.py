@@ -134,10 +134,24 @@ def bcast_worker(comm, cases):
 
 
 def reduce_worker(comm, cases):
+    """The ranks take different local paths in one call: a plain array (the C fast path), a
+    strided view (the general path), an out= on the root (in place, or apart)."""
     out = []
-    for dtype, op, n, root in cases:
+    for i, (dtype, op, n, root) in enumerate(cases):
         x = make(dtype, op, n, comm.rank)
-        res = comm.reduce(x, op=op, root=root)
+        how = (comm.rank + i) % 4
+        if how == 1:
+            x = np.repeat(x, 2)[::2]
+        if how == 2 and comm.rank == root:
+            x = x.copy()
+            res = comm.reduce(x, op=op, root=root, out=x)
+            assert res is x
+        elif how == 3 and comm.rank == root:
+            o = np.empty_like(x)
+            res = comm.reduce(x, op=op, root=root, out=o)
+            assert res is o
+        else:
+            res = comm.reduce(x, op=op, root=root)
         if comm.rank != root:
             assert res is None
         out.append(res)
