@@ -79,6 +79,22 @@ for _ch in np.typecodes["All"]:
 _OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}     # the kernels' one op table
 
 
+cdef bint _reducible(cnp.ndarray a, op, int *opc, int *dtc):
+    """Can a fast path reduce `a` with `op` as it is: a C-contiguous, aligned, native-endian
+    array of a dtype that has a kernel for the op (a known op name or ufunc)?  Sets the codes."""
+    cdef int num = cnp.PyArray_TYPE(a)
+    if (num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
+            or not cnp.PyArray_ISALIGNED(a)):
+        return False
+    code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
+    if code is None:
+        return False
+    opc[0] = code
+    dtc[0] = _TYPENUM_CODE[num]
+    return get_kernel(opc[0], dtc[0]) != NULL
+
+
 cdef int64_t _budget(int64_t slice_ns, timeout):
     """A fast path's time slice: slice_ns, or less when timeout (None or seconds, a float or int
     >= 0) is shorter, but at least 0.5 ms; -1 for a timeout the general path must check."""
@@ -1186,16 +1202,8 @@ cdef class Engine:
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef cnp.ndarray res
         cdef int num = cnp.PyArray_TYPE(a)
-        if (num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
-                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
-                or not cnp.PyArray_ISALIGNED(a)):
-            return None
-        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
-        if code is None:
-            return None
-        cdef int opc = code
-        cdef int dtc = _TYPENUM_CODE[num]
-        if get_kernel(opc, dtc) == NULL:
+        cdef int opc, dtc
+        if not _reducible(a, op, &opc, &dtc):
             return None
         cdef int nd = cnp.PyArray_NDIM(a)
         if out is None:
@@ -1328,17 +1336,9 @@ cdef class Engine:
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef int num = cnp.PyArray_TYPE(a)
         cdef int nd = cnp.PyArray_NDIM(a)
-        if (nd > MAX_NDIM or num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
-                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
-                or not cnp.PyArray_ISALIGNED(a) or cnp.PyArray_NBYTES(a) == 0
-                or not 0 <= root < self.e.nranks):
-            return None
-        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
-        if code is None:
-            return None
-        cdef int opc = code
-        cdef int dtc = _TYPENUM_CODE[num]
-        if get_kernel(opc, dtc) == NULL:
+        cdef int opc, dtc
+        if (nd > MAX_NDIM or cnp.PyArray_NBYTES(a) == 0 or not 0 <= root < self.e.nranks
+                or not _reducible(a, op, &opc, &dtc)):
             return None
         cdef cnp.ndarray res = None
         if root == self.e.rank:
@@ -1394,16 +1394,8 @@ cdef class Engine:
         cdef cnp.ndarray a = <cnp.ndarray>array
         cdef int num = cnp.PyArray_TYPE(a)
         cdef int nd = cnp.PyArray_NDIM(a)
-        if (nd < 1 or nd > MAX_NDIM or num < 0 or num >= N_TYPENUMS or _TYPENUM_CODE[num] < 0
-                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
-                or not cnp.PyArray_ISALIGNED(a)):
-            return None
-        code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
-        if code is None:
-            return None
-        cdef int opc = code
-        cdef int dtc = _TYPENUM_CODE[num]
-        if get_kernel(opc, dtc) == NULL:
+        cdef int opc, dtc
+        if nd < 1 or nd > MAX_NDIM or not _reducible(a, op, &opc, &dtc):
             return None
         cdef int P = self.e.nranks, me = self.e.rank, q, r
         cdef uint64_t nbytes = cnp.PyArray_NBYTES(a)

@@ -15,8 +15,9 @@ reduce and reduce_scatter as the allreduce, keeping the root's result or the ran
 Broadcast's first round carries every rank's claim (a digest of what it passed), the root's
 dtype and shape, and the data itself when it fits (layout in _moving.pyx, which builds and reads
 it in one C pass); a larger message follows in the same engine call (Engine.quick_bcast).
-allgather(axis=0) first exchanges the lengths.  The common calls of broadcast and allgather run
-whole in C (Engine.quick_broadcast, Engine.quick_allgather), with the same rounds.
+allgather(axis=0) first exchanges the lengths.  The common calls of every collective run whole
+in C (Engine.quick, quick_broadcast, quick_allgather, quick_reduce_scatter, quick_reduce), with
+the same rounds; the `_prep_<name>` paths take every other call.
 """
 from __future__ import annotations
 
