@@ -179,7 +179,7 @@ class Communicator(Collectives):
         time.monotonic() value; dims: the descriptor's shape, when it is not the array's;
         limit: the largest message that travels inline (small_bytes unless said); digest (of the
         dtype): allgather(array, out=...) on its own fast path (engine.quick_allgather)."""
-        eng = self._engine
+        eng = self._engine                    # (_fast's steps written out: the hot path)
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
         try:
@@ -195,6 +195,24 @@ class Communicator(Collectives):
             if r[0] != _engine.DONE:
                 self._drive(eng.seq, deadline, r[0])
             return r[1]
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
+    def _fast(self, deadline, begin, *args):
+        """Run one of the engine's fast paths: begin(*args, seconds left or None) checks and
+        begins the call and runs its first time slice; then drive it to its end.  What begin
+        returned ((rc, result, ...)), or None when it declined the call (the general path must
+        take it: nothing has run)."""
+        eng = self._engine
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return None
+        try:
+            got = begin(*args, None if deadline is None
+                        else max(0.0, deadline - time.monotonic()))
+            if got is not None and got[0] != _engine.DONE:
+                self._drive(eng.seq, deadline, got[0])
+            return got
         except BaseException:
             self._interrupted(eng)
             raise
@@ -224,46 +242,25 @@ class Communicator(Collectives):
 
     def _quick_reduce(self, array, op, out, root, kind, timeout):
         """reduce's fast path for a message that does not travel inline (Engine.quick_reduce,
-        the general path's very call): the result (a placeholder away from the root), or None
-        when the general path must take the call."""
-        if self._gen != _fork_gen or self._closed or self.group._closed:
-            return None
-        deadline = None if timeout is None else _deadline(timeout)
-        eng = self._engine
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = eng.quick_reduce(array, op, out, root, self._pos[root], kind, SLICE_NS, left)
-            if got is None:
-                return None
-            if got[0] != _engine.DONE:
-                self._drive(eng.seq, deadline, got[0])
-            return got[1] if got[1] is not None else False
-        except BaseException:
-            self._interrupted(eng)
-            raise
+        the general path's very call): the result (False away from the root), or None when the
+        general path must take the call."""
+        got = self._fast(None if timeout is None else _deadline(timeout),
+                         self._engine.quick_reduce, array, op, out, root, self._pos[root], kind,
+                         SLICE_NS)
+        return None if got is None else (False if got[1] is None else got[1])
 
     def _quick_reduce_scatter(self, array, op, out, timeout):
         """reduce_scatter's fast path (Engine.quick_reduce_scatter, the general path's very
         call): the result, or None when the general path must take the call."""
-        if self._gen != _fork_gen or self._closed or self.group._closed:
+        got = self._fast(None if timeout is None else _deadline(timeout),
+                         self._engine.quick_reduce_scatter, array, op, out, self._small_bytes,
+                         KIND_REDUCE_SCATTER, SLICE_NS)
+        if got is None:
             return None
-        deadline = None if timeout is None else _deadline(timeout)
-        eng = self._engine
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = eng.quick_reduce_scatter(array, op, out, self._small_bytes,
-                                           KIND_REDUCE_SCATTER, SLICE_NS, left)
-            if got is None:
-                return None
-            if got[0] != _engine.DONE:
-                self._drive(eng.seq, deadline, got[0])
-            if got[2] is not None:            # (inline, done in a later slice: its block)
-                full, lo, hi = got[2]
-                got[1].reshape(-1).view(np.uint8)[...] = full.reshape(-1).view(np.uint8)[lo:hi]
-            return got[1]
-        except BaseException:
-            self._interrupted(eng)
-            raise
+        if got[2] is not None:                # (inline, done in a later slice: its block)
+            full, lo, hi = got[2]
+            got[1].reshape(-1).view(np.uint8)[...] = full.reshape(-1).view(np.uint8)[lo:hi]
+        return got[1]
 
     def _bcast_call(self, first, dst, root, kind, deadline):
         """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this
