@@ -201,10 +201,8 @@ class Collectives:
             else:
                 self._interrupted(eng)
             raise
-        if P == 1 and pre is not None:
-            return _finish(*pre)              # (the root's output holds its data)
-        if eng.bc_ran:
-            return _finish(*pre)
+        if pre is not None and (eng.bc_ran or P == 1):      # (the data came; one rank: the
+            return _finish(*pre)                            # root's output holds it)
         got = _moving.bcast_read(first, out, P, room)
         if type(got) is not tuple:
             return got                        # the data came inline
