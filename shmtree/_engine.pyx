@@ -95,6 +95,30 @@ cdef bint _reducible(cnp.ndarray a, op, int *opc, int *dtc):
     return get_kernel(opc[0], dtc[0]) != NULL
 
 
+cdef object _output(cnp.ndarray a, out, int nd, cnp.npy_intp *dims, int num,
+                    bint in_place_ok):
+    """A fast path's output for input `a`: a new array of type number num and shape dims when
+    out is None, else out itself when it is an ndarray of that type and shape, C-contiguous,
+    writable, aligned, native-endian and clear of `a` (or `a` itself, when in_place_ok); None
+    when it is not (the general path takes the call)."""
+    if out is None:
+        return cnp.PyArray_EMPTY(nd, dims, num, 0)
+    if type(out) is not np.ndarray:
+        return None
+    cdef cnp.ndarray res = <cnp.ndarray>out
+    if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
+            or memcmp(cnp.PyArray_DIMS(res), dims, nd * sizeof(cnp.npy_intp)) != 0
+            or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
+            or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)):
+        return None
+    if in_place_ok:
+        if res is not a and _ranges_overlap(a, res):
+            return None
+    elif cnp.PyArray_NBYTES(res) and _ranges_overlap(a, res):
+        return None
+    return res
+
+
 cdef int64_t _budget(int64_t slice_ns, timeout):
     """A fast path's time slice: slice_ns, or less when timeout (None or seconds, a float or int
     >= 0) is shorter, but at least 0.5 ms; -1 for a timeout the general path must check."""
@@ -1206,20 +1230,10 @@ cdef class Engine:
         if not _reducible(a, op, &opc, &dtc):
             return None
         cdef int nd = cnp.PyArray_NDIM(a)
-        if out is None:
-            res = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
-        else:
-            if type(out) is not np.ndarray:
-                return None
-            res = <cnp.ndarray>out
-            if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
-                    or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)
-                    or memcmp(cnp.PyArray_DIMS(res), cnp.PyArray_DIMS(a),
-                              nd * sizeof(cnp.npy_intp)) != 0):
-                return None
-            if res is not a and _ranges_overlap(a, res):
-                return None
+        got = _output(a, out, nd, cnp.PyArray_DIMS(a), num, True)
+        if got is None:
+            return None
+        res = <cnp.ndarray>got
         cdef int64_t given[MAX_NDIM]
         cdef int i
         cdef int64_t *dp = <int64_t *>cnp.PyArray_DIMS(a)
@@ -1242,8 +1256,8 @@ cdef class Engine:
         """The fast path of allgather(array, out=out) (axis None): array a C-contiguous,
         aligned ndarray without Python objects; out None (a new array) or a writable
         C-contiguous, aligned ndarray of the same dtype and shape (P, *array.shape), which
-        array is row `rank` of or does not overlap.  Begins the very call of the general path (kind, the shape array.shape + (itemsize, digest),
-        bytes, bitwise or): up to small_bytes (or with one rank), as an allreduce of out with
+        array is row `rank` of or does not overlap.  Begins the very call of the general path
+        (kind, the shape array.shape + (itemsize, digest), bytes, bitwise or): up to small_bytes (or with one rank), as an allreduce of out with
         zeros outside this rank's row (array copied in); larger, the blocks algorithm (array
         copied into out[rank] when it starts) or the single copy, when every rank's out is
         shared (array written into every out, its own included); and runs it for one time
@@ -1340,26 +1354,11 @@ cdef class Engine:
         if (nd > MAX_NDIM or cnp.PyArray_NBYTES(a) == 0 or not 0 <= root < self.e.nranks
                 or not _reducible(a, op, &opc, &dtc)):
             return None
-        cdef cnp.ndarray res = None
+        res = None
         if root == self.e.rank:
-            if out is None:
-                res = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
-            else:
-                if type(out) is not np.ndarray:
-                    return None
-                res = <cnp.ndarray>out
-                if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
-                        or not cnp.PyArray_IS_C_CONTIGUOUS(res)
-                        or not cnp.PyArray_ISWRITEABLE(res) or not cnp.PyArray_ISALIGNED(res)
-                        or not cnp.PyArray_ISNOTSWAPPED(res)
-                        or memcmp(cnp.PyArray_DIMS(res), cnp.PyArray_DIMS(a),
-                                  nd * sizeof(cnp.npy_intp)) != 0
-                        or (res is not a and _ranges_overlap(a, res))):
-                    return None
-        cdef int64_t given[MAX_NDIM]
-        cdef int i
-        for i in range(nd):
-            given[i] = cnp.PyArray_DIMS(a)[i]
+            res = _output(a, out, nd, cnp.PyArray_DIMS(a), num, True)
+            if res is None:
+                return None
         if self.busy:                 # (another thread began a call meanwhile: a collector
             return None               # run by the allocation above may have let it in)
         if aborted(&self.e):
@@ -1368,9 +1367,9 @@ cdef class Engine:
         self.e.call.root = root_pos
         self.e.call.coll_kind = CHAIN_REDUCE
         self._begin_call(a, res, <const char *>cnp.PyArray_DATA(a),
-                         NULL if res is None else <char *>cnp.PyArray_DATA(res),
+                         NULL if res is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>res),
                          cnp.PyArray_NBYTES(a), cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd,
-                         given, 0, COLL_REDUCE)
+                         <int64_t *>cnp.PyArray_DIMS(a), 0, COLL_REDUCE)
         return self._progress(budget_ns), res
 
     def quick_reduce_scatter(self, array, op, out, uint64_t small_bytes, int kind,
@@ -1385,8 +1384,7 @@ cdef class Engine:
         Returns (rc, result, None) or, when an inline call is not done yet, (rc, result,
         (scratch, lo, hi)): the caller copies bytes [lo, hi) of scratch into result once it
         is; None when the general path must take the call."""
-        if self.busy or type(array) is not np.ndarray or (out is not None
-                                                          and type(out) is not np.ndarray):
+        if self.busy or type(array) is not np.ndarray:
             return None
         cdef int64_t budget_ns = _budget(slice_ns, timeout)
         if budget_ns < 0:
@@ -1411,22 +1409,13 @@ cdef class Engine:
         cdef cnp.ndarray res
         memcpy(dims, cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
         dims[0] = rhi - rlo
-        if out is None:
-            res = cnp.PyArray_EMPTY(nd, dims, num, 0)
-        else:
-            res = <cnp.ndarray>out
-            if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd
-                    or memcmp(cnp.PyArray_DIMS(res), dims, nd * sizeof(cnp.npy_intp)) != 0
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
-                    or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)
-                    or (cnp.PyArray_NBYTES(res) and _ranges_overlap(a, res))):
-                return None
+        got = _output(a, out, nd, dims, num, False)
+        if got is None:
+            return None
+        res = <cnp.ndarray>got
         cdef cnp.ndarray full, offs
         cdef uint64_t *o
-        cdef int64_t given[MAX_NDIM]
-        cdef int i
-        for i in range(nd):
-            given[i] = cnp.PyArray_DIMS(a)[i]
+        cdef int64_t *given = <int64_t *>cnp.PyArray_DIMS(a)
         if inline:
             full = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
         else:
