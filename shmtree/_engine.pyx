@@ -1208,6 +1208,19 @@ cdef class Engine:
             shm_store_release64(&me.call, 0)
         return rc
 
+    cdef cnp.ndarray _fast_input(self, array, op, int64_t slice_ns, timeout, int64_t *budget_ns,
+                                 int *opc, int *dtc):
+        """Where the reductions' fast paths (quick, quick_reduce, quick_reduce_scatter) begin:
+        no call in progress, an ndarray that reduces under op as it is (_reducible: sets the
+        codes), and a time slice that timeout allows (_budget: sets budget_ns).  The array, or
+        None when the general path must take the call."""
+        if self.busy or type(array) is not np.ndarray:
+            return None
+        budget_ns[0] = _budget(slice_ns, timeout)
+        if budget_ns[0] < 0 or not _reducible(<cnp.ndarray>array, op, opc, dtc):
+            return None
+        return <cnp.ndarray>array
+
     def quick(self, array, op, out, uint64_t small_bytes, int kind, tuple dims, int64_t slice_ns,
               timeout):
         """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
@@ -1218,17 +1231,13 @@ cdef class Engine:
         reduce_scatter run small messages as this allreduce); dims: the descriptor's shape when
         it is not the array's (allgather's bytes).  Returns (rc, result), or None when the
         general path must handle the call (validation, copies, error messages)."""
-        if self.busy or type(array) is not np.ndarray:
+        cdef int64_t budget_ns
+        cdef int opc, dtc
+        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
+        if a is None:
             return None
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            return None
-        cdef cnp.ndarray a = <cnp.ndarray>array
         cdef cnp.ndarray res
         cdef int num = cnp.PyArray_TYPE(a)
-        cdef int opc, dtc
-        if not _reducible(a, op, &opc, &dtc):
-            return None
         cdef int nd = cnp.PyArray_NDIM(a)
         got = _output(a, out, nd, cnp.PyArray_DIMS(a), num, True)
         if got is None:
@@ -1342,17 +1351,14 @@ cdef class Engine:
         Begins the general path's very call (the chain towards the root's ring position
         root_pos, or the single copy) and runs it for one time slice (see quick).  Returns
         (rc, result: None away from the root), or None when the general path must take it."""
-        if self.busy or type(array) is not np.ndarray or self._ring_channel() < 0:
+        cdef int64_t budget_ns
+        cdef int opc, dtc
+        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
+        if a is None or self._ring_channel() < 0:
             return None
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            return None
-        cdef cnp.ndarray a = <cnp.ndarray>array
         cdef int num = cnp.PyArray_TYPE(a)
         cdef int nd = cnp.PyArray_NDIM(a)
-        cdef int opc, dtc
-        if (nd > MAX_NDIM or cnp.PyArray_NBYTES(a) == 0 or not 0 <= root < self.e.nranks
-                or not _reducible(a, op, &opc, &dtc)):
+        if nd > MAX_NDIM or cnp.PyArray_NBYTES(a) == 0 or not 0 <= root < self.e.nranks:
             return None
         res = None
         if root == self.e.rank:
@@ -1384,16 +1390,14 @@ cdef class Engine:
         Returns (rc, result, None) or, when an inline call is not done yet, (rc, result,
         (scratch, lo, hi)): the caller copies bytes [lo, hi) of scratch into result once it
         is; None when the general path must take the call."""
-        if self.busy or type(array) is not np.ndarray:
+        cdef int64_t budget_ns
+        cdef int opc, dtc
+        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
+        if a is None:
             return None
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            return None
-        cdef cnp.ndarray a = <cnp.ndarray>array
         cdef int num = cnp.PyArray_TYPE(a)
         cdef int nd = cnp.PyArray_NDIM(a)
-        cdef int opc, dtc
-        if nd < 1 or nd > MAX_NDIM or not _reducible(a, op, &opc, &dtc):
+        if nd < 1 or nd > MAX_NDIM:
             return None
         cdef int P = self.e.nranks, me = self.e.rank, q, r
         cdef uint64_t nbytes = cnp.PyArray_NBYTES(a)
