@@ -263,7 +263,8 @@ class Collectives:
     def _bytes_round(self, buf, kind, deadline, limit=None):
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise
         or), in place: on allreduce's fast path when the engine takes it."""
-        if self._quick(buf, "bor", buf, deadline, kind, limit=limit) is None:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._quick(buf, "bor", buf, left, kind, limit=limit) is None:
             self._collective(kind, _BOR, _U1, buf, buf, buf.shape, deadline, limit=limit)
 
     # ---- reduce ----
@@ -278,7 +279,7 @@ class Collectives:
         mine = out if self.rank == root else None
         if type(array) is np.ndarray and self._idle():
             if array.nbytes <= self._small_bytes:
-                result = self._quick(array, op, mine, _deadline(timeout), kind)  # the allreduce
+                result = self._quick(array, op, mine, timeout, kind)     # the allreduce
             else:
                 result = self._quick_reduce(array, op, mine, root, kind, timeout)     # (in C)
             if result is not None:
@@ -302,8 +303,8 @@ class Collectives:
             return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
                                 timeout=timeout)
         if axis is None and type(array) is np.ndarray and self._idle():
-            got = self._quick(array, None, out, None if timeout is None else _deadline(timeout),
-                              KIND_ALLGATHER, digest=_dtype_digest(array.dtype))   # (in C:
+            got = self._quick(array, None, out, timeout, KIND_ALLGATHER,
+                              digest=_dtype_digest(array.dtype))     # (in C:
             if got is not None:                  # inline, the blocks or the single copy)
                 return got
         return self._now(self._prep_allgather(array, axis, out, timeout))

@@ -107,7 +107,7 @@ class Communicator(Collectives):
         if _foreign(array, out):
             return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
         if self._idle():                      # (shared arrays too: the engine's single copy)
-            result = self._quick(array, op, out, _deadline(timeout), KIND_ALLREDUCE)
+            result = self._quick(array, op, out, timeout, KIND_ALLREDUCE)
             if result is not None:
                 return result
         return self._now(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE))
@@ -171,47 +171,50 @@ class Communicator(Collectives):
         n = self._posted = self._posted + 1
         return progress.post(Request(name, n, progress), run)
 
-    def _quick(self, array, op, out, deadline, kind, dims=None, limit=None, digest=None):
+    def _quick(self, array, op, out, timeout, kind, dims=None, limit=None, digest=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
         of inline messages), with descriptor kind `kind`: the result, or None when the general
         path must take the call (engine.quick also declines a call while another thread of this
-        rank is inside one: that call then fails on the general path).  deadline: None or a
-        time.monotonic() value; dims: the descriptor's shape, when it is not the array's;
+        rank is inside one: that call then fails on the general path).  timeout: the call's,
+        None or seconds (the engine declines one that is not a float or int >= 0: the general
+        path then raises); its deadline is only computed when the call outlasts its first time
+        slice (a clock read less on the hot path); dims: the descriptor's shape, when it is not
+        the array's;
         limit: the largest message that travels inline (small_bytes unless said); digest (of the
         dtype): allgather(array, out=...) on its own fast path (engine.quick_allgather)."""
         eng = self._engine                    # (_fast's steps written out: the hot path)
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
         try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            start = None if timeout is None else time.monotonic()
             if digest is None:
                 r = eng.quick(array, op, out, limit or self._small_bytes, kind, dims, SLICE_NS,
-                              left)
+                              timeout)
             else:
                 r = eng.quick_allgather(array, out, digest, kind, self._small_bytes, SLICE_NS,
-                                        left)
+                                        timeout)
             if r is None:
                 return None
             if r[0] != _engine.DONE:
-                self._drive(eng.seq, deadline, r[0])
+                self._drive(eng.seq, None if start is None else start + timeout, r[0])
             return r[1]
         except BaseException:
             self._interrupted(eng)
             raise
 
-    def _fast(self, deadline, begin, *args):
-        """Run one of the engine's fast paths: begin(*args, seconds left or None) checks and
-        begins the call and runs its first time slice; then drive it to its end.  What begin
-        returned ((rc, result, ...)), or None when it declined the call (the general path must
-        take it: nothing has run)."""
+    def _fast(self, timeout, begin, *args):
+        """Run one of the engine's fast paths: begin(*args, timeout) checks and begins the call
+        and runs its first time slice; then drive it to its end (timeout as for _quick).  What
+        begin returned ((rc, result, ...)), or None when it declined the call (the general path
+        must take it: nothing has run)."""
         eng = self._engine
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
         try:
-            got = begin(*args, None if deadline is None
-                        else max(0.0, deadline - time.monotonic()))
+            start = None if timeout is None else time.monotonic()
+            got = begin(*args, timeout)
             if got is not None and got[0] != _engine.DONE:
-                self._drive(eng.seq, deadline, got[0])
+                self._drive(eng.seq, None if start is None else start + timeout, got[0])
             return got
         except BaseException:
             self._interrupted(eng)
@@ -223,7 +226,7 @@ class Communicator(Collectives):
         or None when the general path must take the call (nothing has run then)."""
         if self._gen != _fork_gen or self._closed or self.group._closed:
             return None
-        deadline = None if timeout is None else _deadline(timeout)
+        start = None if timeout is None else time.monotonic()
         eng = self._engine
         try:                                  # (declined while another thread is in a call)
             got = eng.quick_broadcast(array, out, root, self._pos[root],
@@ -237,6 +240,7 @@ class Communicator(Collectives):
         if got[0] == "done":
             self._bcast_room = got[2]
             return got[1:2]
+        deadline = None if start is None else start + timeout     # (the engine checked it)
         return (self._broadcast_after(got[1], got[3], root, out, deadline, got[2],
                                       self._bcast_room, got[4]),)
 
@@ -244,17 +248,15 @@ class Communicator(Collectives):
         """reduce's fast path for a message that does not travel inline (Engine.quick_reduce,
         the general path's very call): the result (False away from the root), or None when the
         general path must take the call."""
-        got = self._fast(None if timeout is None else _deadline(timeout),
-                         self._engine.quick_reduce, array, op, out, root, self._pos[root], kind,
-                         SLICE_NS)
+        got = self._fast(timeout, self._engine.quick_reduce, array, op, out, root,
+                         self._pos[root], kind, SLICE_NS)
         return None if got is None else (False if got[1] is None else got[1])
 
     def _quick_reduce_scatter(self, array, op, out, timeout):
         """reduce_scatter's fast path (Engine.quick_reduce_scatter, the general path's very
         call): the result, or None when the general path must take the call."""
-        got = self._fast(None if timeout is None else _deadline(timeout),
-                         self._engine.quick_reduce_scatter, array, op, out, self._small_bytes,
-                         KIND_REDUCE_SCATTER, SLICE_NS)
+        got = self._fast(timeout, self._engine.quick_reduce_scatter, array, op, out,
+                         self._small_bytes, KIND_REDUCE_SCATTER, SLICE_NS)
         if got is None:
             return None
         if got[2] is not None:                # (inline, done in a later slice: its block)
