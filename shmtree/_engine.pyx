@@ -202,7 +202,7 @@ cdef void _register(int coll, int alg, alg_setup_fn setup, alg_ready_fn ready, a
     _ALGS[coll][alg].done = done
 
 
-_register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
+_register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, inline_ready, inline_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
 assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_REDUCE, DIRECT_REDUCE_SCATTER,
@@ -211,7 +211,7 @@ assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_REDUCE, DIRECT_REDUCE_SCATTER
 for _c in range(N_COLL):
     _register(_c, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
 for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
-    _register(_c, ALG_INLINE, inline_setup, tree_ready, inline_step, tree_done)
+    _register(_c, ALG_INLINE, inline_setup, inline_ready, inline_step, tree_done)
 _register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
 _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
@@ -504,6 +504,7 @@ cdef class Engine:
         for i, spec in enumerate(channels):
             self._setup(&self.e.chans[i], spec)
             maxchild = max(maxchild, len(spec.children))
+        self.e.chans[0].pair = self.e.nranks == 2 and not self.e.chans[0].ring
         # the operands of one fused reduction: own input and every child's chunk (ring: 2)
         self.e.call.srcs = <const void **>calloc(maxchild + 2, sizeof(void *))
         cdef Direct *d = &self.e.dir

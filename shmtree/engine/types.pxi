@@ -105,6 +105,8 @@ cdef struct Conn:
 
 cdef struct Chan:
     int ring              # 1: the ring schedule (parent = successor, the one child = predecessor)
+    int pair              # 1: channel 0 of a group of two (its round is one exchange,
+                          # alg_inline.pxi)
     int ring_pos          # this rank's position on the ring
     int parent            # -1 at the root
     int index             # this rank's index among the parent's children (its tail there)
