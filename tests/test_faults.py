@@ -177,6 +177,8 @@ def matrix():
                                                              "auto")
                             # every moment x signal x size at one P and tree
                             or (P, tree) == (3, "binary")
+                            # a group of two, whose round is one exchange
+                            or (moment, P, size, tree) == ("in_barrier", 2, "small", "auto")
                             # stops under the ring schedule and the flat tree
                             or (sig, P, size, moment) == ("SIGSTOP", 4, "large", "mid_call")
                             and tree in ("ring", "flat")
@@ -198,7 +200,12 @@ def test_fault_matrix(moment, sig, P, tree, size):
         victim = P // 2 if size == "large" else (0 if P % 2 else P - 1)  # middle, root, leaf
     timeout = STOP_TIMEOUT_S if sig == "SIGSTOP" else None
     victim, reports, victim_report = inject(P, tree, moment, sig, n, victim, timeout)
-    check_reports(P, victim, moment, sig, reports, victim_report, strict_first=True)
+    # A group of two runs its round as one exchange: each rank's part is out as soon as it
+    # enters, the root's too (as a leaf's is in test_victim_struck_inside_barrier_after_its_part),
+    # so the survivor's barrier may complete - the victim did enter it - and its next call must
+    # raise.
+    check_reports(P, victim, moment, sig, reports, victim_report,
+                  strict_first=not (moment == "in_barrier" and P == 2))
 
 
 def check_reports(P, victim, moment, sig, reports, victim_report, strict_first):
