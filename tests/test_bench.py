@@ -176,6 +176,22 @@ def test_harness_reports_failures_and_cleans_up():
         harness.launch(_die, 2)
 
 
+def _max_many(peer):
+    wrong = 0
+    for i in range(300):
+        value = float((7 * i + 13 * peer.rank) % 101)
+        wrong += peer.max(value) != max(float((7 * i + 13 * r) % 101) for r in range(peer.size))
+    return wrong
+
+
+@timeout
+def test_harness_barrier_holds_call_after_call():
+    """Peer.max is right in every one of many calls, also with more ranks than cores: the
+    barrier lets no rank overwrite its slot before every rank has read the last round."""
+    assert harness.launch(_max_many, 3) == [0, 0, 0]
+    assert harness.launch(_max_many, 5, pin=False) == [0] * 5
+
+
 @timeout
 def test_copy_limit_and_hand_written_baselines():
     plan = Plan(iters=2)

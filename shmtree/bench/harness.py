@@ -13,9 +13,11 @@ rank's traceback.  Shared memory that a caller creates is the caller's to unlink
 the parent itself be killed outright, each child is killed by the kernel too (PR_SET_PDEATHSIG).
 """
 import ctypes
+import mmap
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -27,6 +29,29 @@ PR_SET_PDEATHSIG = 1
 
 class BenchError(RuntimeError):
     """A benchmark could not run (a rank failed, a tool is missing or misbehaved)."""
+
+
+class _Barrier:
+    """A reusable barrier of n forked processes: two turnstiles (semaphores) and a count in an
+    anonymous shared page.  (multiprocessing's Barrier keeps its count in the multiprocessing
+    heap, whose arena is a deleted /dev/shm file that the creating process holds open for as
+    long as it lives.)"""
+
+    def __init__(self, ctx, n, page):
+        self._n, self._count = n, page
+        self._lock = ctx.Lock()
+        self._turnstiles = (ctx.Semaphore(0), ctx.Semaphore(0))
+
+    def wait(self, timeout):
+        """Return once all n processes have called wait (BrokenBarrierError after timeout s)."""
+        for phase, (step, full) in enumerate(((1, self._n), (-1, 0))):
+            with self._lock:
+                self._count[0] += step
+                if self._count[0] == full:
+                    for _ in range(self._n):
+                        self._turnstiles[phase].release()
+            if not self._turnstiles[phase].acquire(timeout=timeout):
+                raise threading.BrokenBarrierError(f"a rank missed the barrier for {timeout} s")
 
 
 class Peer:
@@ -67,7 +92,9 @@ def launch(fn, nprocs, args=(), pin=None, timeout=DEFAULT_TIMEOUT):
     if pin is None:
         pin = nprocs <= len(cpus)
     ctx = mp.get_context("fork")
-    barrier, slots = ctx.Barrier(nprocs), ctx.RawArray("d", nprocs)
+    page = memoryview(mmap.mmap(-1, 8 * (nprocs + 1)))       # (anonymous: the ranks inherit it)
+    barrier = _Barrier(ctx, nprocs, page[8 * nprocs:].cast("q"))
+    slots = page[:8 * nprocs].cast("d")
     procs, readers = [], []
     try:
         for rank in range(nprocs):
