@@ -37,8 +37,8 @@ class _Barrier:
     heap, whose arena is a deleted /dev/shm file that the creating process holds open for as
     long as it lives.)"""
 
-    def __init__(self, ctx, n, page):
-        self._n, self._count = n, page
+    def __init__(self, ctx, n, count):
+        self._n, self._count = n, count       # count: a one-item int64 view of shared memory
         self._lock = ctx.Lock()
         self._turnstiles = (ctx.Semaphore(0), ctx.Semaphore(0))
 
