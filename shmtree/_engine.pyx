@@ -29,6 +29,7 @@ from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR
+from shmtree._moving cimport bcast_fill, bcast_read, next_room, fits
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -1053,7 +1054,7 @@ cdef class Engine:
                 return None
             claim = out
         if type(claim) is not np.ndarray or (out is not None and (type(out) is not np.ndarray
-                                                                 or not _moving.fits(out, claim))):
+                                                                 or not fits(out, claim))):
             return None
         cdef cnp.ndarray c = <cnp.ndarray>claim
         cdef uint64_t n = cnp.PyArray_NBYTES(c)
@@ -1062,7 +1063,7 @@ cdef class Engine:
         cdef int64_t budget_ns = _budget(slice_ns, timeout)
         if budget_ns < 0:
             return None
-        first = _moving.bcast_fill(claim, is_root, me, P, room)
+        first = bcast_fill(claim, is_root, me, P, room)
         if first is None:
             return None
         cdef cnp.ndarray res
@@ -1081,11 +1082,11 @@ cdef class Engine:
             rc = self._progress(budget_ns)
         if rc == RC_DONE:
             if self.bc_ran or (P == 1 and n > small_bytes):     # (one rank: result holds the
-                return "done", result, _moving.next_room(first, P, small_bytes)      # data)
+                return "done", result, next_room(first, P, small_bytes)      # data)
             if n <= <uint64_t>room:
-                got = _moving.bcast_read(first, out, P, room)
+                got = bcast_read(first, out, P, room)
                 if type(got) is not tuple:
-                    return "done", got, _moving.next_room(first, P, small_bytes)
+                    return "done", got, next_room(first, P, small_bytes)
         return "on", rc, first, claim, (result, None) if n > small_bytes else None
 
     def quick_bcast(self, first, dst, int root, int root_pos, int kind, uint64_t limit,

@@ -104,7 +104,7 @@ def round_bytes(int P, Py_ssize_t room):
     return CLAIM * P + META + room
 
 
-def bcast_fill(a, bint is_root, int rank, int P, Py_ssize_t room):
+cpdef object bcast_fill(object a, bint is_root, int rank, int P, Py_ssize_t room):
     """This rank's contribution to broadcast's first round: a new uint8 array of F bytes.  a:
     None, or an ndarray of a dtype without Python objects (on the root: C-contiguous and
     aligned); None when a is not so (broadcast's fast path leaves the call to the general
@@ -151,7 +151,7 @@ def bcast_fill(a, bint is_root, int rank, int P, Py_ssize_t room):
     return buf
 
 
-def next_room(cnp.ndarray buf, int P, Py_ssize_t cap):
+cpdef Py_ssize_t next_room(cnp.ndarray buf, int P, Py_ssize_t cap) except -1:
     """The data room of the group's next first round: the size of the broadcast this round
     began (which every rank read from it), in whole 64-byte lines, at least 64; 64 when it
     was larger than cap (its data could not have come inline anyway).  So repeated broadcasts
@@ -176,7 +176,7 @@ def wrong_claims(cnp.ndarray buf, int P, uint64_t want):
     return [r for r in range(P) if c[r] != 0 and c[r] != want]
 
 
-def bcast_read(cnp.ndarray buf, out, int P, Py_ssize_t room):
+cpdef object bcast_read(cnp.ndarray buf, object out, int P, Py_ssize_t room):
     """Read broadcast's first round (every rank's contributions or-ed together).  Returns the
     result array when the data came inline and `out` is None or a C-contiguous, aligned,
     writable array of the root's dtype and shape (then `out` itself).  Otherwise a tuple:
@@ -239,7 +239,7 @@ def bcast_read(cnp.ndarray buf, out, int P, Py_ssize_t room):
     return res
 
 
-def fits(out, a):
+cpdef bint fits(object out, object a) except -1:
     """Is `out` an ndarray that can take `a`'s values in place: a's dtype and shape,
     C-contiguous, aligned and writable (the common out=, checked without building objects)?"""
     if not isinstance(out, np.ndarray):
