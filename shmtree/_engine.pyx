@@ -1124,10 +1124,8 @@ cdef class Engine:
             return RC_ABORTED
         cdef int64_t dims[1]
         dims[0] = cnp.PyArray_SIZE(f)
-        self._begin_c(f, f, 1, OP_BOR, DT_U1, kind, 1, dims, limit)
-        self.bc_pending = 1
-        self.bc_need = 0
-        self.bc_ran = 0
+        self._begin_c(f, f, 1, OP_BOR, DT_U1, kind, 1, dims, limit)     # (clears bc_need and
+        self.bc_pending = 1                                                # bc_ran)
         self.bc_root = root
         self.bc_root_pos = root_pos
         self.bc_small = small_bytes
