@@ -33,11 +33,29 @@ def _context(context=None):
         methods = multiprocessing.get_all_start_methods()
         context = "fork" if "fork" in methods else methods[0]
     if isinstance(context, str):
-        return multiprocessing.get_context(context)       # ValueError names the valid methods
+        context = multiprocessing.get_context(context)    # ValueError names the valid methods
     if not hasattr(context, "get_start_method"):
         raise TypeError(f"shmtree: context must be a start method name or a multiprocessing "
                         f"context, got {context!r}")
+    if context.get_start_method() == "forkserver":
+        _preload_in_forkserver(context)
     return context
+
+
+def _preload_in_forkserver(ctx):
+    """Have the fork server import shmtree (with numpy) once, before it forks its first worker,
+    so that a forkserver worker starts in milliseconds instead of importing both afresh
+    (forkserver is multiprocessing's default from Python 3.14 on).  A server already running
+    keeps what it preloaded; the modules asked for so far (multiprocessing's default:
+    __main__) are kept."""
+    import multiprocessing.forkserver as forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return
+    modules = list(getattr(server, "_preload_modules", ["__main__"]))
+    if "shmtree" not in modules:
+        ctx.set_forkserver_preload(modules + ["shmtree"])
 
 
 def _check_picklable(who, ctx, **things):
