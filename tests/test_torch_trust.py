@@ -45,59 +45,60 @@ def _outcome(fn):
     return "no error"
 
 
-def posted_failure_worker(index, store_dir, outdir):
+def posted_failure_worker(rank, store_path, outdir):
     import torch.distributed as dist
 
     import shmtree.torch  # noqa: F401  (registers the backend)
 
     torch.set_num_threads(1)
-    pair, rank = divmod(index, 2)
-    name = POSTED[pair]
-    store = dist.FileStore(os.path.join(store_dir, f"store-{pair}"), 2)
+    store = dist.FileStore(store_path, 2)
     dist.init_process_group("shmtree", store=store, rank=rank, world_size=2)
     if rank == 1:
-        store.get("die")                       # once rank 0 has posted its operation
+        store.get("die")                       # once rank 0 has posted its operations
         os.kill(os.getpid(), signal.SIGKILL)
-    work = _post(name, rank)
-    pending = not work.is_completed()          # (it cannot complete without rank 1)
+    works = {name: _post(name, rank) for name in POSTED}   # the first in flight, the rest queued
+    pending = {name: not w.is_completed() for name, w in works.items()}  # (they need rank 1)
     store.set("die", "1")
-    got = {"pending": pending,
-           "wait": _outcome(work.wait),
-           "future": _outcome(lambda: work.get_future().wait()),
-           "value": _outcome(lambda: work.get_future().value()),
-           "success": work.is_success() if hasattr(work, "is_success") else None,
-           "next": _outcome(lambda: dist.all_reduce(torch.ones(2)))}
+    got = {}
+    for name, work in works.items():
+        got[name] = {"pending": pending[name],
+                     "wait": _outcome(work.wait),
+                     "future": _outcome(lambda: work.get_future().wait()),
+                     "value": _outcome(lambda: work.get_future().value()),
+                     "success": work.is_success()}
+    got["next"] = _outcome(lambda: dist.all_reduce(torch.ones(2)))
     try:
         dist.destroy_process_group()
     except Exception:
         pass
-    torch.save(got, os.path.join(outdir, f"posted-{name}.pt"))
+    torch.save(got, os.path.join(outdir, "posted.pt"))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_a_failed_posted_operation_fails_its_work_and_future(tmp_path):
-    """Item 4: rank 0 posts a 512 KiB operation, rank 1 dies without joining it: wait() raises,
-    the future fails (wait and value), and the next operation raises too - for every
-    operation of the posted path."""
-    nprocs = 2 * len(POSTED)
-    ctx = mp.start_processes(posted_failure_worker, args=(str(tmp_path), str(tmp_path)),
-                             nprocs=nprocs, join=False, start_method="spawn")
+    """Item 4: rank 0 posts a 512 KiB operation of each kind, then rank 1 dies without joining
+    them: each one's wait() raises, its future fails (wait and value), and the next operation
+    raises too."""
+    ctx = mp.start_processes(posted_failure_worker,
+                             args=(str(tmp_path / "store"), str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
     try:
         for p in ctx.processes:
-            p.join(240)
+            p.join(120)
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join()
-    assert [p.exitcode for p in ctx.processes] == [0, -signal.SIGKILL] * len(POSTED)
+    assert [p.exitcode for p in ctx.processes] == [0, -signal.SIGKILL]
+    got = torch.load(tmp_path / "posted.pt")
+    assert got["next"].startswith("RuntimeError") and "shmtree" in got["next"], got["next"]
     for name in POSTED:
-        got = torch.load(tmp_path / f"posted-{name}.pt")
-        assert got["pending"], (name, got)
-        for how in ("wait", "future", "value", "next"):
-            assert got[how].startswith("RuntimeError") and "rank 1 died" in got[how] \
-                and "shmtree" in got[how], (name, how, got[how])
-        assert got["success"] in (False, None), (name, got)
+        assert got[name]["pending"] and got[name]["success"] is False, (name, got[name])
+        for how in ("wait", "future", "value"):
+            outcome = got[name][how]
+            assert outcome.startswith("RuntimeError") and "rank 1 died" in outcome \
+                and "shmtree" in outcome, (name, how, outcome)
 
 
 def checks_worker(rank, size, store_path, outdir, backend):
