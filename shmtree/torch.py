@@ -20,6 +20,7 @@ complex64/128).  torch is optional: `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 
 import numpy as np
@@ -101,7 +102,7 @@ def _shaped(t, shape, what):
         n *= d
     if t.numel() != n:
         raise RuntimeError(f"shmtree: {what}: the output tensor has {t.numel()} elements "
-                         f"(shape {tuple(t.shape)}), expected {n}")
+                           f"(shape {tuple(t.shape)}), expected {n}")
     try:
         return _view(t.detach().view(shape)), None
     except RuntimeError:                          # (no view of that shape over t's strides)
@@ -143,7 +144,7 @@ class _PostedWork(dist.Work):
             else timeout
         try:
             self._requests[-1].exception(seconds or None)     # (0: torch's "no timeout")
-        except TimeoutError:
+        except (TimeoutError, concurrent.futures.TimeoutError):     # (one type from 3.11)
             raise RuntimeError(f"shmtree: the operation is not done after {seconds} s "
                                "(Work.wait timed out; it is still running)") from None
         self._source.wait()             # (its completion callback has run)
