@@ -370,3 +370,19 @@ def test_a_rendezvous_token_is_parsed_never_executed(tmp_path):
                 shmtree.Group.from_token(bad)
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("options", [
+    dict(size=2), dict(size=5, topology="2x2x4", tree=3, stall_timeout=2, numa="interleave"),
+    dict(size=8, topology="2x4:2", tree="ring", placement="spread", small_bytes=0, nt_bytes=0,
+         spin_us=1.5),
+    dict(size=3, tree="chain", pin=False, chunk_bytes=4096, slots=1),
+    dict(size=6, topology="xeon-2s-snc2"), dict(size=7, topology="epyc-2s-nps4")])
+def test_the_rendezvous_token_carries_every_plan(options):
+    """The plan goes through the token's JSON unchanged (the header's digest would refuse it)."""
+    import json
+    from shmtree.group import _plan_from_data, _plan_to_data
+    from shmtree.plan import plan_group
+    plan = plan_group(**options)
+    again = _plan_from_data(json.loads(json.dumps(_plan_to_data(plan))))
+    assert again == plan and again.digest() == plan.digest() and again.topology == plan.topology
