@@ -7,7 +7,11 @@ size (not pinned: torch runs threads of its own) and publishes its rendezvous to
 attach with Group.from_token (only processes of the same user can) and every rank joins.  Each
 operation posts shmtree's nonblocking call on numpy views of the tensors (the same memory: in
 place, no copies for contiguous tensors) and returns a Work made from a torch Future that the
-call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's.
+call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
+operation raises from `wait()` and fails its future (never a success with unreduced data).
+Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
+integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
+the backend does not offer raises NotImplementedError naming shmtree and the operation.
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
 all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier; CPU tensors
@@ -16,6 +20,7 @@ complex64/128).  torch is optional: `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 
 import numpy as np
@@ -30,16 +35,46 @@ from .group import Group
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
+SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
+             "reduce_scatter_tensor, barrier")
+
+
+_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
+        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+
+def _op_name(reduce_op):
+    """The name of a torch ReduceOp ("SUM", "PREMUL_SUM", ...): a ReduceOp object carries its
+    RedOpType in .op; ReduceOp.SUM & co. are RedOpTypes themselves."""
+    kind = getattr(reduce_op, "op", reduce_op)
+    return getattr(kind, "name", None) or repr(reduce_op)
 
 
 def _op(reduce_op):
-    """shmtree's op name for a torch ReduceOp (and whether to divide by the size: AVG)."""
-    R = dist.ReduceOp
-    for torch_op, name in ((R.SUM, "sum"), (R.AVG, "avg"), (R.PRODUCT, "prod"), (R.MIN, "min"),
-                           (R.MAX, "max"), (R.BAND, "band"), (R.BOR, "bor"), (R.BXOR, "bxor")):
-        if reduce_op == torch_op:
-            return name
-    raise ValueError(f"shmtree: the torch backend does not support {reduce_op}")
+    """shmtree's op name for a torch ReduceOp ("avg": the sum, then divided by the size)."""
+    name = _op_name(reduce_op)
+    if name not in _OPS:
+        raise NotImplementedError(                # (a RuntimeError, as gloo's "Cannot use ...")
+            f"shmtree: ReduceOp.{name} is not supported by the shmtree backend (supported: "
+            f"{', '.join('ReduceOp.' + n for n in _OPS)})")
+    return _OPS[name]
+
+
+def _check_avg(op, tensors, what):
+    """ReduceOp.AVG of integer or bool tensors: refused before any call (the tensors stay as they
+    were), with the RuntimeError gloo gives (whose division fails once the sum is made)."""
+    if op != "avg":
+        return
+    for t in tensors:
+        dtype = getattr(t, "dtype", None)
+        if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+            try:                                  # torch's own words for it, as gloo gives them
+                torch.empty(0, dtype=dtype).div_(2)
+                why = "an average is not an integer"
+            except RuntimeError as exc:
+                why = str(exc)
+            raise RuntimeError(f"shmtree: {what} with ReduceOp.AVG of a {dtype} tensor: {why} "
+                               "(use a floating-point tensor, or ReduceOp.SUM and divide)")
 
 
 def _view(t):
@@ -52,6 +87,101 @@ def _view(t):
     if t.dtype == torch.bfloat16:
         return as_numpy(t, "the shmtree backend")
     return t.detach().numpy()
+
+
+def _shaped(t, shape, what):
+    """(a numpy array of `shape` over tensor t's memory, for an operation to write; a step
+    that puts the result into t, or None).  When t's layout has no view of that shape (a
+    non-contiguous tensor), the operation writes a contiguous temporary, and the step copies
+    it into t: the output is written either way (numpy's reshape would copy, and the copy be
+    filled and dropped)."""
+    _view(t)                                      # (its checks: a CPU tensor)
+    shape = tuple(int(n) for n in shape)
+    n = 1
+    for d in shape:
+        n *= d
+    if t.numel() != n:
+        raise RuntimeError(f"shmtree: {what}: the output tensor has {t.numel()} elements "
+                           f"(shape {tuple(t.shape)}), expected {n}")
+    try:
+        return _view(t.detach().view(shape)), None
+    except RuntimeError:                          # (no view of that shape over t's strides)
+        tmp = torch.empty(shape, dtype=t.dtype)
+        return _view(tmp), lambda: t.detach().copy_(tmp.view(t.shape))
+
+
+class _Failed:
+    """What the source future of a posted operation carries when the operation failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _settle(source):
+    """The value of a posted operation's future (a then() of its source): the output
+    tensors, or the operation's failure raised, which torch turns into an error of the
+    future (an error C++ sees too: DDP's reducer raises it, where a Python exception object
+    set as a future's value would be taken for its tensors)."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class _PostedWork(dist.Work):
+    """The Work of a posted operation: wait() returns once it is done and raises its failure;
+    get_future() fails likewise (see _settle)."""
+
+    def __init__(self, requests, source, future):
+        super().__init__()
+        self._requests, self._source, self._future = requests, source, future
+        self._error = None              # the failure, set before the source completes
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
+            else timeout
+        try:
+            self._requests[-1].exception(seconds or None)     # (0: torch's "no timeout")
+        except (TimeoutError, concurrent.futures.TimeoutError):     # (one type from 3.11)
+            raise RuntimeError(f"shmtree: the operation is not done after {seconds} s "
+                               "(Work.wait timed out; it is still running)") from None
+        self._source.wait()             # (its completion callback has run)
+        if self._error is not None:
+            raise RuntimeError(str(self._error))
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._source.done()
+
+    def is_success(self):
+        return self._source.done() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._future.wait()
+
+    def synchronize(self):
+        pass
+
+
+def _unsupported(method, what):
+    """A ProcessGroup method the backend does not offer: it raises, naming shmtree and the
+    operation (NotImplementedError: a RuntimeError, the type torch's C++ carries)."""
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"shmtree: {what} is not supported yet by the shmtree backend "
+            f"(ProcessGroup.{method}); supported: {SUPPORTED}.  For the rest, a gloo group "
+            "over the same ranks: torch.distributed.new_group(backend='gloo')")
+    refuse.__name__ = method
+    return refuse
 
 
 class ProcessGroupShmtree(dist.ProcessGroup):
@@ -85,9 +215,10 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         done.  Messages of at most INLINE_BYTES run blocking, at once (a hand-off to the
         progress thread costs more than they do); larger ones are posted, so that the caller
         (DDP's backward pass) computes meanwhile.  Calls complete in issue order either way.
-        Failures are raised (as RuntimeError, which torch's C++ carries) by this call: one of
-        the blocking calls, or of a posted call that failed since the last operation."""
-        fut = Future()
+        The failure of a blocking call is raised by this call (as RuntimeError, which torch's
+        C++ carries); that of a posted one by the Work's wait(), its future's wait() and
+        value() (DDP's reducer raises it), and, should nobody wait, by the group's next
+        operation."""
         failed, self._failure = self._failure, None
         if failed is not None:
             raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
@@ -96,6 +227,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
                                f"{self._group.describe_abort()}")
         if nbytes <= INLINE_BYTES:
+            fut = Future()
             try:
                 for call in calls:
                     call(True)
@@ -106,24 +238,25 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         # Everything the posted path needs is made before the first call is posted: from then
         # on the progress thread wants the GIL, and each step left here would make it (and the
         # peers waiting for this rank's part) wait behind this thread.
-        work = _create_work_from_future(fut)
+        source = Future()
         requests = []
+        work = _PostedWork(requests, source, source.then(_settle))
 
         def done(_):
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
+            if failed is None:
+                try:
+                    value = finish()
+                except BaseException as exc:      # (a failure of the finishing step itself)
+                    failed = exc
             if failed is not None:
-                # torch cannot take a Python exception in a future that DDP's reducer waits
-                # on (the process crashes in the autograd engine): the future completes, and
-                # the group's next operation raises the failure, in the caller's thread
-                self._failure = failed
-                fut.set_result(finish())
+                error = RuntimeError(f"shmtree: rank {self._comm.rank}: the operation failed: "
+                                     f"{type(failed).__name__}: {failed}")
+                work._error = error
+                self._failure = failed            # (for the next operation, if nobody waits)
+                source.set_result(_Failed(error))
                 return
-            try:
-                value = finish()
-            except BaseException as exc:          # (a failure of the finishing step itself)
-                fut.set_exception(exc)
-                return
-            fut.set_result(value)
+            source.set_result(value)
 
         try:
             for call in calls:
@@ -144,6 +277,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts):
         op = _op(opts.reduceOp)
+        _check_avg(op, tensors, "all_reduce")
         comm, timeout = self._comm, self._timeout
         arrays = [_view(t) for t in tensors]
         calls = [_call(comm.allreduce, comm.iallreduce, a,
@@ -161,6 +295,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def reduce(self, tensors, opts):
         op, root, comm = _op(opts.reduceOp), opts.rootRank, self._comm
+        _check_avg(op, tensors, "reduce")
         arrays = [_view(t) for t in tensors]
         calls = [_call(comm.reduce, comm.ireduce, a,
                                    "sum" if op == "avg" else op, root,
@@ -185,29 +320,46 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts):
         comm = self._comm
-        out = _view(output).reshape((comm.size,) + tuple(input.shape))
+        out, put = _shaped(output, (comm.size,) + tuple(input.shape), "all_gather_into_tensor")
         calls = [_call(comm.allgather, comm.iallgather, _view(input), out=out,
                                    timeout=self._timeout)]
-        return self._work(calls, out.nbytes, lambda: [output])
+
+        def finish():
+            if put is not None:
+                put()
+            return [output]
+        return self._work(calls, out.nbytes, finish)
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
         op, comm = _op(opts.reduceOp), self._comm
+        _check_avg(op, output_tensors, "reduce_scatter")
         wholes = [np.concatenate([_view(p).reshape(-1) for p in parts]) for parts in input_lists]
+        outs = [_shaped(out, (out.numel(),), "reduce_scatter") for out in output_tensors]
         calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, w,
-                                   "sum" if op == "avg" else op, out=_view(out).reshape(-1),
-                                   timeout=self._timeout)
-                 for w, out in zip(wholes, output_tensors)]
-        return self._work(calls, sum(w.nbytes for w in wholes),
-                          lambda: self._divide(output_tensors, op))
+                                   "sum" if op == "avg" else op, out=o, timeout=self._timeout)
+                 for w, (o, _) in zip(wholes, outs)]
+
+        def finish():
+            for _, put in outs:
+                if put is not None:
+                    put()
+            return self._divide(output_tensors, op)
+        return self._work(calls, sum(w.nbytes for w in wholes), finish)
 
     def _reduce_scatter_base(self, output, input, opts):
         op, comm = _op(opts.reduceOp), self._comm
+        _check_avg(op, [output], "reduce_scatter_tensor")
         block = (input.shape[0] // comm.size,) + tuple(input.shape[1:])
         a = _view(input)
+        out, put = _shaped(output, block, "reduce_scatter_tensor")
         calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, a,
-                                   "sum" if op == "avg" else op,
-                                   out=_view(output).reshape(block), timeout=self._timeout)]
-        return self._work(calls, a.nbytes, lambda: self._divide([output], op))
+                                   "sum" if op == "avg" else op, out=out, timeout=self._timeout)]
+
+        def finish():
+            if put is not None:
+                put()
+            return self._divide([output], op)
+        return self._work(calls, a.nbytes, finish)
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
@@ -216,6 +368,35 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         comm = self._comm
         return self._work([_call(comm.barrier, comm.ibarrier,
                                              timeout=self._timeout)], 0, lambda: [])
+
+    # ---- what the backend does not offer (yet): each says so (torch's own ProcessGroup would
+    # answer "No backend type associated with device type cpu", naming neither) ----
+
+    gather = _unsupported("gather", "gather (torch.distributed.gather, gather_object)")
+    scatter = _unsupported("scatter", "scatter (torch.distributed.scatter, "
+                                      "scatter_object_list)")
+    alltoall = _unsupported("alltoall", "all_to_all")
+    alltoall_base = _unsupported("alltoall_base", "all_to_all_single")
+    all_to_all_single = _unsupported("all_to_all_single", "all_to_all_single")
+    send = _unsupported("send", "send / isend (point-to-point messages)")
+    recv = _unsupported("recv", "recv / irecv (point-to-point messages)")
+    recv_anysource = _unsupported("recv_anysource", "recv from any source (point-to-point)")
+    allreduce_coalesced = _unsupported("allreduce_coalesced",
+                                       "all_reduce_coalesced (and coalesced all_reduce)")
+    allgather_coalesced = _unsupported("allgather_coalesced", "all_gather_coalesced")
+    allgather_into_tensor_coalesced = _unsupported("allgather_into_tensor_coalesced",
+                                                   "coalesced all_gather_into_tensor")
+    all_gather_single_coalesced = _unsupported("all_gather_single_coalesced",
+                                               "coalesced all_gather_into_tensor")
+    reduce_scatter_tensor_coalesced = _unsupported("reduce_scatter_tensor_coalesced",
+                                                   "coalesced reduce_scatter_tensor")
+    reduce_scatter_single_coalesced = _unsupported("reduce_scatter_single_coalesced",
+                                                   "coalesced reduce_scatter_tensor")
+    _start_coalescing = _unsupported("_start_coalescing",
+                                     "coalescing (batch_isend_irecv, _coalescing_manager)")
+    _end_coalescing = _unsupported("_end_coalescing",
+                                   "coalescing (batch_isend_irecv, _coalescing_manager)")
+    monitored_barrier = _unsupported("monitored_barrier", "monitored_barrier")
 
     def shutdown(self):
         self._comm.close()

@@ -308,7 +308,7 @@ def test_forked_member_cannot_resize():
 
 
 def test_rendezvous_token_attaches_and_refuses_what_it_cannot_open():
-    import pickle
+    import json
     g = shmtree.Group(2, pin=False)
     try:
         token = g.rendezvous_token()
@@ -317,11 +317,72 @@ def test_rendezvous_token_attaches_and_refuses_what_it_cannot_open():
             assert other.plan == g.plan and other.size == 2
         finally:
             other.close()
-        plan, pid, fd, nonce, total = pickle.loads(token)
-        for bad, what in (((plan, 2 ** 22 + 7, fd, nonce, total), "cannot attach"),
-                          ((plan, pid, fd, b"x" * len(nonce), total), "nonce"),
-                          ((plan, pid, fd, nonce, total + 4096), "size")):
+        data = json.loads(token)                      # (plain data: see the test below)
+        for change, what in (({"pid": 2 ** 22 + 7}, "cannot attach"),
+                             ({"nonce": (b"x" * 16).hex()}, "nonce"),
+                             ({"total": data["total"] + 4096}, "size")):
             with pytest.raises(shmtree.ShmtreeError, match=what):
-                shmtree.Group.from_token(pickle.dumps(bad))
+                shmtree.Group.from_token(json.dumps(dict(data, **change)).encode())
     finally:
         g.close()
+
+
+class _Payload:
+    """A pickle that, when loaded, creates a file (stands for any code run by unpickling)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_rendezvous_token_is_parsed_never_executed(tmp_path):
+    """The token travels through stores others may write (torch's TCP store): it is plain JSON,
+    parsed and checked field by field; a pickle is refused without being loaded; a tampered
+    plan is refused by the plan digest or its own checks."""
+    import json
+    import pickle
+    marker = tmp_path / "ran"
+    with pytest.raises(shmtree.ShmtreeError, match="not a valid rendezvous token"):
+        shmtree.Group.from_token(pickle.dumps(_Payload(str(marker))))
+    assert not marker.exists()
+    g = shmtree.Group(2, pin=False)
+    try:
+        token = g.rendezvous_token()
+        assert isinstance(token, bytes) and b"\x80" not in token     # (no pickle opcode)
+        data = json.loads(token)
+        bad_plan = dict(data["plan"])
+        bad_plan["spin_ns"] += 1                      # another plan, the same layout
+        cyclic = dict(data["plan"], small_tree=dict(data["plan"]["small_tree"], parent=[1, 0]))
+        for bad, what in ((json.dumps(dict(data, plan=bad_plan)).encode(), "plan digest"),
+                          (json.dumps(dict(data, plan=cyclic)).encode(),
+                           "not a valid rendezvous token"),
+                          (json.dumps(dict(data, pid=str(data["pid"]))).encode(),
+                           r"not a valid rendezvous token \('pid' must be a process id"),
+                          (json.dumps(dict(data, format="x")).encode(), "'format' must be"),
+                          (json.dumps({k: v for k, v in data.items() if k != "plan"}).encode(),
+                           "no 'plan'"),
+                          (token[:-1], "it is not JSON"),
+                          (b"[" * 100000, "not a valid rendezvous token"),
+                          (5, "a token is bytes")):
+            with pytest.raises(shmtree.ShmtreeError, match=what):
+                shmtree.Group.from_token(bad)
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("options", [
+    dict(size=2), dict(size=5, topology="2x2x4", tree=3, stall_timeout=2, numa="interleave"),
+    dict(size=8, topology="2x4:2", tree="ring", placement="spread", small_bytes=0, nt_bytes=0,
+         spin_us=1.5),
+    dict(size=3, tree="chain", pin=False, chunk_bytes=4096, slots=1),
+    dict(size=6, topology="xeon-2s-snc2"), dict(size=7, topology="epyc-2s-nps4")])
+def test_the_rendezvous_token_carries_every_plan(options):
+    """The plan goes through the token's JSON unchanged (the header's digest would refuse it)."""
+    import json
+    from shmtree.group import _plan_from_data, _plan_to_data
+    from shmtree.plan import plan_group
+    plan = plan_group(**options)
+    again = _plan_from_data(json.loads(json.dumps(_plan_to_data(plan))))
+    assert again == plan and again.digest() == plan.digest() and again.topology == plan.topology

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
+torch = pytest.importorskip("torch", reason="the torch backend's tests need torch")
+dist = pytest.importorskip("torch.distributed", reason="the torch backend needs torch.distributed")
+mp = pytest.importorskip("torch.multiprocessing", reason="these tests start torch's processes")
 
 
 def ops_worker(rank, size, store_path, outdir):
