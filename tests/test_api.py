@@ -383,7 +383,7 @@ def test_two_groups_at_once():
 
 
 def second_group_closed_worker(comm):
-    """Issue 21 item 16/17: join a second group (as a torch new_group does), close it, then use
+    """Issue 21 item 17: join a second group (as a torch new_group does), close it, then use
     the module-level calls: they must reach the first group, still joined."""
     import warnings
     rep = {}
