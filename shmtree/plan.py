@@ -216,6 +216,7 @@ def _trees(kind, size, topology, placement, small_bytes, chunk_bytes, ncpus):
 # ---- the machine as this process may use it ----
 
 _affinity_before_pin: Optional[frozenset] = None     # this process's mask before shmtree pinned it
+_pinned_masks: set = set()                           # the masks shmtree set (one CPU each)
 
 
 def usable_cpus() -> list:
@@ -228,23 +229,43 @@ def usable_cpus() -> list:
 
 
 def pin_to(cpu: int) -> None:
-    """Pin this process to `cpu`, remembering the mask to restore (`unpin`)."""
+    """Pin the calling thread (the one that joins) to `cpu`, remembering the mask to restore
+    (`unpin`).  Only this thread is pinned, and the threads it starts from now on (they
+    inherit its mask: the progress thread, a user's); the process's other threads keep
+    theirs."""
     global _affinity_before_pin
     before = frozenset(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpu})
+    _pinned_masks.add(frozenset((cpu,)))
     if _affinity_before_pin is None:
         _affinity_before_pin = before
 
 
+def _threads():
+    """The ids of this process's threads (Linux: /proc/self/task); just this one elsewhere."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return [0]
+
+
 def unpin() -> None:
-    """Give this process back the CPU mask it had before shmtree pinned it (no-op otherwise)."""
+    """Give the process back the CPU mask it had before shmtree pinned it (no-op otherwise):
+    every thread of the process that still runs on a mask shmtree set (the joining thread, and
+    the threads started while it was pinned, which inherited its one core) gets the original
+    mask again, whichever thread calls this; a thread whose mask was changed since (by the
+    user) is left alone."""
     global _affinity_before_pin
     if _affinity_before_pin is not None:
         mask, _affinity_before_pin = _affinity_before_pin, None
-        try:
-            os.sched_setaffinity(0, mask)
-        except OSError:
-            pass
+        pinned = set(_pinned_masks)
+        _pinned_masks.clear()
+        for tid in _threads():
+            try:
+                if tid == 0 or frozenset(os.sched_getaffinity(tid)) in pinned:
+                    os.sched_setaffinity(tid, mask)
+            except OSError:
+                pass                  # a thread that ended meanwhile, or a mask now refused
 
 
 # a forked child is not the member its parent is: it starts with the parent's original mask
