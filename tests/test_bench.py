@@ -852,3 +852,21 @@ def test_sizes_of_blocks_are_rounded_with_a_note(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert ("--sizes rounded to whole float32 items (4 B each) in 3 equal blocks: 8 B -> 12 B, "
             "4 KiB -> 4092 B") in err
+
+
+@timeout
+def test_multinode_sizes_are_rounded_to_whole_float32_items(monkeypatch, capsys):
+    from shmtree.bench import multinode
+    seen = []
+
+    def fake(nprocs, node_size, sizes, repeats, segment):
+        seen.append(list(sizes))
+        return {"nodes": 2, "nprocs": nprocs, "node_size": node_size, "library": "fake",
+                "rows": [{"bytes": s, "hier_us": 1.0, "mpi_us": 1.0, "intra_us": 1.0,
+                          "inter_us": 1.0} for s in sizes]}
+    monkeypatch.setattr(multinode, "run", fake)
+    assert main(["multinode", "-n", "4", "--sizes", "6,64K"]) == 0
+    assert seen == [[4, 65536]]
+    out, err = capsys.readouterr()
+    assert "--sizes rounded to whole float32 items (4 B each): 6 B -> 4 B" in err
+    assert "# --sizes rounded" in out

@@ -605,8 +605,12 @@ def plan_as_dict(plan):
 
 
 def cmd_multinode(args):
+    args.dtype = parse_dtype("float32")           # what the multinode workers reduce
+    rounded = _whole_sizes(args, args.nprocs)
     got = multinode.run(args.nprocs, args.node_size, args.sizes, args.repeats, args.segment)
     print(multinode.table(got))
+    if rounded:
+        print(rounded)
     if args.json:
         report.write_json(args.json, report.document(
             "multinode", machine.describe(None),
