@@ -396,3 +396,17 @@ def test_pool_checks_its_arguments_before_starting_workers(monkeypatch, kw, matc
     monkeypatch.setattr(shmtree.pool, "Group", no_group)
     with pytest.raises(TypeError, match=match):
         shmtree.Pool(2, **kw)
+
+
+def pool_size(comm):
+    return comm.size
+
+
+@pytest.mark.timeout(90)
+def test_pool_refuses_a_task_that_is_not_callable_in_the_caller():
+    with shmtree.Pool(2) as pool:
+        with pytest.raises(TypeError, match="shmtree.Pool: a task must be callable, got 5"):
+            pool.map(5, range(2))
+        with pytest.raises(TypeError, match="shmtree.Pool.run: fn must be callable, got 5"):
+            pool.run(5)
+        assert pool.run(pool_size) == [2, 2]              # the pool is still whole
