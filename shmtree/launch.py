@@ -9,6 +9,7 @@ The start-method and pickling checks here (`_context`, `_check_picklable`) serve
 """
 from __future__ import annotations
 
+import difflib
 import multiprocessing
 import os
 import signal
@@ -20,10 +21,50 @@ from .codes import ABORT_FAILED
 from .errors import PeerLostError, WorkerError
 from .group import Group
 from .liveness import die_with_parent, identity, start_parent_watch
+from .plan import OPTIONS as _PLAN_OPTIONS
 
 __all__ = ["run"]
 
 RUN_GRACE_S = 5.0           # after a failure, how long the other workers get to report
+GROUP_OPTIONS = _PLAN_OPTIONS + ("inter", "segment_bytes")     # what Group takes beyond size
+
+
+def _check_options(who, given, valid):
+    """Refuse keyword options that `who` does not take, before any process starts: name each,
+    suggest the closest valid one (a misspelling), and list the valid options."""
+    bad = [name for name in given if name not in valid]
+    if not bad:
+        return
+    parts = []
+    for name in bad:
+        close = difflib.get_close_matches(name, valid, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{who}: unknown option{'s' if len(bad) > 1 else ''} {', '.join(parts)}; "
+                    f"valid options: {', '.join(valid)}")
+
+
+def _check_args(who, fn, args, kwargs, fn_name="fn", args_name="args", kwargs_name="kwargs"):
+    """The function and its arguments as run and Pool hand them on, checked in the caller:
+    a wrong type would otherwise fail only inside every worker.  Returns (args, kwargs)."""
+    if fn_name is not None and not callable(fn):
+        raise TypeError(f"{who}: {fn_name} must be callable, got {fn!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"{who}: {args_name} must be a tuple of positional arguments, got "
+                        f"{type(args).__name__} {args!r}; for a single argument write "
+                        f"{args_name}=({args!r},)")
+    if kwargs_name is None:
+        return tuple(args), None
+    if kwargs is None:
+        kwargs = {}
+    if not hasattr(kwargs, "keys") or not hasattr(kwargs, "__getitem__"):
+        raise TypeError(f"{who}: {kwargs_name} must be a dict of keyword arguments, got "
+                        f"{type(kwargs).__name__} {kwargs!r}")
+    kwargs = dict(kwargs)
+    wrong = [k for k in kwargs if not isinstance(k, str)]
+    if wrong:
+        raise TypeError(f"{who}: the keys of {kwargs_name} must be strings (argument names), "
+                        f"got {wrong[0]!r}")
+    return tuple(args), kwargs
 
 
 def _context(context=None):
@@ -129,8 +170,10 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
 
     If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
     (rank, remote_traceback) is raised for the rank that failed first."""
+    _check_options("shmtree.run", group_options,
+                   ("args", "kwargs", "start_method") + GROUP_OPTIONS)
+    args, kwargs = _check_args("shmtree.run", fn, args, kwargs)
     ctx = _context(start_method)
-    kwargs = dict(kwargs or {})
     _check_picklable("shmtree.run", ctx, fn=fn, args=args, kwargs=kwargs)
     me = identity()
     with Group(nprocs, **group_options) as group:

@@ -32,9 +32,11 @@ def reduction_codes(op, dtype):
     ValueError for an unknown op, TypeError for a dtype or pair without a kernel."""
     opc, dtc = op_code(op), dtype_code(dtype)
     if not SUPPORTED[opc][dtc]:
-        raise TypeError(f"shmtree: op {OP_NAMES[opc]!r} is not defined for dtype {dtype}"
-                        + (" (complex numbers have no order)" if np.dtype(dtype).kind == "c"
-                           else " (bitwise ops need an integer or bool dtype)"))
+        name = OP_NAMES[opc]
+        why = ("bitwise ops take integer and bool dtypes" if name in ("band", "bor", "bxor")
+               else "complex numbers have no order" if np.dtype(dtype).kind == "c"
+               else "no kernel for this pair")
+        raise TypeError(f"shmtree: op {name!r} is not defined for dtype {dtype} ({why})")
     return opc, dtc
 
 

@@ -9,6 +9,9 @@ spawned member receives it with the pickled group instead of planning again in a
 affinity may differ.  `Plan.digest` is stored in the group's segment header; `join` refuses a plan
 that is not the creator's.
 
+The usable cores are the CPUs of this process's affinity mask, no more than its cgroup's CPU
+quota allows (`usable_count`).
+
 The rules (measured on a 2-core machine at P = 2 and 4; see docs/algorithms.md):
 - latency tree: the topology tree where the machine has several sockets or NUMA nodes; else flat
   up to 8 ranks, 4-ary beyond;
@@ -23,12 +26,13 @@ The rules (measured on a 2-core machine at P = 2 and 4; see docs/algorithms.md):
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from .schedule import SMALL_MESSAGE_BYTES, Tree, build_tree, parse_tree_kind
-from .topology import Topology
+from .topology import Topology, cpu_quota
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 AUTO_FLAT_OVERSUBSCRIBED = 8    # "auto" with more ranks than cores: a flat tree up to this size
@@ -148,7 +152,8 @@ def plan_group(size, *, topology=None, tree=None, chunk_bytes=None, pin=None, sl
                placement="compact", numa="auto", small_bytes=None, spin_us=None, nt_bytes=None,
                stall_timeout=None, ncpus=None) -> Plan:
     """Validate a group's options and plan it (see the module docstring).  ncpus: the usable
-    cores to plan for (None: `usable_cpus()` of this process)."""
+    cores to plan for (None: `usable_count()` of this process: its CPUs within its cgroup's
+    CPU quota)."""
     size = _group_size(size)
     if placement not in ("compact", "spread"):
         raise ValueError(f"shmtree: placement must be 'compact' or 'spread', got {placement!r}")
@@ -158,7 +163,7 @@ def plan_group(size, *, topology=None, tree=None, chunk_bytes=None, pin=None, sl
     kind = parse_tree_kind("auto" if tree is None else tree)
     cpus = usable_cpus()
     if ncpus is None:
-        ncpus = len(cpus)
+        ncpus = usable_count()
     over = size > ncpus
     chunk_bytes = _positive("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES, 64)
     slots = _positive("slots", slots, DEFAULT_SLOTS, 1)
@@ -216,6 +221,7 @@ def _trees(kind, size, topology, placement, small_bytes, chunk_bytes, ncpus):
 # ---- the machine as this process may use it ----
 
 _affinity_before_pin: Optional[frozenset] = None     # this process's mask before shmtree pinned it
+_pinned_masks: set = set()                           # the masks shmtree set (one CPU each)
 
 
 def usable_cpus() -> list:
@@ -227,24 +233,59 @@ def usable_cpus() -> list:
     return sorted(os.sched_getaffinity(0))
 
 
+SYSFS_ROOT = "/sys"      # where usable_count reads the cgroup CPU quota (tests: a fake tree)
+
+
+def usable_count(sysfs_root=None) -> int:
+    """How many cores this process can keep busy at once: its usable CPUs (`usable_cpus`), but
+    no more than its cgroup's CPU quota (`topology.cpu_quota`, rounded down, at least one).  In
+    a container limited to 2 CPUs on a 64-core host this is 2: a group of more ranks is
+    oversubscribed (no spinning, the larger inline limit, no pinning)."""
+    count = len(usable_cpus())
+    quota = cpu_quota(SYSFS_ROOT if sysfs_root is None else sysfs_root)
+    if quota is not None:
+        count = min(count, max(1, math.floor(quota + 1e-9)))
+    return count
+
+
 def pin_to(cpu: int) -> None:
-    """Pin this process to `cpu`, remembering the mask to restore (`unpin`)."""
+    """Pin the calling thread (the one that joins) to `cpu`, remembering the mask to restore
+    (`unpin`).  Only this thread is pinned, and the threads it starts from now on (they
+    inherit its mask: the progress thread, a user's); the process's other threads keep
+    theirs."""
     global _affinity_before_pin
     before = frozenset(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpu})
+    _pinned_masks.add(frozenset((cpu,)))
     if _affinity_before_pin is None:
         _affinity_before_pin = before
 
 
+def _threads():
+    """The ids of this process's threads (Linux: /proc/self/task); just this one elsewhere."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return [0]
+
+
 def unpin() -> None:
-    """Give this process back the CPU mask it had before shmtree pinned it (no-op otherwise)."""
+    """Give the process back the CPU mask it had before shmtree pinned it (no-op otherwise):
+    every thread of the process that still runs on a mask shmtree set (the joining thread, and
+    the threads started while it was pinned, which inherited its one core) gets the original
+    mask again, whichever thread calls this; a thread whose mask was changed since (by the
+    user) is left alone."""
     global _affinity_before_pin
     if _affinity_before_pin is not None:
         mask, _affinity_before_pin = _affinity_before_pin, None
-        try:
-            os.sched_setaffinity(0, mask)
-        except OSError:
-            pass
+        pinned = set(_pinned_masks)
+        _pinned_masks.clear()
+        for tid in _threads():
+            try:
+                if tid == 0 or frozenset(os.sched_getaffinity(tid)) in pinned:
+                    os.sched_setaffinity(tid, mask)
+            except OSError:
+                pass                  # a thread that ended meanwhile, or a mask now refused
 
 
 # a forked child is not the member its parent is: it starts with the parent's original mask

@@ -24,9 +24,10 @@ from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_N
                     ST_IDLE, ranks_text)
 from .errors import PeerLostError, ShmtreeError, WorkerError
 from .group import Group
-from .launch import _check_picklable, _context, no_mpi_init
+from .launch import (GROUP_OPTIONS, _check_args, _check_options, _check_picklable,
+                     _context, no_mpi_init)
 from .liveness import identity, start_parent_watch
-from .plan import OPTIONS as GROUP_OPTIONS, usable_cpus
+from .plan import usable_cpus
 
 __all__ = ["Pool"]
 
@@ -140,6 +141,8 @@ class _Task:
     """A user's task function as the pool sends it (see _run_as_task)."""
 
     def __init__(self, fn):
+        if not callable(fn):
+            raise TypeError(f"shmtree.Pool: a task must be callable, got {fn!r}")
         _check_picklable("shmtree.Pool", None, task=fn)
         self.fn = fn
 
@@ -248,17 +251,16 @@ class Pool(_PoolInternals):
                  stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
         self._mark_starting()
         self._shm_group = None
-        bad = sorted(set(group_options) - set(GROUP_OPTIONS) - {"inter", "segment_bytes"})
-        if "maxtasksperchild" in bad:
+        if "maxtasksperchild" in group_options:
             raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker is a "
                             "rank of the group for the pool's whole life (a worker that exits "
                             "takes its rank with it)")
-        if bad:
-            raise TypeError(f"shmtree.Pool: unknown option(s) {', '.join(bad)}; Pool takes "
-                            f"processes, initializer, initargs, context and the Group options "
-                            f"{', '.join(GROUP_OPTIONS + ('inter', 'segment_bytes'))}")
+        _check_options("shmtree.Pool", group_options,
+                       ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS)
         if initializer is not None and not callable(initializer):
             raise TypeError(f"shmtree.Pool: initializer must be callable, got {initializer!r}")
+        initargs, _ = _check_args("shmtree.Pool", None, initargs, None, fn_name=None,
+                                  args_name="initargs", kwargs_name=None)
         ctx = _context(context)
         _check_picklable("shmtree.Pool", ctx, initializer=initializer, initargs=initargs)
         self._shm_group = Group(len(usable_cpus()) if processes is None else processes,
@@ -340,6 +342,8 @@ class Pool(_PoolInternals):
         """Call fn(comm, *args, **kwargs) once on every worker (SPMD, as shmtree.run does on new
         processes) and return the results by rank.  If fn raises on some rank, WorkerError
         names the root cause (as shmtree.run's)."""
+        if not callable(fn):
+            raise TypeError(f"shmtree.Pool.run: fn must be callable, got {fn!r}")
         self._check_group()
         n = self._shm_group.size
         jobs = [super(Pool, self).apply_async(_spmd_task, (fn, args, kwargs)) for _ in range(n)]

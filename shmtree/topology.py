@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Slot", "Topology", "POLICIES", "parse_cpulist"]
+__all__ = ["Slot", "Topology", "POLICIES", "parse_cpulist", "cpu_quota"]
 
 POLICIES = ("compact", "spread")
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
@@ -224,6 +224,93 @@ def _is_live_sysfs(root: Path) -> bool:
         return os.path.realpath(root) == os.path.realpath("/sys")
     except OSError:  # pragma: no cover
         return False
+
+
+# --------------------------------------------------------------------------- cgroup CPU quota
+
+
+def _proc_cgroups() -> Dict[str, str]:
+    """This process's cgroup paths from /proc/self/cgroup: "v2" (the unified hierarchy) and
+    "cpu" (the v1 hierarchy holding the cpu controller), where present."""
+    text = _read_text(Path("/proc/self/cgroup")) or ""
+    paths: Dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            paths["v2"] = path
+        elif "cpu" in controllers.split(","):
+            paths["cpu"] = path
+    return paths
+
+
+def _cgroup_dirs(mount: Path, path: str) -> List[Path]:
+    """The cgroup directory of `path` under a hierarchy's mount and its ancestors up to the
+    mount (a limit set on any of them applies).  Inside a container the mount is the container's
+    own cgroup while the path may name it as the host sees it: the mount alone then."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    here = mount.joinpath(*parts) if parts else mount
+    if not here.is_dir():
+        return [mount]
+    dirs = [here]
+    while here != mount and here.parent != here:
+        here = here.parent
+        dirs.append(here)
+    return dirs
+
+
+def _v2_limit(d: Path) -> Optional[float]:
+    text = _read_text(d / "cpu.max")            # "QUOTA PERIOD" in us, or "max PERIOD"
+    if not text:
+        return None
+    fields = text.split()
+    try:
+        if fields[0] == "max":
+            return None
+        quota, period = int(fields[0]), int(fields[1]) if len(fields) > 1 else 100000
+    except (ValueError, IndexError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_limit(d: Path) -> Optional[float]:
+    quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+    if quota is None or period is None or quota <= 0 or period <= 0:      # -1: no limit
+        return None
+    return quota / period
+
+
+def cpu_quota(sysfs_root: "str | os.PathLike[str]" = "/sys",
+              cgroup: Optional[str] = None) -> Optional[float]:
+    """The CPU time this process's cgroup may use, in CPUs (quota / period: 2.0 in a container
+    limited to two CPUs, whatever the host's core count), the tightest limit of its cgroup and
+    their ancestors under cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us` /
+    `cpu.cfs_period_us`); None when no limit is set or none can be read.
+
+    `sysfs_root` is where sysfs is (a fake tree in tests: tests/fixtures_sysfs); `cgroup` the
+    process's cgroup path within each hierarchy (None: from /proc/self/cgroup for the live
+    /sys, the hierarchy's root for any other tree)."""
+    root = Path(sysfs_root) / "fs" / "cgroup"
+    if cgroup is not None:
+        paths = {"v2": cgroup, "cpu": cgroup}
+    elif _is_live_sysfs(Path(sysfs_root)):
+        paths = _proc_cgroups()
+    else:
+        paths = {"v2": "/", "cpu": "/"}
+    limits = []
+    if (root / "cgroup.controllers").exists():                       # v2 mounted here
+        limits += [_v2_limit(d) for d in _cgroup_dirs(root, paths.get("v2", "/"))]
+    elif (root / "unified" / "cgroup.controllers").exists():         # hybrid: v2 beside v1
+        limits += [_v2_limit(d) for d in _cgroup_dirs(root / "unified", paths.get("v2", "/"))]
+    for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):               # v1
+        mount = root / name
+        if (mount / "cpu.cfs_quota_us").exists():
+            limits += [_v1_limit(d) for d in _cgroup_dirs(mount, paths.get("cpu", "/"))]
+            break
+    limits = [q for q in limits if q is not None]
+    return min(limits) if limits else None
 
 
 # --------------------------------------------------------------------------- canonical form

@@ -380,3 +380,40 @@ def test_two_groups_at_once():
     for P, reps in by_size.items():
         for rep in reps:
             assert rep["y"] == [i * P * (P + 1) / 2 for i in range(5)]
+
+
+def second_group_closed_worker(comm):
+    """Issue 21 item 17: join a second group (as a torch new_group does), close it, then use
+    the module-level calls: they must reach the first group, still joined."""
+    import warnings
+    rep = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # "now joins a second one"
+        second = shmtree.Group(1, pin=False)
+        inner = second.join(0)
+    rep["inside"] = (shmtree.size(), shmtree.current() is inner)
+    how = ("comm.close", "group.close")[comm.rank % 2]
+    if how == "comm.close":
+        inner.close()
+    second.close()
+    rep["after"] = (shmtree.rank(), shmtree.size(), shmtree.current() is comm)
+    rep["sum"] = shmtree.allreduce(np.ones(3) * (comm.rank + 1), timeout=30).tolist()
+    comm.close()
+    try:
+        shmtree.size()
+        rep["closed"] = "no error"
+    except shmtree.ShmtreeError as exc:
+        rep["closed"] = str(exc)
+    return rep
+
+
+@pytest.mark.timeout(60)
+def test_module_level_calls_fall_back_to_the_group_still_joined():
+    reps = run_ok(second_group_closed_worker, 2)
+    for rank, rep in enumerate(reps):
+        assert rep["inside"] == (1, True), rep
+        assert rep["after"] == (rank, 2, True), rep
+        assert rep["sum"] == [3.0, 3.0, 3.0], rep
+        # once no group is left, the message says which one was closed
+        assert f"no longer in any group: it was rank {rank} of 2" in rep["closed"], rep
+        assert "size=2" in rep["closed"], rep

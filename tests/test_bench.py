@@ -763,3 +763,110 @@ def test_multinode_measures_every_part(tmp_path, capsys):
     for r in doc["rows"]:
         assert all(r[k] > 0 for k in ("hier_us", "mpi_us", "intra_us", "inter_us")), r
     assert "across 2 simulated nodes" in out and "hier/max(intra,inter)" in out
+
+
+# --- issue 21, item 18: mistakes on the command line are refused before anything is measured --
+
+def _never_measure(monkeypatch):
+    from shmtree.bench import compare, multinode, overlap, sweep
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bench measured although its arguments were wrong")
+    for module, name in ((sweep, "run_sweep"), (compare, "run_all"), (numa, "matrix"),
+                         (overlap, "run_overlap"), (multinode, "run")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+@timeout
+@pytest.mark.parametrize("argv,option", [
+    (argv, option) for argv in (["allreduce"], ["compare"], ["numa", "--quick"])
+    for option in ("--json", "--csv", "--plot")]
+    + [(["topology"], "--json"), (["overlap"], "--json"), (["multinode"], "--json")])
+def test_output_into_a_missing_directory_is_refused_before_measuring(tmp_path, capsys,
+                                                                     monkeypatch, argv, option):
+    """--json / --csv into a missing directory gave a traceback after the whole run."""
+    _never_measure(monkeypatch)
+    if option == "--plot":
+        monkeypatch.setattr("shmtree.bench.plot.require", lambda: None)
+    target = tmp_path / "missing" / "out.file"
+    with pytest.raises(SystemExit) as stop:
+        main(argv + ["--sizes" if argv[0] not in ("topology", "overlap") else "-n",
+                     "8" if argv[0] not in ("topology", "overlap") else "2",
+                     option, str(target)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: cannot write" in err and "does not exist" in err, err
+    assert "Traceback" not in err and not (tmp_path / "missing").exists()
+
+
+@timeout
+def test_output_onto_a_directory_is_refused(tmp_path, capsys, monkeypatch):
+    _never_measure(monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        main(["allreduce", "--sizes", "8", "--csv", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
+
+
+@timeout
+@pytest.mark.parametrize("option,value", [("--time", "-1"), ("--time", "0"), ("--time", "nan"),
+                                          ("--time", "inf"), ("--timeout", "-1"),
+                                          ("--timeout", "0")])
+def test_time_and_timeout_must_be_positive(capsys, option, value):
+    for command in ("allreduce", "compare", "numa"):
+        with pytest.raises(SystemExit) as stop:
+            parse([command, f"{option}={value}"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {option}: must be a number of seconds > 0, got {value}" in err, err
+    assert parse(["--time", "0.5", "--timeout", "30"]).time == 0.5
+
+
+@timeout
+def test_sizes_are_rounded_to_whole_items_with_a_note(monkeypatch, capsys):
+    """--sizes 7 with float32 silently measured 4 B."""
+    from shmtree.bench import sweep
+    seen = []
+
+    def fake(sizes, nprocs, plan, options, with_copy, progress):
+        seen.append(list(sizes))
+        one = {"median_s": 1e-6, "min_s": 1e-6, "mean_s": 1e-6, "iters": 1}
+        return {s: {"allreduce": one, "copy": one} for s in sizes}
+    monkeypatch.setattr(sweep, "run_sweep", fake)
+    assert main(["allreduce", "--sizes", "4,7,4K", "-n", "2", "--iters", "1"]) == 0
+    assert seen == [[4, 4096]]                         # what is measured: 7 B is one item, 4 B
+    out, err = capsys.readouterr()
+    note = "--sizes rounded to whole float32 items (4 B each): 7 B -> 4 B"
+    assert f"shmtree-bench: note: {note}" in err
+    assert f"# {note}" in out.splitlines()[2]
+    assert main(["allreduce", "--sizes", "8,4K", "-n", "2", "--iters", "1"]) == 0
+    assert "rounded" not in "".join(capsys.readouterr())      # nothing to say: no note
+
+
+@timeout
+def test_sizes_of_blocks_are_rounded_with_a_note(tmp_path, capsys):
+    doc = _json(tmp_path, ["compare", "--collective", "allgather", "--methods", "copy",
+                           "--sizes", "8,4K", "-n", "3", "--iters", "2"])
+    assert [r["size"] for r in doc["rows"]] == [12, 4092]
+    assert doc["options"]["sizes"] == [12, 4092]
+    out, err = capsys.readouterr()
+    assert ("--sizes rounded to whole float32 items (4 B each) in 3 equal blocks: 8 B -> 12 B, "
+            "4 KiB -> 4092 B") in err
+
+
+@timeout
+def test_multinode_sizes_are_rounded_to_whole_float32_items(monkeypatch, capsys):
+    from shmtree.bench import multinode
+    seen = []
+
+    def fake(nprocs, node_size, sizes, repeats, segment):
+        seen.append(list(sizes))
+        return {"nodes": 2, "nprocs": nprocs, "node_size": node_size, "library": "fake",
+                "rows": [{"bytes": s, "hier_us": 1.0, "mpi_us": 1.0, "intra_us": 1.0,
+                          "inter_us": 1.0} for s in sizes]}
+    monkeypatch.setattr(multinode, "run", fake)
+    assert main(["multinode", "-n", "4", "--sizes", "6,64K"]) == 0
+    assert seen == [[4, 65536]]
+    out, err = capsys.readouterr()
+    assert "--sizes rounded to whole float32 items (4 B each): 6 B -> 4 B" in err
+    assert "# --sizes rounded" in out

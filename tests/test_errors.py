@@ -299,3 +299,114 @@ def test_run_returns_arbitrary_picklable_values():
     results = run_ok(return_value_worker, 3)
     for r, res in enumerate(results):
         assert res["rank"] == r and res["array"].tolist() == [0, r, 2 * r]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 21, item 16: a user's first mistakes get messages that say what to do
+
+
+@pytest.mark.parametrize("op", ["band", "bor", "bxor", np.bitwise_and])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.float32])
+def test_bitwise_op_on_complex_or_float_names_the_dtypes_it_takes(op, dtype):
+    """A bitwise op on complex said "complex numbers have no order" (the min/max reason)."""
+    with shmtree.Group(1, pin=False) as group:
+        comm = group.join(0)
+        try:
+            with pytest.raises(TypeError, match="bitwise ops take integer and bool dtypes") \
+                    as info:
+                comm.allreduce(np.ones(4, dtype), op=op)
+            assert "order" not in str(info.value), str(info.value)
+            with pytest.raises(TypeError, match="complex numbers have no order"):
+                comm.allreduce(np.ones(4, np.complex64), op="max")
+        finally:
+            comm.close()
+
+
+def never_called(comm, *args, **kwargs):
+    raise AssertionError("run started workers for a call it should have refused")
+
+
+def _refused_before_any_process(monkeypatch):
+    """Make starting a group fail loudly: run must refuse before it creates one."""
+    import shmtree.launch
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("run created a group for a call it should have refused")
+    monkeypatch.setattr(shmtree.launch, "Group", no_group)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(chunk_byte=4096), r"unknown option 'chunk_byte' \(did you mean 'chunk_bytes'\?\); "
+                            r"valid options: args, kwargs, start_method, topology, tree, "
+                            r"chunk_bytes"),
+    (dict(arg=(1,)), r"unknown option 'arg' \(did you mean 'args'\?\)"),
+    (dict(startmethod="fork"), r"did you mean 'start_method'\?"),
+    (dict(bogus=1, tre="flat"), r"unknown options 'bogus', 'tre' \(did you mean 'tree'\?\)"),
+])
+def test_run_refuses_unknown_options_naming_the_valid_ones(monkeypatch, options, match):
+    _refused_before_any_process(monkeypatch)
+    with pytest.raises(TypeError, match=match) as info:
+        shmtree.run(never_called, 2, **options)
+    assert str(info.value).startswith("shmtree.run: "), str(info.value)
+    assert "__init__" not in str(info.value)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(args=5), r"shmtree.run: args must be a tuple of positional arguments, got int 5; "
+                   r"for a single argument write args=\(5,\)"),
+    (dict(args="abc"), r"args must be a tuple .* got str"),
+    (dict(kwargs=[1, 2]), r"shmtree.run: kwargs must be a dict of keyword arguments, got list"),
+    (dict(kwargs={1: 2}), r"keys of kwargs must be strings"),
+])
+def test_run_checks_args_and_kwargs_in_the_caller(monkeypatch, kw, match):
+    """run(fn, 2, args=5) failed only inside the workers (a WorkerError per rank)."""
+    _refused_before_any_process(monkeypatch)
+    with pytest.raises(TypeError, match=match):
+        shmtree.run(never_called, 2, **kw)
+
+
+def test_run_refuses_a_function_that_is_not_callable(monkeypatch):
+    _refused_before_any_process(monkeypatch)
+    with pytest.raises(TypeError, match="shmtree.run: fn must be callable, got 42"):
+        shmtree.run(42, 2)
+
+
+def args_back(comm, *args, **kwargs):
+    return args, kwargs
+
+
+@pytest.mark.timeout(60)
+def test_run_still_takes_a_list_of_args():
+    assert run_ok(args_back, 1, args=[1, 2], kwargs=dict(k=3)) == [((1, 2), {"k": 3})]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(chunk_byte=4096), r"shmtree.Pool: unknown option 'chunk_byte' \(did you mean "
+                            r"'chunk_bytes'\?\); valid options: processes, initializer, "
+                            r"initargs, context, topology"),
+    (dict(initializr=print), r"did you mean 'initializer'\?"),
+    (dict(initializer=print, initargs=5), r"shmtree.Pool: initargs must be a tuple of "
+                                          r"positional arguments, got int 5"),
+])
+def test_pool_checks_its_arguments_before_starting_workers(monkeypatch, kw, match):
+    import shmtree.pool
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("Pool created a group for a call it should have refused")
+    monkeypatch.setattr(shmtree.pool, "Group", no_group)
+    with pytest.raises(TypeError, match=match):
+        shmtree.Pool(2, **kw)
+
+
+def pool_size(comm):
+    return comm.size
+
+
+@pytest.mark.timeout(90)
+def test_pool_refuses_a_task_that_is_not_callable_in_the_caller():
+    with shmtree.Pool(2) as pool:
+        with pytest.raises(TypeError, match="shmtree.Pool: a task must be callable, got 5"):
+            pool.map(5, range(2))
+        with pytest.raises(TypeError, match="shmtree.Pool.run: fn must be callable, got 5"):
+            pool.run(5)
+        assert pool.run(pool_size) == [2, 2]              # the pool is still whole

@@ -1,6 +1,8 @@
 """The planner as pure data (no processes): every option set and machine gives a valid plan that
 the Group runs, the digest names it, and the collectives always have a ring to run around."""
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,36 @@ def test_the_plan_names_each_collectives_algorithm():
                         assert alg == ("chain" if coll in ("broadcast", "reduce") else "blocks")
     with pytest.raises(ValueError, match="unknown collective"):
         plan_group(2).algorithm("gather", 8)
+
+
+# issue 21, item 20: the plan counts the cgroup's CPU quota among the usable cores
+
+QUOTA_SYSFS = Path(__file__).resolve().parent / "fixtures_sysfs"
+
+
+def test_usable_count_is_limited_by_the_cpu_quota():
+    import shmtree.plan as plan
+    cpus = len(os.sched_getaffinity(0))
+    assert plan.usable_count(QUOTA_SYSFS / "cgroup_v2_unlimited") == cpus
+    assert plan.usable_count(QUOTA_SYSFS / "cgroup_v1_quota") == 1         # 0.5 CPU: one
+    assert plan.usable_count(QUOTA_SYSFS / "cgroup_v2_quota") == min(cpus, 2)
+    assert plan.usable_count(QUOTA_SYSFS / "cgroup_hybrid") == min(cpus, 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_in_a_container_with_a_quota_is_oversubscribed(monkeypatch):
+    """A container limited to 2 CPUs on a 64-core host: Pool(os.cpu_count()) planned as if it
+    had 64 cores (spinning, the small inline limit, pinning).  Here: a quota of half a CPU."""
+    import shmtree.plan as plan
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable CPUs to tell the quota from the mask")
+    monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v2_unlimited"))
+    free = plan_group(2)
+    assert free.ncpus >= 2 and not free.oversubscribed and free.spin_ns > 0
+    monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v1_quota"))
+    with shmtree.Group(2) as group:
+        p = group.plan
+        assert p.ncpus == 1 and p.oversubscribed
+        assert p.spin_ns == 0 and p.small_bytes == plan.OVERSUBSCRIBED_SMALL_BYTES
+        assert not p.pin
+        assert "1 usable core(s) (oversubscribed)" in p.describe()

@@ -326,3 +326,28 @@ def test_placement_errors_and_empty():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError):
             topo.placement(bad)
+
+
+# --------------------------------------------------------------------------- cgroup CPU quota
+# (issue 21, item 20: the usable cores of a container limited to 2 CPUs on a 64-core host are 2)
+
+
+@pytest.mark.parametrize("tree, cgroup, quota", [
+    ("cgroup_v2_quota", None, 2.0),                 # cpu.max "200000 100000" at the root
+    ("cgroup_v2_unlimited", None, None),            # "max 100000"
+    ("cgroup_v2_nested", "/app/job", 1.5),          # the tightest of the cgroup and ancestors
+    ("cgroup_v2_nested", "/app", None),
+    ("cgroup_v2_nested", "/docker/0123abcd", None),  # a host's path inside a container: mount
+    ("cgroup_v1_quota", None, 0.5),                 # cpu,cpuacct/cpu.cfs_quota_us 50000
+    ("cgroup_hybrid", None, 3.0),                   # v2 "unified" beside v1's cpu controller
+    ("two_socket_smt", None, None),                 # no cgroup tree at all
+])
+def test_cpu_quota(tree, cgroup, quota):
+    from shmtree.topology import cpu_quota
+    assert cpu_quota(SYSFS / tree, cgroup) == quota
+
+
+def test_cpu_quota_of_the_live_machine_reads_this_process_cgroup():
+    from shmtree.topology import cpu_quota
+    got = cpu_quota()
+    assert got is None or got > 0

@@ -28,7 +28,7 @@ import threading
 
 from . import compare, machine, multinode, numa, overlap, plot, report, sweep
 from .harness import BenchError
-from .measure import COLLECTIVES, MOVES_ONLY, TARGET_S, Plan
+from .measure import COLLECTIVES, MOVES_ONLY, TARGET_S, Plan, whole_bytes
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode")
@@ -67,6 +67,13 @@ def _nonnegative_float(text):
     return value
 
 
+def _positive_seconds(text):
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _group_arguments(p):
     g = p.add_argument_group("shmtree group options (default: shmtree's own)")
     g.add_argument("--topology", help='spec such as "2x4", or a topology JSON file')
@@ -96,11 +103,11 @@ def _measure_arguments(p, command, nprocs_help):
     p.add_argument("--op", type=_arg(parse_op), default="sum", help="sum, prod, min or max")
     p.add_argument("--iters", type=_arg(_positive),
                    help=f"timed calls per size (default: adaptive, about {TARGET_S} s)")
-    p.add_argument("--time", type=float,
+    p.add_argument("--time", type=_arg(_positive_seconds),
                    help=f"adaptive: seconds of timed calls per size (default {TARGET_S})")
     p.add_argument("--fresh", action="store_true",
                    help="cache-cold buffers: rotate through more memory than the LLC")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=_arg(_positive_seconds), default=60.0,
                    help="seconds one shmtree allreduce may take before it is an error (60)")
     _output_arguments(p)
 
@@ -210,11 +217,54 @@ def parse(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "allreduce")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.argv = argv
+    for option in ("json", "csv", "plot"):
+        problem = _unwritable(getattr(args, option, None))
+        if problem:
+            parser.error(f"argument --{option}: {problem} (checked before measuring, so that "
+                         "no results are lost)")
     if getattr(args, "plot", None):
         plot.require()
     return args
+
+
+def _unwritable(path):
+    """Why the results file `path` could not be written at the end of the run ('' if it can):
+    its directory is missing or not writable, or it is a directory."""
+    if not path:
+        return ""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory, not a file"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"cannot write {path!r}: the directory {folder!r} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write {path!r}: the directory {folder!r} is not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"cannot write {path!r}: the file is not writable"
+    return ""
+
+
+def _whole_sizes(args, nprocs, collective="allreduce"):
+    """Round --sizes to what is measured: whole items of --dtype (and, for allgather and
+    reduce_scatter, P equal blocks of at least one item), before measuring.  A size that
+    changes is said on stderr at once and returned as a '#' line for the output; args.sizes
+    becomes the sizes measured (distinct, sorted)."""
+    dtype = args.dtype
+    whole = {s: whole_bytes(collective, s, dtype, nprocs) for s in args.sizes}
+    changed = {s: w for s, w in whole.items() if s != w}
+    args.sizes = sorted(set(whole.values()))
+    if not changed:
+        return None
+    unit = (f"whole {dtype} items ({dtype.itemsize} B each)"
+            + (f" in {nprocs} equal blocks" if collective in ("allgather", "reduce_scatter")
+               else ""))
+    note = (f"--sizes rounded to {unit}: "
+            + ", ".join(f"{format_size(s)} -> {format_size(w)}" for s, w in changed.items()))
+    print(f"shmtree-bench: note: {note}", file=sys.stderr)
+    return f"# {note}"
 
 
 def main(argv=None):
@@ -338,6 +388,7 @@ SWEEP_COLUMNS = {
 def cmd_allreduce(args):
     nprocs = args.nprocs or _usable()
     plan, options = _plan(args, nprocs), _options(args)
+    rounded = _whole_sizes(args, nprocs)
     try:
         measured = sweep.run_sweep(args.sizes, nprocs, plan, options, True, _progress(args))
     except Exception as exc:
@@ -345,6 +396,8 @@ def cmd_allreduce(args):
     rows = [sweep.row(s, plan.dtype, nprocs, m["allreduce"], m["copy"])
             for s, m in measured.items()]
     print(_headline("allreduce", nprocs, plan, options))
+    if rounded:
+        print(rounded)
     print(report.table(
         ["size", "count", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "copy (us)", "vs copy",
          "iters"],
@@ -385,6 +438,7 @@ def cmd_compare(args):
         raise BenchError(f"--methods {refused} do not measure {collective}; for --collective "
                          f"{collective} choose from {compare.methods_for(collective)}")
     pythons = args.mpi_python or [sys.executable]
+    rounded = _whole_sizes(args, nprocs, collective)
     columns, copy = compare.run_all(args.sizes, nprocs, plan, options, methods, pythons,
                                     _progress(args), collective)
     rows = compare.rows(args.sizes, plan.dtype, columns, copy, collective, nprocs)
@@ -393,6 +447,8 @@ def cmd_compare(args):
                     with_op=collective not in MOVES_ONLY))
     if collective in WHOLE_BUFFER:
         print(WHOLE_BUFFER[collective])
+    if rounded:
+        print(rounded)
     print("# cells: time per call in us (x = that method's time / shmtree's)")
     print(compare.text_table(args.sizes, columns, copy, rows))
     for line in compare.problems(columns, copy):
@@ -425,6 +481,7 @@ def cmd_numa(args):
     plan, options = _plan(args, nprocs), _options(args)
     if args.quick:
         args.sizes = args.sizes[:1]
+    rounded = _whole_sizes(args, nprocs)
     if args.matrix_size is None:
         args.matrix_size = QUICK_MATRIX_SIZE if args.quick else 64 << 20
     cells = len([n for n, cpus in machine.numa_nodes().items() if cpus]) ** 2
@@ -442,6 +499,8 @@ def cmd_numa(args):
     bar.done()
     print()
     print(_headline("allreduce time (us) per knob", nprocs, plan, options))
+    if rounded:
+        print(rounded)
     print(numa_variants_text(rows))
     doc = report.document(
         "numa", machine.describe(args.topology),
@@ -546,8 +605,12 @@ def plan_as_dict(plan):
 
 
 def cmd_multinode(args):
+    args.dtype = parse_dtype("float32")           # what the multinode workers reduce
+    rounded = _whole_sizes(args, args.nprocs)
     got = multinode.run(args.nprocs, args.node_size, args.sizes, args.repeats, args.segment)
     print(multinode.table(got))
+    if rounded:
+        print(rounded)
     if args.json:
         report.write_json(args.json, report.document(
             "multinode", machine.describe(None),
