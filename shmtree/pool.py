@@ -27,7 +27,7 @@ from .group import Group
 from .launch import (GROUP_OPTIONS, _check_args, _check_options, _check_picklable,
                      _context, no_mpi_init)
 from .liveness import identity, start_parent_watch
-from .plan import usable_cpus
+from .plan import usable_count
 
 __all__ = ["Pool"]
 
@@ -263,7 +263,7 @@ class Pool(_PoolInternals):
                                   args_name="initargs", kwargs_name=None)
         ctx = _context(context)
         _check_picklable("shmtree.Pool", ctx, initializer=initializer, initargs=initargs)
-        self._shm_group = Group(len(usable_cpus()) if processes is None else processes,
+        self._shm_group = Group(usable_count() if processes is None else processes,
                                 stall_timeout=stall_timeout, **group_options)
         try:
             parent = identity()

@@ -114,3 +114,22 @@ def test_a_group_in_a_container_with_a_quota_is_oversubscribed(monkeypatch):
         assert p.spin_ns == 0 and p.small_bytes == plan.OVERSUBSCRIBED_SMALL_BYTES
         assert not p.pin
         assert "1 usable core(s) (oversubscribed)" in p.describe()
+
+
+def _pool_size_task(_):
+    return shmtree.size()
+
+
+@pytest.mark.timeout(120)
+def test_pool_without_a_size_has_one_worker_per_core_the_quota_allows(monkeypatch):
+    """Pool() sizes itself by the cores it can keep busy: the CPU quota, not only the mask."""
+    import shmtree.plan as plan
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable CPUs to tell the quota from the mask")
+    monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v1_quota"))
+    with shmtree.Pool() as pool:
+        assert pool.map(_pool_size_task, range(1)) == [1]
+    monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v2_unlimited"))
+    with shmtree.Pool() as pool:
+        n = len(os.sched_getaffinity(0))
+        assert pool.map(_pool_size_task, range(n)) == [n] * n
