@@ -371,9 +371,11 @@ class Communicator(Collectives):
                 pass
             _plan.unpin()
         if self._shared is not None:
-            self._shared.close()
-        self._engine = None
-        global _current
+            self._shared.close()      # (a call in progress keeps the mappings it uses)
+        eng = self._engine
+        if eng is not None and not (eng.in_call and not eng.owns_call()):
+            self._engine = None       # (else a call of another thread runs on it: it ends with
+        global _current               # its engine, which goes with the communicator)
         if _current is self:
             _current = None
 
