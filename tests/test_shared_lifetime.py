@@ -145,6 +145,33 @@ def test_group_close_from_a_watchdog_thread_during_a_single_copy(tmp_path, repo_
         assert "rank 1 status 0" in out, out
 
 
+STUCK_SCRIPT = """
+    import time
+    import numpy as np
+    import shmtree
+
+    g = shmtree.Group(2)
+    comm = g.join(0)                          # rank 1 never comes: the call waits for ever
+    req = comm.iallreduce(np.ones(1000))
+    while not comm._engine.in_call:
+        time.sleep(0)
+    t0 = time.monotonic()
+    g.close()                                 # (the creator's watchdog gives up)
+    print(f"closed in {time.monotonic() - t0:.1f} s", flush=True)
+    try:
+        req.result(timeout=60)
+    except shmtree.PeerLostError as exc:
+        print("request: PeerLostError", exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_group_close_ends_a_stuck_nonblocking_call_of_its_creator(tmp_path, repo_root):
+    rc, out = run_script(tmp_path, repo_root, STUCK_SCRIPT, timeout=60)
+    assert rc == 0 and "closed in" in out, out
+    assert "request: PeerLostError" in out and "the group was closed" in out, out
+
+
 # ---------------------------------------------------------------------------------------------
 # item 2: interpreter exit with an outstanding nonblocking single copy
 
@@ -290,8 +317,9 @@ def real_shortfall_worker(comm):
         vsize = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (vsize + (2 << 30), hard))
-    available = transport.available_memory()
-    per_rank = available // comm.size + (64 << 20)   # just above what the machine has
+    available = transport.available_memory()         # (rank 0's: every rank asks alike)
+    per_rank = int(comm.broadcast(np.array([available // comm.size + (64 << 20)], np.int64),
+                                  root=0)[0])        # just above what the machine has
     try:
         comm.zeros(per_rank, np.uint8)
         error = None
@@ -466,8 +494,8 @@ def test_single_copy_stops_writing_once_the_group_is_aborted():
         outs = run_ok(late_writes_worker, 2, args=(BIG,), tree="ring")
         res = outs[1]
         assert "watcher" not in res, res
-        if res["at_stop"] >= res["half"] - piece:
-            continue                      # rank 0 was through its part before it stopped
+        if res["at_stop"] >= res["half"] - 4 * piece:
+            continue                      # rank 0 was (nearly) through its part when stopped
         assert outs[0]["call"] == "aborted" and res["call"] == "aborted", outs
         late = res["after"] - res["at_stop"]
         assert late <= 2 * piece, (f"rank 0 wrote {late} items into rank 1's output after the "
@@ -480,7 +508,7 @@ def test_single_copy_stops_writing_once_the_group_is_aborted():
 # item 21: the abort word and its rank are published together
 
 def test_abort_reason_is_never_seen_without_its_rank():
-    nseg, size = 3000, 4096 + 1024 * 8
+    nseg, size = 1500, 4096 + 1024 * 8    # (before the fix: 2-3 % of them saw rank 0)
     segs = []
     for _ in range(nseg):
         fd = os.memfd_create("shmtree-test-abort", os.MFD_CLOEXEC)
@@ -508,6 +536,7 @@ def test_abort_reason_is_never_seen_without_its_rank():
             while not s.member(0)[0]:
                 if time.monotonic() - t0 > 30:
                     raise AssertionError("the reader stopped")
+                os.sched_yield()          # (the reader may wait for this CPU)
             s.set_abort(ABORT_FAILED, 5)
     finally:
         _, status = os.waitpid(pid, 0)
@@ -520,8 +549,9 @@ def test_abort_reason_is_never_seen_without_its_rank():
 # ---------------------------------------------------------------------------------------------
 # item 21: wait_all in a forked child, with a lock held at the fork
 
-def wait_all_in_child(request, hold):
-    """Fork while another thread holds `hold`; the child calls wait_all([request])."""
+def wait_all_in_child(requests, hold, posted_in_child=None):
+    """Fork while another thread holds `hold`; the child calls wait_all(requests), and of a
+    request made (and completed) in the child too when posted_in_child is given."""
     held, release = threading.Event(), threading.Event()
 
     def holder():
@@ -536,7 +566,10 @@ def wait_all_in_child(request, hold):
     if pid == 0:
         code = 3
         try:
-            code = 0 if shmtree.wait_all([request]) == [5] else 2
+            more = []
+            if posted_in_child is not None:
+                more = [posted_in_child()]
+            code = 0 if shmtree.wait_all(requests + more) == [5] * len(requests + more) else 2
         finally:
             os._exit(code)
     release.set()
@@ -561,8 +594,13 @@ def test_wait_all_in_a_forked_child_with_a_lock_held_at_the_fork():
     progress = Progress("test", threading.Lock())
     r = Request("iallreduce", 1, progress)
     r.set_result(5)                       # (makes its condition)
-    assert wait_all_in_child(r, r._condition) == 0
+    assert wait_all_in_child([r], r._condition) == 0
     fresh = Request("iallreduce", 2, progress)
     fresh._state, fresh._result = "FINISHED", 5   # (done without its condition made yet)
     assert "_cond" not in fresh.__dict__
-    assert wait_all_in_child(fresh, requests._MAKING) == 0
+
+    def own_request():                    # the child's own request makes its condition
+        mine = Request("iallreduce", 1, Progress("child", threading.Lock()))
+        mine.set_result(5)
+        return mine
+    assert wait_all_in_child([fresh], requests._MAKING, own_request) == 0
