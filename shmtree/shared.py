@@ -1,12 +1,14 @@
 """Shared arrays (docs/design.md, "Shared arrays"): comm.empty / comm.zeros.
 
 Memory.  Every rank's array of an allocation is a memfd of its own (anonymous: not counted in
-/dev/shm, nor limited by its size), mapped by its owner; the peers map it too, through
-/proc/<owner pid>/fd/<fd> while the owner still holds the descriptor (same user only).  The
-allocation is a collective: the ranks exchange (pid, fd, bytes, a claim of shape and dtype) in
-one allgather, every rank checks the claims (a difference raises CollectiveMismatchError on
-every rank), maps the others, and the ranks agree that every mapping succeeded before the
-owners close their descriptors.  Then only mappings remain: rank r's memory is freed when r has
+/dev/shm, nor limited by its size; sealed against shrinking and growing, so no reader can take a
+SIGBUS), mapped by its owner; the peers map it too, through /proc/<owner pid>/fd/<fd> while the
+owner still holds the descriptor (same user only).  The allocation is a collective: the ranks
+exchange (pid, fd, bytes, a claim of shape and dtype, the memory this rank can still get) in one
+allgather before any page is committed; every rank checks the claims (a difference raises
+CollectiveMismatchError on every rank, naming what each asked for) and the memory (more than the
+least any rank can get raises MemoryError on every rank), maps the others, and the ranks agree
+that every mapping succeeded before the owners close their descriptors.  Then only mappings remain: rank r's memory is freed when r has
 dropped its array (every view included) and every peer has dropped its own array of the same
 allocation (a rank's mappings of the peers' arrays go with its own array: weakref.finalize on
 its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
@@ -16,7 +18,8 @@ Single copy.  Each allocation is also registered with the communicator's engine 
 this rank's stretch, every rank's mapping: Engine.share), which runs every collective of shared
 arrays single-copy itself, from the sizes that do not travel inline up, with no Python in
 between (shmtree/engine/alg_direct.pxi; docs/design.md, "Shared arrays"); the entry goes
-(Engine.unshare) before the mappings do.
+(Engine.unshare) before the mappings do, and a call that may use the allocation holds its
+mappings (Engine.share's keep) until it has ended, whatever another thread does meanwhile.
 """
 from __future__ import annotations
 
