@@ -374,8 +374,9 @@ class Communicator(Collectives):
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine
         if eng is not None and not (eng.in_call and not eng.owns_call()):
-            self._engine = None       # (else a call of another thread runs on it: it ends with
-        global _current               # its engine, which goes with the communicator)
+            self._engine = None       # (else another thread's call runs on it: the engine stays
+                                      # to that call's end, and goes with the communicator)
+        global _current
         if _current is self:
             _current = None
 

@@ -8,11 +8,11 @@ exchange (pid, fd, bytes, a claim of shape and dtype, the memory this rank can s
 allgather before any page is committed; every rank checks the claims (a difference raises
 CollectiveMismatchError on every rank, naming what each asked for) and the memory (more than the
 least any rank can get raises MemoryError on every rank), maps the others, and the ranks agree
-that every mapping succeeded before the owners close their descriptors.  Then only mappings remain: rank r's memory is freed when r has
-dropped its array (every view included) and every peer has dropped its own array of the same
-allocation (a rank's mappings of the peers' arrays go with its own array: weakref.finalize on
-its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
-referenced stay valid as private memory).
+that every mapping succeeded before the owners close their descriptors.  Then only mappings
+remain: rank r's memory is freed when r has dropped its array (every view included) and every
+peer has dropped its own array of the same allocation (a rank's mappings of the peers' arrays
+go with its own array: weakref.finalize on its mapping), or when the communicator is closed
+(the peers' mappings are dropped; arrays still referenced stay valid as private memory).
 
 Single copy.  Each allocation is also registered with the communicator's engine (its number,
 this rank's stretch, every rank's mapping: Engine.share), which runs every collective of shared
@@ -143,7 +143,8 @@ _DESC_BYTES = 256
 
 
 def _described(shape, dtype, order) -> str:
-    return f"shape {shape}, dtype {_dtype_words(dtype)}, {'C' if order == 'C' else 'Fortran'} order"
+    layout = "C" if order == "C" else "Fortran"
+    return f"shape {shape}, dtype {_dtype_words(dtype)}, {layout} order"
 
 
 def _dtype_words(dtype) -> str:
