@@ -45,6 +45,25 @@ cdef extern from "<sys/syscall.h>" nogil:
     long SYS_mbind
     long SYS_move_pages
 
+# the abort word and the rank it names (the header's abort_reason at 128, abort_rank at 132: one
+# aligned 64-bit word, reason in its low half) are set together, in one compare-and-swap, and read
+# together: a reader that sees a reason sees its rank (never the rank field's old 0)
+cdef extern from *:
+    """
+    static inline int shmtree_abort_cas(volatile uint32_t *reason_word, uint32_t reason,
+                                        int32_t rank) {
+        uint64_t expected = 0;
+        uint64_t desired = (uint64_t)reason | ((uint64_t)(uint32_t)rank << 32);
+        return __atomic_compare_exchange_n((volatile uint64_t *)reason_word, &expected, desired,
+                                           0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    }
+    static inline uint64_t shmtree_abort_load(const volatile uint32_t *reason_word) {
+        return __atomic_load_n((const volatile uint64_t *)reason_word, __ATOMIC_SEQ_CST);
+    }
+    """
+    int shmtree_abort_cas(uint32_t *reason_word, uint32_t reason, int32_t rank) nogil
+    uint64_t shmtree_abort_load(const uint32_t *reason_word) nogil
+
 cdef enum:
     MAX_NDIM = 64           # numpy's limit
     N_TYPENUMS = 64
@@ -306,9 +325,10 @@ cdef class Segment:
         """Mark the group aborted (the first reason wins) and wake every sleeping rank."""
         self._live()
         cdef shm_seg_hdr *h = self.hdr()
-        if shm_cas32(&h.abort_reason, 0, reason):
-            h.abort_rank = rank
-            shm_fence()
+        if reason == 0:
+            raise ValueError("shmtree: an abort needs a reason")
+        shmtree_abort_cas(&h.abort_reason, reason, rank)     # (the first reason wins; with it
+                                                             # its rank, in the same word)
         cdef int r
         cdef shm_rank_block *b
         for r in range(self.nranks):
@@ -319,9 +339,9 @@ cdef class Segment:
     def abort_state(self):
         """(reason, rank): reason 0 while the group is healthy."""
         self._live()
-        cdef shm_seg_hdr *h = self.hdr()
-        cdef uint32_t reason = shm_load_seqcst32(&h.abort_reason)
-        return reason, h.abort_rank if reason else -1
+        cdef uint64_t word = shmtree_abort_load(&self.hdr().abort_reason)
+        cdef uint32_t reason = <uint32_t>word
+        return reason, <int32_t><uint32_t>(word >> 32) if reason else -1
 
     def claim_rank(self):
         """Hand out ranks 0, 1, 2... in order of asking (Pool workers); may exceed nranks."""
@@ -471,6 +491,13 @@ cdef class Engine:
     cdef uint64_t *share_len
     cdef char **share_bases           # [nshares * nranks]
     cdef int nshares, share_cap
+    cdef list share_keep              # [nshares]: what holds the peers' mappings (shared.py's)
+    cdef object place_keep, place_keep_out    # those of the allocations (input, output) the
+                                      # call in progress may use single-copy: its raw pointers
+                                      # (Direct.ins, outs) stay
+                                      # valid until the call has ended here, whatever another
+                                      # thread unshares or drops meanwhile (Communicator.close,
+                                      # an array's finalizer, interpreter exit)
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
     # a broadcast's first round that carries its data on, in the same call (quick_bcast)
     cdef int bc_pending               # the round runs; its result says whether data follows
@@ -483,6 +510,7 @@ cdef class Engine:
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
+        self.share_keep = []
 
     def __init__(self, Segment seg, int rank, list channels, int64_t spin_ns=20000,
                  int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0):
@@ -670,9 +698,12 @@ cdef class Engine:
         if d.scratch == NULL:
             raise MemoryError()
 
-    def share(self, uint64_t ident, uint64_t start, uint64_t nbytes, bases):
+    def share(self, uint64_t ident, uint64_t start, uint64_t nbytes, bases, keep=None):
         """Register a shared allocation: this rank's own stretch of it, and every rank's mapping
-        (bases: their addresses, by rank).  The caller keeps the mappings while registered."""
+        (bases: their addresses, by rank).  keep: what holds the peers' mappings; the engine
+        holds it while registered, and a call that may run single-copy on the allocation holds
+        it to its end (unshare does not end that).  This rank's own stretch is held by the
+        call's own arrays (which lie in it)."""
         cdef int P = self.e.nranks, i
         if len(bases) != P or ident == 0:
             raise ValueError("shmtree: share: one base per rank, and an id")
@@ -699,10 +730,12 @@ cdef class Engine:
         self.share_len[i] = nbytes
         for r in range(P):
             self.share_bases[i * P + r] = <char *><uintptr_t>bases[r]
+        self.share_keep.append(keep)
         self.nshares = i + 1
 
     def unshare(self, uint64_t ident):
-        """Forget an allocation (before its mappings go)."""
+        """Forget an allocation: later calls do not find it.  A call in progress that may use
+        it single-copy keeps its mappings (place_keep) until it has ended."""
         cdef int P = self.e.nranks, i, last
         for i in range(self.nshares):
             if self.share_id[i] == ident:
@@ -711,6 +744,8 @@ cdef class Engine:
                 self.share_start[i] = self.share_start[last]
                 self.share_len[i] = self.share_len[last]
                 memcpy(&self.share_bases[i * P], &self.share_bases[last * P], P * sizeof(char *))
+                self.share_keep[i] = self.share_keep[last]
+                del self.share_keep[last]
                 self.nshares = last
                 return
 
@@ -729,7 +764,8 @@ cdef class Engine:
         """Say where this call's input and output lie (the rank block's place: allocation and
         offset of each; zeros when the call cannot run single-copy here: not eligible, not both
         in registered allocations, or partly overlapping), and keep every rank's mapping of
-        both allocations (the offsets are added once every rank has said its own)."""
+        both allocations (the offsets are added once every rank has said its own), held
+        (place_keep) until the call has ended."""
         cdef uint64_t *place = self.seg.block(self.e.rank).place[seq & 1]
         cdef uint64_t soff = 0, doff = 0
         cdef int si = -1, di = -1, r, P = self.e.nranks
@@ -751,8 +787,11 @@ cdef class Engine:
             for r in range(P):
                 d.ins[r] = self.share_bases[si * P + r]
                 d.outs[r] = self.share_bases[di * P + r]
+            self.place_keep = self.share_keep[si]       # (no allocation: cannot fail)
+            self.place_keep_out = self.share_keep[di]
         else:
             memset(place, 0, 4 * sizeof(uint64_t))
+            self.place_keep = self.place_keep_out = None
 
     cdef bint _direct_agreed(self) noexcept nogil:
         """After the channel-0 round (every rank has written its place): did every rank say
@@ -1201,6 +1240,8 @@ cdef class Engine:
             self.busy = 0
             self.src_ref = None
             self.dst_ref = None
+            self.place_keep = self.place_keep_out = None    # (the call has ended: its
+                                                            # peers' mappings may go)
             if rc == RC_DONE:
                 self.ncalls += 1
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
@@ -1460,6 +1501,7 @@ cdef class Engine:
         self.bc_ref = None
         self.src_ref = None
         self.dst_ref = None
+        self.place_keep = self.place_keep_out = None
         shm_store_release64(&self.seg.block(self.e.rank).call, 0)
 
     def stats(self):

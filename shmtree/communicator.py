@@ -371,8 +371,11 @@ class Communicator(Collectives):
                 pass
             _plan.unpin()
         if self._shared is not None:
-            self._shared.close()
-        self._engine = None
+            self._shared.close()      # (a call in progress keeps the mappings it uses)
+        eng = self._engine
+        if eng is not None and not (eng.in_call and not eng.owns_call()):
+            self._engine = None       # (else another thread's call runs on it: the engine stays
+                                      # to that call's end, and goes with the communicator)
         global _current
         if _current is self:
             _current = None

@@ -339,12 +339,15 @@ class Group:
         if self._closed:
             return
         comm = self._comm() if self._comm is not None else None
-        if comm is not None and comm._pid == os.getpid():
-            comm.close()
+        mine = comm is not None and comm._pid == os.getpid()
+        if mine and not _in_call_elsewhere(comm):
+            comm.close()              # (its outstanding requests complete first)
         if self._creator == os.getpid():
             self._seg.set_abort(ABORT_CLOSED, -1)
             if self._proxy is not None:
                 self._proxy.close()
+        if mine:                      # another thread of this process is inside a call: the
+            comm.close()              # abort above has made it raise (closed: nothing to do)
         self._closed = True
         self._close_mailbox()
         self._seg = _ClosedSegment()
@@ -388,6 +391,13 @@ class Group:
         state = "closed" if self._closed else "open"
         return (f"<shmtree.Group size={self.size} tree={self.plan.tree_kind!r} "
                 f"chunk_bytes={self.plan.chunk_bytes} {state}>")
+
+
+def _in_call_elsewhere(comm) -> bool:
+    """Is another thread of this process inside a call of comm (a watchdog closes the group
+    under it)?"""
+    eng = comm._engine
+    return eng is not None and eng.in_call and not eng.owns_call()
 
 
 class _ClosedSegment:

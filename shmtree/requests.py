@@ -127,7 +127,15 @@ def _future_fields_are_known() -> bool:
 _LAZY = _future_fields_are_known()
 _MAKING = threading.Lock()
 _PID = [os.getpid()]                  # (os.getpid, kept up to date across forks)
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+def _after_fork_in_child():
+    global _MAKING
+    _PID[0] = os.getpid()
+    _MAKING = threading.Lock()        # (another thread may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 if _LAZY:
     Request._condition = property(Request._get_condition, Request._set_condition)
 
@@ -144,8 +152,12 @@ def wait_all(requests, timeout=None) -> list:
     deadline = None if timeout is None else time.monotonic() + timeout
     for r in requests:
         r._check_waitable()
+    # requests posted before a fork (in a forked child) are done (checked above) and are read
+    # as they were at the fork, without their Future's lock, which another thread of the parent
+    # may have held then: only this process's own are waited for
+    own = [r for r in requests if r._pid == _PID[0]]
     done, pending = concurrent.futures.wait(
-        requests, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        own, None if deadline is None else max(0.0, deadline - time.monotonic()))
     if pending:
         raise TimeoutError(f"shmtree.wait_all: {len(pending)} of {len(requests)} request(s) "
                            f"not done after {timeout} s")

@@ -1,31 +1,36 @@
 """Shared arrays (docs/design.md, "Shared arrays"): comm.empty / comm.zeros.
 
 Memory.  Every rank's array of an allocation is a memfd of its own (anonymous: not counted in
-/dev/shm, nor limited by its size), mapped by its owner; the peers map it too, through
-/proc/<owner pid>/fd/<fd> while the owner still holds the descriptor (same user only).  The
-allocation is a collective: the ranks exchange (pid, fd, bytes, a claim of shape and dtype) in
-one allgather, every rank checks the claims (a difference raises CollectiveMismatchError on
-every rank), maps the others, and the ranks agree that every mapping succeeded before the
-owners close their descriptors.  Then only mappings remain: rank r's memory is freed when r has
-dropped its array (every view included) and every peer has dropped its own array of the same
-allocation (a rank's mappings of the peers' arrays go with its own array: weakref.finalize on
-its mapping), or when the communicator is closed (the peers' mappings are dropped; arrays still
-referenced stay valid as private memory).
+/dev/shm, nor limited by its size; sealed against shrinking and growing, so no reader can take a
+SIGBUS), mapped by its owner; the peers map it too, through /proc/<owner pid>/fd/<fd> while the
+owner still holds the descriptor (same user only).  The allocation is a collective: the ranks
+exchange (pid, fd, bytes, a claim of shape and dtype, the memory this rank can still get) in one
+allgather before any page is committed; every rank checks the claims (a difference raises
+CollectiveMismatchError on every rank, naming what each asked for) and the memory (more than the
+least any rank can get raises MemoryError on every rank), maps the others, and the ranks agree
+that every mapping succeeded before the owners close their descriptors.  Then only mappings
+remain: rank r's memory is freed when r has dropped its array (every view included) and every
+peer has dropped its own array of the same allocation (a rank's mappings of the peers' arrays
+go with its own array: weakref.finalize on its mapping), or when the communicator is closed
+(the peers' mappings are dropped; arrays still referenced stay valid as private memory).
 
 Single copy.  Each allocation is also registered with the communicator's engine (its number,
 this rank's stretch, every rank's mapping: Engine.share), which runs every collective of shared
 arrays single-copy itself, from the sizes that do not travel inline up, with no Python in
 between (shmtree/engine/alg_direct.pxi; docs/design.md, "Shared arrays"); the entry goes
-(Engine.unshare) before the mappings do.
+(Engine.unshare) before the mappings do, and a call that may use the allocation holds its
+mappings (Engine.share's keep) until it has ended, whatever another thread does meanwhile.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import weakref
 
 import numpy as np
 
-from . import _moving
+from . import _moving, transport
+from .codes import ranks_text
 from .errors import CollectiveMismatchError, ShmtreeError
 
 
@@ -46,25 +51,23 @@ class SharedArrays:
         shape, dtype, order = _normalize(shape, dtype, order, what)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         size = max(nbytes, 1)
-        fd = os.memfd_create("shmtree-array", os.MFD_CLOEXEC)
+        available = transport.available_memory()     # (read before this rank commits any)
+        fd = os.memfd_create("shmtree-array", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size)
-            own = _moving.Mapping(fd, size, touch=True)     # first touch: the owner's node
+            os.ftruncate(fd, size)    # (no page is committed yet)
+            # no peer (nor anyone) can shrink or grow it: no reader of it can take a SIGBUS
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             claim = _moving.claim(dtype, shape) ^ (2 if order == "F" else 0)
-            mine = np.array([os.getpid(), fd, size, claim], np.uint64)
+            mine = np.array([os.getpid(), fd, size, claim, available], np.uint64)
             table = comm.allgather(mine.view(np.int64)).view(np.uint64)
             claims = table[:, 3]
-            if (claims != claims[0]).any():
-                groups = {}
-                for r, c in enumerate(claims.tolist()):
-                    groups.setdefault(c, []).append(r)
-                raise CollectiveMismatchError(
-                    f"shmtree: ranks disagree on the collective call: {what}: "
-                    + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} "
-                                "asked for one shape, dtype and order" if i == 0 else
-                                f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} "
-                                "for another"
-                                for i, rs in enumerate(groups.values())))
+            if (claims != claims[0]).any():           # (every rank reads the same table)
+                raise CollectiveMismatchError(self._mismatch(what, shape, dtype, order))
+            need, have = int(table[:, 2].sum()), int(table[:, 4].min())
+            if need > have:                           # (every rank alike, before any commits)
+                raise MemoryError(_shortfall(what, shape, dtype, comm.size, size, need, have))
+            own = _moving.Mapping(fd, size, touch=True)     # first touch: the owner's node
             peers, error = [], ""
             for r in range(comm.size):
                 peers.append(None)
@@ -88,13 +91,33 @@ class SharedArrays:
                                "rank's array (ranks must run as the same user)"))
         self.count += 1
         self._live[self.count] = peers
-        # the engine's single copies find the allocation by address (and forget it before the
-        # mappings go)
+        # the engine's single copies find the allocation by address; a call that may use it
+        # holds `peers` (the mappings) until it has ended, even once the allocation is
+        # forgotten (unshare: the array dropped, the communicator closed, interpreter exit)
         comm._engine.share(self.count, own.address, nbytes,
-                           [own.address if v is None else _address(v) for v in peers])
-        weakref.finalize(own, self._forget, self.count)
+                           [own.address if v is None else _address(v) for v in peers], peers)
+        # (not at exit: the mappings go with the process; a daemon progress thread may still be
+        # inside a call then)
+        weakref.finalize(own, self._forget, self.count).atexit = False
         array = np.frombuffer(own, np.uint8, nbytes) if nbytes else np.empty(0, np.uint8)
         return array.view(dtype).reshape(shape, order=order)
+
+    def _mismatch(self, what, shape, dtype, order):
+        """The ranks asked for different arrays (their claims differ: every rank knows it):
+        say what each asked for, in words (one more allgather, of fixed-size text)."""
+        text = _described(shape, dtype, order).encode("utf-8")
+        if len(text) > _DESC_BYTES:
+            text = text[:_DESC_BYTES - 3] + b"..."
+        mine = np.zeros(_DESC_BYTES, np.uint8)
+        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        rows = self._comm.allgather(mine)
+        groups = {}
+        for r, row in enumerate(rows):
+            said = row.tobytes().rstrip(b"\0").decode("utf-8", "replace")
+            groups.setdefault(said, []).append(r)
+        return ("shmtree: ranks disagree on the collective call: " + what + ": "
+                + "; ".join(f"{ranks_text(rs)} asked for {said}" for said, rs in groups.items())
+                + "; every rank must ask for the same shape, dtype and order")
 
     def _forget(self, ident):
         engine = self._comm._engine
@@ -103,12 +126,47 @@ class SharedArrays:
         self._live.pop(ident, None)
 
     def close(self):
-        """Drop every mapping of the peers' arrays (own arrays stay valid, unshared)."""
+        """Drop every mapping of the peers' arrays (own arrays stay valid, unshared); a call in
+        progress in another thread keeps those it uses until it has ended (the engine holds
+        them)."""
         engine = self._comm._engine
-        for ident in self._live:
+        while self._live:             # (a finalizer may pop entries meanwhile: no iterator)
+            try:
+                ident, _ = self._live.popitem()
+            except KeyError:
+                break
             if engine is not None:
                 engine.unshare(ident)
-        self._live.clear()
+
+
+_DESC_BYTES = 256
+
+
+def _described(shape, dtype, order) -> str:
+    layout = "C" if order == "C" else "Fortran"
+    return f"shape {shape}, dtype {_dtype_words(dtype)}, {layout} order"
+
+
+def _dtype_words(dtype) -> str:
+    """numpy's name of a dtype (float64, bfloat16, ...), its full form when it has fields."""
+    if dtype.fields is None and dtype.subdtype is None:
+        name = dtype.name
+        if not dtype.isnative and dtype.itemsize > 1:
+            name += " (byte-swapped)"
+        return name
+    return str(dtype)
+
+
+def _shortfall(what, shape, dtype, nranks, size, need, have) -> str:
+    return (f"shmtree: {what}(shape={shape}, dtype={_dtype_words(dtype)}) needs {_gib(size)} "
+            f"({size} bytes) of shared memory on each of {nranks} rank(s), {need} bytes in all, "
+            f"but only {_gib(have)} ({have} bytes) is available (the least any rank sees of "
+            "MemAvailable and its memory cgroup's limit); no memory was committed and the group "
+            "is usable: allocate less, or free memory first")
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _normalize(shape, dtype, order, what):

@@ -167,26 +167,82 @@ class ChannelSpec:
     ring_pos: int = 0         # this rank's position in the ring order
 
 
-def available_memory() -> int:
-    """Bytes a new anonymous shared mapping can still get: the smaller of MemAvailable and what the
-    memory cgroup still allows."""
-    import psutil
+MEMORY_ROOT = "/"         # where available_memory reads /proc and /sys (tests: a fake tree)
 
-    free = psutil.virtual_memory().available
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+
+def available_memory(root=None) -> int:
+    """Bytes a new anonymous shared mapping can still get: the smaller of MemAvailable
+    (/proc/meminfo) and what the memory cgroup of this process, and every cgroup above it that
+    is visible, still allows (cgroup v2: memory.max - memory.current; v1: memory.limit_in_bytes
+    - memory.usage_in_bytes; the inactive file cache a cgroup would reclaim counts as free).
+    root: where /proc and /sys are read (MEMORY_ROOT)."""
+    root = MEMORY_ROOT if root is None else root
+    free = _mem_available(root)
+    for d, limit_name, usage_name, cache_name in _memory_cgroups(root):
         try:
-            with open(path) as f:
+            with open(os.path.join(d, limit_name)) as f:
                 limit = f.read().strip()
-            usage_path = path.replace("memory.max", "memory.current").replace(
-                "memory.limit_in_bytes", "memory.usage_in_bytes")
-            with open(usage_path) as f:
+            with open(os.path.join(d, usage_name)) as f:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue
-        if limit.isdigit():
-            free = min(free, max(0, int(limit) - usage))
-        break
+        if not limit.isdigit():           # ("max": no limit here)
+            continue
+        usage -= min(usage, _stat_field(os.path.join(d, "memory.stat"), cache_name))
+        free = min(free, max(0, int(limit) - usage))
     return free
+
+
+def _mem_available(root) -> int:
+    try:
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _stat_field(path, name) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _memory_cgroups(root):
+    """(directory, limit file, usage file, reclaimable cache field) of this process's memory
+    cgroup and of each one above it, v2 and v1, as far as they are mounted where they are
+    expected (in a container the mount's root is often the container's own cgroup)."""
+    v2 = v1 = "/"
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            for line in f:
+                hid, _, rest = line.strip().partition(":")
+                controllers, _, path = rest.partition(":")
+                if hid == "0" and controllers == "":
+                    v2 = path or "/"
+                elif "memory" in controllers.split(","):
+                    v1 = path or "/"
+    except OSError:
+        pass
+    out = []
+    for base, path, names in (
+            ("sys/fs/cgroup", v2, ("memory.max", "memory.current", "inactive_file")),
+            ("sys/fs/cgroup/memory", v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                          "total_inactive_file"))):
+        parts = [p for p in path.split("/") if p and p != ".."]
+        for i in range(len(parts), -1, -1):
+            out.append((os.path.join(root, base, *parts[:i]),) + names)
+    return out
 
 
 def create_memfd(total: int) -> int:

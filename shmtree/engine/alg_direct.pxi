@@ -5,7 +5,9 @@
 # makes every input ready.  No ring moves data; each rank then does its part straight between
 # the arrays, and says so (its rank block's `direct`, seq + 1), and waits until every rank has:
 # nobody returns while another may still read its input or write its output.  Nothing in the
-# middle waits: the parts are disjoint.
+# middle waits: the parts are disjoint.  The abort word is read before every piece: once the
+# group is aborted (a peer timed out, was interrupted, or the group was closed), no rank writes
+# more than the piece in hand into outputs whose owners have left the call.
 #
 # allreduce: each rank reduces one part of the message straight from every rank's input, in the
 #   order the private path's schedule uses for those elements (the same bits), a piece at a time
@@ -151,6 +153,8 @@ cdef int direct_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef uint64_t n
     cdef int r, root
     if action == DIRECT_WORK:
+        if aborted(e):                # (a piece at a time: no rank goes on writing into the
+            return RC_ABORTED         # outputs of peers that have given up the call)
         n = d.hi - d.off if d.hi - d.off < k.chunk else k.chunk
         if d.mode == DIRECT_BROADCAST:
             root = d.order[k.root]
