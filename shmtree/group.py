@@ -338,9 +338,11 @@ class Group:
         if comm is not None and comm._pid == os.getpid():
             comm.close()
         if self._creator == os.getpid():
-            self._seg.set_abort(ABORT_CLOSED, -1)
             if self._proxy is not None:
+                # first: its thread must not take this close for a failure of the node (and
+                # tell the other nodes so, while they finish their last call)
                 self._proxy.close()
+            self._seg.set_abort(ABORT_CLOSED, -1)
         self._closed = True
         self._close_mailbox()
         self._seg = _ClosedSegment()

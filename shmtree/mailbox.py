@@ -231,6 +231,7 @@ class Proxy:
         self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
         self.link.interrupt = self._interrupt
         self._stop = False
+        self._busy = False                       # a step is being served
         self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
         self._thread.start()
 
@@ -280,6 +281,7 @@ class Proxy:
     def _step(self, k):
         box, link = self.box, self.link
         ctl, data = box.ctl(k), box.data(k)
+        self._busy = True
         step = int(box.bytes[ctl + 8:ctl + 12].view(np.uint32)[0])
         nbytes = box.get_u64(ctl + 16)
         try:
@@ -299,17 +301,32 @@ class Proxy:
                 link.run(Link.allgatherv, send, recv, counts)
             else:
                 raise ShmtreeError(f"shmtree: unknown proxy step {step}")
+            self._busy = False               # (before the leader can see it done)
             box.set_word(ctl, DONE)
         except BaseException as exc:
             text = link.failure or f"{type(exc).__name__}: {exc}"
             box.put_text(ctl + 1024, text)
             box.put_text(1024, text)
             box.set_word(4, 1)
+            self._busy = False
             box.set_word(ctl, FAILED)
 
     def close(self):
+        """Stop serving (Group.close in the launcher, before the group is marked closed).  A
+        clean close (no step in flight, the node healthy) tells the other nodes nothing: they
+        may still be finishing their last call.  A failure of this node that the thread has
+        not carried yet, or a step still in flight, fails the other nodes too."""
         self._stop = True
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        mine = threading.current_thread() is self._thread
+        if self._thread.is_alive() and not mine and not self._busy:
+            self._thread.join(5)
+        if self.link.failure is None:
+            text = self._interrupt()
+            if text is None and (self._busy or (self._thread.is_alive() and not mine)):
+                text = f"node {self.link.me}: its group was closed during an inter-node step"
+            if text is not None:
+                self.link.abort(text)
+        if self._thread.is_alive() and not mine:
             self._thread.join(5)
         self.link.close()
         try:

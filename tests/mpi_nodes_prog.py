@@ -4,7 +4,7 @@
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
 failure, kill.  Launcher modes (N launchers, one per node, node n forking NODE_SIZE + n workers
-through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-mismatch, launch-kill.
+through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-mismatch, launch-kill, launch-pool, launch-loop.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
 """
@@ -219,9 +219,35 @@ def main_pool(base):
         print("OK launch-pool", flush=True)
 
 
+def loop_spmd(comm):
+    return int(comm.allreduce(np.ones(3, np.int64))[0])
+
+
+def main_loop(base):
+    """Groups across nodes made and closed again and again (run, then Pool): every one works
+    (a launcher closing its group must not fail the others' groups, now or later)."""
+    workers = base + W.rank
+    P = sum(W.allgather(workers))
+    for i in range(int(os.environ.get("PROG_ROUNDS", "12"))):
+        try:
+            got = shmtree.run(loop_spmd, workers, inter=W, **SEGMENT)
+            assert got == [P] * workers, got
+            with shmtree.Pool(workers, inter=W, **SEGMENT) as pool:
+                assert pool.run(loop_spmd) == [P] * workers
+        except Exception as exc:        # (the other launchers would wait in the next round)
+            print(f"launcher {W.rank}: round {i} failed: {type(exc).__name__}: {exc}",
+                  flush=True)
+            W.Abort(1)
+    W.Barrier()
+    if W.rank == 0:
+        print("OK launch-loop", flush=True)
+
+
 def main_launcher(mode, base):
     if mode == "pool":
         return main_pool(base)
+    if mode == "loop":
+        return main_loop(base)
     workers = base + W.rank
     t0 = time.monotonic()
     if mode == "exit" and W.rank == 1:

@@ -229,3 +229,13 @@ def test_rendezvous_refuses_another_users_segment():
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["1+2", "1+2+3"])
+def test_launchers_groups_again_and_again(nprocs):
+    """run(inter=) and Pool(inter=) twelve times each in a row: a launcher that closes its
+    group when its workers are done must not fail a node still finishing the last call (nor a
+    later group of any node: control messages carry the link's epoch)."""
+    rc, out, _ = _launch(nprocs, "launch-loop", 1)
+    assert rc == 0 and "OK launch-loop" in out, out[-4000:]
