@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import threading
 import time
 
 import numpy as np
 
 from . import _kernels
-from .codes import ABORT_FAILED
+from .codes import ABORT_FAILED, ranks_text
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 
 __all__ = ["Link"]
@@ -375,6 +376,38 @@ class Link:
             [_raw(send), self.MPI.BYTE],
             [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
         return recv
+
+
+_RANKS = re.compile(r"\b(ranks?) (\d+(?:,\d+)*)\b")
+
+
+def global_ranks(text, ranks, also=None):
+    """`text` (a message of a node's own group, whose 'rank r' / 'ranks a,b' are local ranks)
+    with the global ranks `ranks[r]` instead (and `also`, a function of text, applied).  What
+    another node said, quoted in it as "(node ...)", is in global words already and stays as
+    it is."""
+    def ranks_sub(part):
+        part = _RANKS.sub(sub, part)
+        return also(part) if also is not None else part
+
+    def sub(m):
+        rs = [int(r) for r in m.group(2).split(",")]
+        return ranks_text([ranks[r] if 0 <= r < len(ranks) else r for r in rs])
+    out, at = [], 0
+    while True:
+        quote = text.find("(node ", at)
+        if quote < 0:
+            out.append(ranks_sub(text[at:]))
+            return "".join(out)
+        out.append(ranks_sub(text[at:quote]))
+        depth, end = 0, quote
+        while end < len(text):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+            if depth == 0:
+                break
+        out.append(text[quote:end])
+        at = end
 
 
 def _pieces(n, parts):

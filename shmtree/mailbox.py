@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _moving
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .inter import Link
+from .inter import Link, global_ranks
 from .transport import create_memfd
 
 __all__ = ["Proxy", "ProxyLink", "Mailbox"]
@@ -261,8 +261,14 @@ class Proxy:
         if box.word(0):
             return box.get_text(64)
         if not self.group.closed and self.group.aborted():
-            return f"node {self.link.me}: {self.group.describe_abort()}"
+            return self._node_text()
         return None
+
+    def _node_text(self):
+        """This node's group aborted, in global ranks."""
+        group = self.group
+        return f"node {self.link.me}: " + global_ranks(
+            group.describe_abort(), [group.global_rank(r) for r in range(group.size)])
 
     def _watch(self) -> bool:
         """Idle: carry a failure of this node to the others, and another node's to this one's
@@ -271,7 +277,7 @@ class Proxy:
         if box.word(0) and link.failure is None:
             link.abort(box.get_text(64))
         elif link.failure is None and not self.group.closed and self.group.aborted():
-            link.abort(f"node {link.me}: {self.group.describe_abort()}")
+            link.abort(self._node_text())
         if link.failure is not None:
             box.put_text(1024, link.failure)
             box.set_word(4, 1)

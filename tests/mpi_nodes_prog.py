@@ -112,6 +112,24 @@ def mode_collectives(c, launched=False):
         assert np.array_equal(g0, np.concatenate([np.full(r + n, r, np.int32)
                                                   for r in range(P)]))
         c.barrier()
+    # out overlapping the input without being it: the root's data reaches every rank (and
+    # the same array, in place, works directly)
+    for n, shift in ((125, 10), (70001, 3), (70001, -5)):
+        for root in range(P):
+            buf = np.arange(n + 20, dtype=np.float64) + 1000 * me
+            lo = 5
+            a, out = buf[lo:lo + n], buf[lo + shift:lo + shift + n]
+            want = np.arange(n, dtype=np.float64) + lo + 1000 * root
+            got = c.broadcast(a, root=root, out=out)
+            assert got is out and np.array_equal(out, want), (n, shift, root)
+        x = np.arange(n, dtype=np.float64) + 1000 * me
+        c.broadcast(x, root=P - 1, out=x)
+        assert np.array_equal(x, np.arange(n, dtype=np.float64) + 1000 * (P - 1))
+    buf = np.zeros(5 * P + 2, np.int64)
+    buf[:5] = np.arange(5) + 10 * me
+    out = buf[2:2 + 5 * P].reshape(P, 5)
+    c.allgather(buf[:5], out=out)
+    assert all(np.array_equal(out[r], np.arange(5) + 10 * r) for r in range(P)), out
     # module-level calls go to this communicator
     assert shmtree.current() is c and shmtree.rank() == me and shmtree.size() == P
     assert float(shmtree.allreduce(np.ones(1))[0]) == P
@@ -164,6 +182,43 @@ def mode_failure(c):
         pass
     else:
         raise AssertionError(f"rank {me}: the communicator still works after a failure")
+
+
+def mode_sigint(c):
+    """Rank 1 (node 0) is interrupted by SIGINT inside an allreduce (PROG_BYTES bytes) that
+    rank P-1 (the last node) has not entered: every other rank, rank 1's own node peer
+    included, raises before rank P-1 arrives (which waits until told, or 60 s); then rank
+    P-1's call fails at once too."""
+    import signal
+    import threading
+    P, me = c.size, c.rank
+    late, victim = P - 1, 1
+    n = int(os.environ.get("PROG_BYTES", "64")) // 8
+    c.allreduce(np.ones(8))
+    W.Barrier()
+    if me == late:
+        told, t0 = set(), time.monotonic()
+        while len(told) < P - 1 and time.monotonic() - t0 < 60:
+            st = MPI.Status()
+            if W.Iprobe(source=MPI.ANY_SOURCE, tag=77, status=st):
+                W.recv(source=st.Get_source(), tag=77)
+                told.add(st.Get_source())
+            else:
+                time.sleep(0.005)
+        assert len(told) == P - 1, (f"ranks {sorted(set(range(P - 1)) - told)} did not raise "
+                                    f"before the late rank arrived")
+    elif me == victim:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        c.allreduce(np.ones(n))
+    except (KeyboardInterrupt, shmtree.PeerLostError) as exc:
+        took = time.monotonic() - t0
+        print(f"rank {me} raised {type(exc).__name__} after {took:.2f} s: {exc}", flush=True)
+        if me != late:
+            W.send(took, dest=late, tag=77)
+    else:
+        raise AssertionError(f"rank {me}: no error")
 
 
 def mode_kill(c):
@@ -271,13 +326,57 @@ def main_launcher(mode, base):
         print(f"OK launch-{mode}", flush=True)
 
 
+def main_formfail(node_size):
+    """One process of the last node cannot form its node's group (PROG_FAIL=create: its
+    creator, join: its last member): every rank of every node raises the same ShmtreeError
+    naming that node and rank (none waits in a global step), and from_mpi works again."""
+    import shmtree.group as sg
+    import shmtree.nodes as sn
+    P, me = W.size, W.rank
+    last = list(range(P))[(P - 1) // node_size * node_size:]
+    victim = last[0] if os.environ["PROG_FAIL"] == "create" else last[-1]
+    if me == victim:
+        real_group, real_from_token = sn.Group, sg.Group.from_token
+
+        class Refused(real_group):
+            def __init__(self, *a, **k):
+                raise OSError("simulated: no memory for the segment")
+
+            @classmethod
+            def from_token(cls, token):
+                raise OSError("simulated: cannot open the segment")
+        sn.Group = Refused
+    t0 = time.monotonic()
+    try:
+        shmtree.from_mpi(W, node_size=node_size)
+    except shmtree.ShmtreeError as exc:
+        text = str(exc)
+        node = (P - 1) // node_size
+        assert f"node {node} could not form a group" in text and f"rank {victim}:" in text \
+            and "simulated" in text, text
+        same_everywhere(np.frombuffer(text.encode(), np.uint8), "the message")
+        print(f"rank {me} raised after {time.monotonic() - t0:.1f} s: {text}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: from_mpi did not raise")
+    if me == victim:
+        sn.Group = real_group
+    c = shmtree.from_mpi(W, node_size=node_size)
+    assert float(c.allreduce(np.ones(1))[0]) == P
+    c.close()
+    W.Barrier()
+    if me == 0:
+        print("OK formfail", flush=True)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
     if mode.startswith("launch-"):
         return main_launcher(mode[len("launch-"):], node_size)
+    if mode == "formfail":
+        return main_formfail(node_size)
     c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode != "failure":
+    if mode not in ("failure", "sigint"):
         c.close()
     W.Barrier()
     if W.rank == 0:

@@ -129,6 +129,11 @@ def test_a_failure_in_one_node_reaches_every_node():
     assert rc == 0 and "OK failure" in out, out[-4000:]
     raised = _reports(out, r"rank \d+ raised ")
     assert sorted(r.split()[1] for r in raised) == ["0", "1", "2", "3"], out[-4000:]
+    # every rank's message names the global rank that timed out and the user's call (its
+    # second), not a node-local rank and an internal step of the node ("broadcast(root=0) #7")
+    for r in raised:
+        assert "rank 3 timed out in allreduce #2 across nodes" in r, r
+        assert not re.search(r"#\d+(?! across nodes)", r), r
 
 
 @pytest.mark.timeout(120)
@@ -239,3 +244,34 @@ def test_launchers_groups_again_and_again(nprocs):
     later group of any node: control messages carry the link's epoch)."""
     rc, out, _ = _launch(nprocs, "launch-loop", 1)
     assert rc == 0 and "OK launch-loop" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size,fail", [(4, 2, "join"), (4, 2, "create"),
+                                                   (3, 2, "create"), (3, 1, "create")],
+                         ids=["2x2 member", "2x2 creator", "2+1 creator", "1+1+1 creator"])
+def test_a_node_that_cannot_form_its_group_fails_every_node(nprocs, node_size, fail, monkeypatch):
+    """from_mpi agrees on success over the whole communicator before any global step: the
+    other nodes raise too, instead of waiting in MPI for the failed one."""
+    monkeypatch.setenv("PROG_FAIL", fail)
+    rc, out, _ = _launch(nprocs, "formfail", node_size, timeout=60)
+    assert rc == 0 and "OK formfail" in out, out[-4000:]
+    assert len(_reports(out, r"rank \d+ raised ")) == nprocs, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nbytes", [64, 8 << 20], ids=["64B leaders", "8MiB lanes"])
+def test_sigint_in_one_node_fails_its_peer_at_once(nbytes, monkeypatch):
+    """from_mpi(node_size=2), rank 1 interrupted inside an allreduce that rank 3 (node 1) has
+    not entered: rank 0 (rank 1's own node), and rank 2, raise without waiting for rank 3
+    (which enters only once they have told it so, through MPI), within a few seconds of the
+    interrupt; then rank 3's call fails at once."""
+    monkeypatch.setenv("PROG_BYTES", str(nbytes))
+    rc, out, _ = _launch(4, "sigint", 2, timeout=90)
+    assert rc == 0 and "OK sigint" in out, out[-4000:]
+    raised = {r.split()[1]: r for r in _reports(out, r"rank \d+ raised ")}
+    assert sorted(raised) == ["0", "1", "2", "3"], out[-4000:]
+    assert "KeyboardInterrupt" in raised["1"] and "PeerLostError" in raised["0"]
+    for r in ("0", "2"):
+        took = float(re.search(r"after ([\d.]+) s", raised[r]).group(1))
+        assert took < 0.3 + 5, raised[r]     # (the interrupt comes at 0.3 s)
