@@ -3,8 +3,9 @@
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
-failure, kill.  Launcher modes (N launchers, one per node, node n forking NODE_SIZE + n workers
-through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-mismatch, launch-kill, launch-pool, launch-loop.
+failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
+NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
+launch-mismatch, launch-kill, launch-pool, launch-loop.  orphans: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
 """
@@ -368,8 +369,67 @@ def main_formfail(node_size):
         print("OK formfail", flush=True)
 
 
+class _StubGroup:
+    """What a Link needs of its node's group, aborted on demand."""
+    closed = False
+
+    def __init__(self):
+        self.failed = False
+
+    def aborted(self):
+        return self.failed
+
+    def abort(self, *args, **kwargs):
+        self.failed = True
+
+    def describe_abort(self):
+        return "rank 0 failed (the test aborted it); the group is aborted"
+
+
+def main_orphans():
+    """Two leaders' Links.  Leader 0's allreduce step posts its receive into a temporary and
+    is aborted (its node fails) before leader 1 sends; then leader 1 sends what leader 0's
+    receive expects, straight on the link's communicator.  MPI completes that receive: into
+    memory the failed step must have kept (not freed under MPI: a SIGSEGV or a corrupted
+    array of leader 0)."""
+    import gc
+    import threading
+    from shmtree.inter import Link, TAG_RS
+    me = W.rank
+    stub = _StubGroup()
+    link = Link(W.Dup(), stub)
+    n = 8 << 20                                      # float64: 64 MiB, halves of 32 MiB
+    if me == 0:
+        threading.Timer(0.2, setattr, (stub, "failed", True)).start()
+        try:
+            link.run(Link.allreduce, np.ones(n), "sum")
+        except shmtree.PeerLostError:
+            pass
+        else:
+            raise AssertionError("leader 0: the step did not fail")
+        gc.collect()
+        fresh = [np.full(n // 2, 7.0) for _ in range(4)]   # (where a freed temporary was)
+        W.send("go", dest=1)
+        assert W.recv(source=1) == "sent"            # (MPI progresses here: the receive)
+        assert all((f == 7.0).all() for f in fresh), "a late receive wrote into leader 0's " \
+            "memory"
+    else:
+        assert W.recv(source=0) == "go"
+        half = np.full(n // 2, 3.0)
+        req = link.comm.Isend([half.view(np.uint8), MPI.BYTE], dest=0, tag=TAG_RS)
+        while not req.Test():
+            time.sleep(0.001)
+        W.send("sent", dest=0)
+    link.close()
+    W.Barrier()
+    if me == 0:
+        print("OK orphans", flush=True)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
+    if mode == "orphans":
+        return main_orphans()
     if mode.startswith("launch-"):
         return main_launcher(mode[len("launch-"):], node_size)
     if mode == "formfail":

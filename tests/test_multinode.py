@@ -276,3 +276,12 @@ def test_sigint_in_one_node_fails_its_peer_at_once(nbytes, monkeypatch):
     for r in ("0", "3"):
         took = float(re.search(r"after ([\d.]+) s", raised[r]).group(1))
         assert took < 0.3 + 5, raised[r]     # (the interrupt comes at 0.3 s)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_keeps_its_posted_receives():
+    """An inter-node step that fails while its MPI receive is posted keeps the request and its
+    buffer (MPI may still write there): a late sender's data lands in memory nobody uses,
+    not in a freed temporary (a SIGSEGV or another array's contents)."""
+    rc, out, _ = _launch(2, "orphans", 1, timeout=60)
+    assert rc == 0 and "OK orphans" in out, out[-4000:]
