@@ -225,9 +225,9 @@ class Proxy:
     """The launcher's part: the mailbox, the Link to the other launchers, the thread serving the
     mailbox.  `group` is the node's Group (this process created it)."""
 
-    def __init__(self, group, inter, segment):
+    def __init__(self, group, inter, segment, box=None):
         self.group = group
-        self.box, self.fd = Mailbox.create(segment)
+        self.box, self.fd = box if box is not None else Mailbox.create(segment)
         self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
         self.link.interrupt = self._interrupt
         self._stop = False

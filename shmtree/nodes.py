@@ -29,6 +29,7 @@ launcher (shmtree.mailbox) instead of MPI in the leader itself.
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import time
 import weakref
@@ -702,24 +703,44 @@ def _describe(r):
 
 def start_proxy(group, inter, segment_bytes):
     """In a launcher creating its node's group: agree with the other launchers (collective over
-    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node."""
+    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node.
+    Whether every launcher could start is agreed before any step of all of them: one that
+    cannot (bad option, no memory for its mailbox) raises its error, the others a ShmtreeError
+    naming it, none waits for it in MPI."""
     from mpi4py import MPI
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ShmtreeError("shmtree: inter= needs MPI initialised with MPI_THREAD_MULTIPLE "
-                           "(the proxy runs MPI on a thread of its own); leave "
-                           "mpi4py.rc.thread_level at its default, 'multiple'")
-    segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
-    if segment < 4096:
-        raise ValueError(f"shmtree: segment_bytes must be at least 4096, got {segment_bytes!r}")
-    info = inter.allgather((group.size, segment))
-    if len({g for _, g in info}) > 1:
+    from .mailbox import Mailbox, Proxy
+    segment, box, err = None, None, None
+    try:
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ShmtreeError("shmtree: inter= needs MPI initialised with "
+                               "MPI_THREAD_MULTIPLE (the proxy runs MPI on a thread of its "
+                               "own); leave mpi4py.rc.thread_level at its default, 'multiple'")
+        segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
+        if segment < 4096:
+            raise ValueError(f"shmtree: segment_bytes must be at least 4096, got "
+                             f"{segment_bytes!r}")
+        if inter.Get_size() > 1:
+            box = Mailbox.create(segment)
+    except Exception as exc:
+        err = exc
+    info = inter.allgather((group.size, segment,
+                            None if err is None else f"{type(err).__name__}: {err}"))
+    failed = [(n, e) for n, (_, _, e) in enumerate(info) if e is not None]
+    if failed and box is not None:
+        os.close(box[1])
+    if err is not None:
+        raise err
+    if failed:
+        raise ShmtreeError("shmtree: the launcher" + ("s" if len(failed) > 1 else "") +
+                           " of " + "; ".join(f"node {n} could not start its group: {e}"
+                                              for n, e in failed))
+    if len({g for _, g, _ in info}) > 1:
         raise ValueError(f"shmtree: the launchers passed different segment_bytes: "
-                         f"{[g for _, g in info]}")
+                         f"{[g for _, g, _ in info]}")
     if len(info) == 1:
         return None, None
-    from .mailbox import Proxy
-    proxy = Proxy(group, inter, segment)
-    return (inter.Get_rank(), [s for s, _ in info], segment, proxy.fd), proxy
+    proxy = Proxy(group, inter, segment, box)
+    return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
 
 
 def spanning_member(group, comm):

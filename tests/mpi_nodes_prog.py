@@ -5,7 +5,7 @@
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
 failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
-launch-mismatch, launch-kill, launch-pool, launch-loop.  orphans: two Links, no group.
+launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
 """
@@ -299,9 +299,31 @@ def main_loop(base):
         print("OK launch-loop", flush=True)
 
 
+def main_startfail(base):
+    """Launcher 1 passes a segment_bytes too small: it raises its ValueError, every other
+    launcher a ShmtreeError naming node 1 (none waits for it in MPI); then all start again."""
+    workers = base + W.rank
+    bad = {"segment_bytes": 1000} if W.rank == 1 else {}
+    try:
+        shmtree.run(loop_spmd, workers, inter=W, **bad)
+    except ValueError as exc:
+        assert W.rank == 1 and "at least 4096" in str(exc), exc
+    except shmtree.ShmtreeError as exc:
+        assert W.rank != 1 and "node 1 could not start its group: ValueError" in str(exc), exc
+    else:
+        raise AssertionError(f"launcher {W.rank}: no error")
+    P = sum(W.allgather(workers))
+    assert shmtree.run(loop_spmd, workers, inter=W) == [P] * workers
+    W.Barrier()
+    if W.rank == 0:
+        print("OK launch-startfail", flush=True)
+
+
 def main_launcher(mode, base):
     if mode == "pool":
         return main_pool(base)
+    if mode == "startfail":
+        return main_startfail(base)
     if mode == "loop":
         return main_loop(base)
     workers = base + W.rank

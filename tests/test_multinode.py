@@ -285,3 +285,11 @@ def test_a_failed_step_keeps_its_posted_receives():
     not in a freed temporary (a SIGSEGV or another array's contents)."""
     rc, out, _ = _launch(2, "orphans", 1, timeout=60)
     assert rc == 0 and "OK orphans" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["1+2", "1+2+3"])
+def test_a_launcher_that_cannot_start_fails_every_launcher(nprocs):
+    """Group(inter=) agrees on success over the launchers before any step of all of them."""
+    rc, out, _ = _launch(nprocs, "launch-startfail", 1, timeout=60)
+    assert rc == 0 and "OK launch-startfail" in out, out[-4000:]
