@@ -5,7 +5,7 @@
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
 failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
-launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans: two Links, no group.
+launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
 """
@@ -448,8 +448,52 @@ def main_orphans():
         print("OK orphans", flush=True)
 
 
+def main_closebusy():
+    """Leader 0 closes its Link while another thread of it (as a launcher's proxy thread does)
+    runs a step inline that leader 1 never joins: close makes that step fail (PeerLostError in
+    that thread, the other leader told) and returns, instead of acting on the link's MPI
+    requests under the running step and leaving it to spin for ever."""
+    import threading
+    from shmtree.inter import Link
+    me = W.rank
+    stub = _StubGroup()
+    link = Link(W.Dup(), stub)
+    if me == 0:
+        seen = []
+
+        def step():
+            try:
+                link.run(Link.bcast, np.zeros(1 << 20, np.uint8), 1)
+            except shmtree.PeerLostError as exc:
+                seen.append(exc)
+        t = threading.Thread(target=step)
+        t.start()
+        while not link._running:                 # (the step has started)
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        link.close()
+        t.join(30)
+        assert not t.is_alive(), "leader 0: the step still runs after close"
+        assert seen and "closed during an inter-node step" in str(seen[0]), seen
+        print(f"leader 0: closed in {time.monotonic() - t0:.2f} s", flush=True)
+        W.send("closed", dest=1)
+    else:
+        assert W.recv(source=0) == "closed"
+        t0 = time.monotonic()
+        while link.failure is None and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        assert link.failure and "closed during an inter-node step" in link.failure, \
+            link.failure
+        link.close()
+    W.Barrier()
+    if me == 0:
+        print("OK closebusy", flush=True)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
+    if mode == "closebusy":
+        return main_closebusy()
     if mode == "orphans":
         return main_orphans()
     if mode.startswith("launch-"):

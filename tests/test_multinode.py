@@ -293,3 +293,12 @@ def test_a_launcher_that_cannot_start_fails_every_launcher(nprocs):
     """Group(inter=) agrees on success over the launchers before any step of all of them."""
     rc, out, _ = _launch(nprocs, "launch-startfail", 1, timeout=60)
     assert rc == 0 and "OK launch-startfail" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_closing_a_link_under_a_running_step():
+    """Link.close while another thread (a launcher's proxy thread) runs a step inline: the step
+    fails with PeerLostError, the other leader is told, close returns; close does not act on
+    the link's MPI requests under the running step."""
+    rc, out, _ = _launch(2, "closebusy", 1, timeout=60)
+    assert rc == 0 and "OK closebusy" in out, out[-4000:]
