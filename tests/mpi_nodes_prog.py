@@ -183,6 +183,13 @@ def mode_failure(c):
         pass
     else:
         raise AssertionError(f"rank {me}: the communicator still works after a failure")
+    # a communicator formed again works (nothing of the failed one's links reaches it)
+    c.close()
+    W.Barrier()
+    c2 = shmtree.from_mpi(W, node_size=c.node_size)
+    for _ in range(5):
+        assert float(c2.allreduce(np.ones(1 << 16))[0]) == P
+    c2.close()
 
 
 def mode_sigint(c):
