@@ -169,11 +169,21 @@ class Spanning:
         return self._post(self._prep_barrier(timeout), "ibarrier")
 
     def empty(self, shape, dtype=float, order="C"):
-        """Shared within this node (a collective of the node's members): see Communicator."""
-        return self.local.empty(shape, dtype, order)
+        """Shared within this node (a collective of the node's members): see Communicator.
+        Its errors name global ranks."""
+        return self._in_node(self.local.empty, shape, dtype, order)
 
     def zeros(self, shape, dtype=float, order="C"):
-        return self.local.zeros(shape, dtype, order)
+        return self._in_node(self.local.zeros, shape, dtype, order)
+
+    def _in_node(self, fn, *args):
+        try:
+            return fn(*args)
+        except ShmtreeError as exc:
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (self._global(exc.args[0]) + f" (in node {self.node})",) + \
+                    exc.args[1:]
+            raise
 
     def stats(self) -> dict:
         return self.local.stats()

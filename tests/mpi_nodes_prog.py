@@ -156,6 +156,17 @@ def mode_mismatch(c, launched=False):
             raise AssertionError(f"rank {me}: no mismatch raised for {call}")
         # the group stays usable
         assert float(c.allreduce(np.ones(1))[0]) == P
+    # shared arrays are the node's: a mismatch in the last node names its global ranks
+    if c.node_size > 1:
+        last = c.nodes - 1
+        try:
+            c.empty(4 if me == bad else 3)
+        except shmtree.CollectiveMismatchError as exc:
+            assert c.node == last and f"rank {bad} " in str(exc) and \
+                f"(in node {last})" in str(exc), str(exc)
+        else:
+            assert c.node != last, f"rank {me}: no mismatch raised for empty"
+    assert float(c.allreduce(np.ones(1))[0]) == P
 
 
 def mode_failure(c):
