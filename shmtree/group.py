@@ -340,14 +340,20 @@ class Group:
             return
         comm = self._comm() if self._comm is not None else None
         mine = comm is not None and comm._pid == os.getpid()
-        if mine and not _in_call_elsewhere(comm):
+        elsewhere = mine and _in_call_elsewhere(comm)
+        if mine and not elsewhere:
             comm.close()              # (its outstanding requests complete first)
         if self._creator == os.getpid():
-            self._seg.set_abort(ABORT_CLOSED, -1)
+            if elsewhere:             # another thread of this process is inside a call: the
+                self._seg.set_abort(ABORT_CLOSED, -1)       # abort makes it raise
             if self._proxy is not None:
+                # before the group is marked closed: the proxy's thread must not take this
+                # close for a failure of the node (and tell the other nodes so, while they
+                # finish their last call)
                 self._proxy.close()
-        if mine:                      # another thread of this process is inside a call: the
-            comm.close()              # abort above has made it raise (closed: nothing to do)
+            self._seg.set_abort(ABORT_CLOSED, -1)           # (a no-op if set above)
+        if elsewhere:
+            comm.close()              # (the call has raised: nothing left to wait for)
         self._closed = True
         self._close_mailbox()
         self._seg = _ClosedSegment()

@@ -24,24 +24,30 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import threading
 import time
 
 import numpy as np
 
 from . import _kernels
-from .codes import ABORT_FAILED
+from .codes import ABORT_FAILED, ranks_text
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 
 __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL = 11, 12, 13
 CTRL_BYTES = 512
+EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
                             # allgather, each leader folding every node's part in node order
 SPINS = 64                  # MPI tests before each yield of the CPU
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
+CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
+
+
+_KEPT = []      # (communicator, requests, ...) of links closed after a failure: never freed
 
 
 class Job:
@@ -76,14 +82,33 @@ class Link:
         self._closing = False
         self._running = False               # a job is running (on the thread, or inline)
         self.failure = None                 # the text of the first failure, once aborted
+        # control messages carry this link's epoch (one value on every leader, fresh per link):
+        # a message sent on a communicator freed since, whose context MPI gives to a later
+        # one, is not taken for a failure of the later link
+        self._epoch = bytes(comm.bcast(os.urandom(EPOCH_BYTES) if self.me == 0 else None,
+                                       root=0))
+        self._ctrl_lock = threading.Lock()  # the control receive is one MPI request: one
+        self._ctrl_got = False              # thread at a time acts on it (link thread, inline
+                                            # run, close)
         self._ctrl_buf = bytearray(CTRL_BYTES)
         self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG_CTRL)
         self._sent = []                     # control sends (never waited for)
-        self.interrupt = None               # or a function: a failure text of this node, else
-                                            # None (checked while a step waits on MPI)
+        self._ctrl_out = None
+        self._orphans = []                  # requests of a step ended by a failure, still
+                                            # posted: held (mpi4py holds their buffers) until
+                                            # MPI is done with them
+        # checked while a step waits on MPI: a failure text of this node, else None (by
+        # default: this node's group is aborted)
+        self.interrupt = self._group_failed
         self._thread = threading.Thread(target=self._loop, name=f"shmtree-link-{self.me}",
                                         daemon=True)
         self._thread.start()
+
+    def _group_failed(self):
+        group = self.group
+        if group is not None and not group.closed and group.aborted():
+            return f"node {self.me}: {group.describe_abort()}"
+        return None
 
     # ---- the leader's side ----
 
@@ -132,7 +157,7 @@ class Link:
         finally:
             with self._cv:
                 self._running = False
-                self._cv.notify()
+                self._cv.notify_all()
 
     def abort(self, text):
         """This node failed: tell every leader (this one included) and fail every job."""
@@ -142,7 +167,8 @@ class Link:
             self.failure = text
             jobs = list(self._jobs)
             self._jobs.clear()
-        data = bytearray(text.encode("utf-8", "replace")[:CTRL_BYTES - 1])
+        data = bytearray(self._epoch + text.encode("utf-8", "replace")
+                         [:CTRL_BYTES - EPOCH_BYTES - 1])
         data += b"\0" * (CTRL_BYTES - len(data))
         self._ctrl_out = data
         for j in range(self.n):
@@ -155,21 +181,39 @@ class Link:
             job.done.set()
 
     def close(self):
-        """Stop the link thread (after its queued jobs) and free the control receive."""
+        """Stop the link thread (after its queued jobs) and free the control receive.  A step
+        still running (another thread's inline run) is made to fail first.  After a failure,
+        MPI may still hold requests of the step it ended (and control messages may be on their
+        way): their buffers and the link's communicator are kept for the life of the process
+        (a few segments at most) rather than freed under MPI."""
         with self._cv:
             self._closing = True
             self._cv.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread:
             self._thread.join(10)
+            with self._cv:
+                self._cv.wait_for(lambda: not self._running, CLOSE_WAIT_S)
+            if self._running or self._thread.is_alive():
+                self.abort(f"node {self.me}: the link was closed during an inter-node step")
+                with self._cv:
+                    self._cv.wait_for(lambda: not self._running, CLOSE_WAIT_S)
+                self._thread.join(CLOSE_WAIT_S)
+        busy = self._running or self._thread.is_alive()
         try:
-            if not self._ctrl.Test():
-                self._ctrl.Cancel()
-                self._ctrl.Wait()
-            for req in self._sent:             # (control messages: small, sent eagerly)
-                if not req.Test():
-                    req.Free()
-            self._sent = []
-            self.comm.Free()                   # (the link's own communicator)
+            with self._ctrl_lock:
+                if not self._ctrl_got and not busy and not self._ctrl.Test():
+                    self._ctrl.Cancel()
+                    self._ctrl.Wait()
+                self._ctrl_got = True         # (nothing may act on it any more)
+            if not busy:
+                self._orphans = [r for r in self._orphans if not r.Test()]
+                self._sent = [r for r in self._sent if not r.Test()]
+            if self._orphans or self._sent or self.failure is not None or busy:
+                _KEPT.append((self.comm, self._ctrl, self._ctrl_buf, self._orphans,
+                              self._sent, self._ctrl_out))
+            else:
+                self.comm.Free()               # (the link's own communicator)
+            self._orphans, self._sent = [], []
         except Exception:
             pass
 
@@ -201,17 +245,31 @@ class Link:
                            f"{type(exc).__name__}: {exc}")
             with self._cv:
                 self._running = False
+                self._cv.notify_all()
             job.done.set()
 
     def _ctrl_arrived(self) -> bool:
-        try:
-            return bool(self._ctrl.Test())
-        except Exception:
-            return False
+        """Has a control message of this link arrived?  (One of an earlier link that had the
+        same context is dropped, and the receive posted again.)"""
+        with self._ctrl_lock:
+            if self._ctrl_got:
+                return False
+            try:
+                if not self._ctrl.Test():
+                    return False
+            except Exception:
+                return False
+            if bytes(self._ctrl_buf[:EPOCH_BYTES]) != self._epoch:
+                self._ctrl = self.comm.Irecv([self._ctrl_buf, self.MPI.BYTE],
+                                             source=self.MPI.ANY_SOURCE, tag=TAG_CTRL)
+                return False
+            self._ctrl_got = True
+            return True
 
     def _on_ctrl(self):
         """A control message arrived: another node (or this one) failed."""
-        text = bytes(self._ctrl_buf).split(b"\0", 1)[0].decode("utf-8", "replace")
+        text = bytes(self._ctrl_buf[EPOCH_BYTES:]).split(b"\0", 1)[0].decode("utf-8",
+                                                                              "replace")
         own = self.failure is not None
         with self._cv:
             if self.failure is None:
@@ -228,22 +286,33 @@ class Link:
                 pass
 
     def complete(self, reqs):
-        """Wait for MPI requests, or for a control message (then raise _Aborted)."""
+        """Wait for MPI requests, or for a control message (then raise _Aborted); this node's
+        failure (`interrupt`) is checked at every yield.  Requests left posted when this
+        raises are kept (with their buffers) until MPI is done with them."""
         MPI = self.MPI
-        if self.failure is not None:
-            raise _Aborted()
-        spins = 0
-        while not MPI.Request.Testall(reqs):
-            if self._ctrl.Test():
-                self._on_ctrl()
+        done = False
+        try:
+            if self.failure is not None:
                 raise _Aborted()
-            spins += 1
-            if spins > SPINS:          # let this node's members (and MPI's peers) run
-                os.sched_yield()
-                if self.interrupt is not None and spins % 256 == 0:
-                    text = self.interrupt()
-                    if text:
-                        self.abort(text)
+            spins = 0
+            while not MPI.Request.Testall(reqs):
+                if self._ctrl_arrived():
+                    self._on_ctrl()
+                    raise _Aborted()
+                if self.failure is not None:       # (aborted by another thread)
+                    raise _Aborted()
+                spins += 1
+                if spins > SPINS:      # let this node's members (and MPI's peers) run
+                    os.sched_yield()
+                    if self.interrupt is not None:
+                        text = self.interrupt()
+                        if text:
+                            self.abort(text)
+                            raise _Aborted()
+            done = True
+        finally:
+            if not done:
+                self._orphans.extend(r for r in reqs if r)
         if self.failure is not None:
             raise _Aborted()
 
@@ -307,6 +376,38 @@ class Link:
             [_raw(send), self.MPI.BYTE],
             [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
         return recv
+
+
+_RANKS = re.compile(r"\b(ranks?) (\d+(?:,\d+)*)\b")
+
+
+def global_ranks(text, ranks, also=None):
+    """`text` (a message of a node's own group, whose 'rank r' / 'ranks a,b' are local ranks)
+    with the global ranks `ranks[r]` instead (and `also`, a function of text, applied).  What
+    another node said, quoted in it as "(node ...)", is in global words already and stays as
+    it is."""
+    def ranks_sub(part):
+        part = _RANKS.sub(sub, part)
+        return also(part) if also is not None else part
+
+    def sub(m):
+        rs = [int(r) for r in m.group(2).split(",")]
+        return ranks_text([ranks[r] if 0 <= r < len(ranks) else r for r in rs])
+    out, at = [], 0
+    while True:
+        quote = text.find("(node ", at)
+        if quote < 0:
+            out.append(ranks_sub(text[at:]))
+            return "".join(out)
+        out.append(ranks_sub(text[at:quote]))
+        depth, end = 0, quote
+        while end < len(text):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+            if depth == 0:
+                break
+        out.append(text[quote:end])
+        at = end
 
 
 def _pieces(n, parts):

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _moving
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .inter import Link
+from .inter import Link, global_ranks
 from .transport import create_memfd
 
 __all__ = ["Proxy", "ProxyLink", "Mailbox"]
@@ -225,12 +225,13 @@ class Proxy:
     """The launcher's part: the mailbox, the Link to the other launchers, the thread serving the
     mailbox.  `group` is the node's Group (this process created it)."""
 
-    def __init__(self, group, inter, segment):
+    def __init__(self, group, inter, segment, box=None):
         self.group = group
-        self.box, self.fd = Mailbox.create(segment)
+        self.box, self.fd = box if box is not None else Mailbox.create(segment)
         self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
         self.link.interrupt = self._interrupt
         self._stop = False
+        self._busy = False                       # a step is being served
         self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
         self._thread.start()
 
@@ -260,8 +261,14 @@ class Proxy:
         if box.word(0):
             return box.get_text(64)
         if not self.group.closed and self.group.aborted():
-            return f"node {self.link.me}: {self.group.describe_abort()}"
+            return self._node_text()
         return None
+
+    def _node_text(self):
+        """This node's group aborted, in global ranks."""
+        group = self.group
+        return f"node {self.link.me}: " + global_ranks(
+            group.describe_abort(), [group.global_rank(r) for r in range(group.size)])
 
     def _watch(self) -> bool:
         """Idle: carry a failure of this node to the others, and another node's to this one's
@@ -270,7 +277,7 @@ class Proxy:
         if box.word(0) and link.failure is None:
             link.abort(box.get_text(64))
         elif link.failure is None and not self.group.closed and self.group.aborted():
-            link.abort(f"node {link.me}: {self.group.describe_abort()}")
+            link.abort(self._node_text())
         if link.failure is not None:
             box.put_text(1024, link.failure)
             box.set_word(4, 1)
@@ -280,6 +287,7 @@ class Proxy:
     def _step(self, k):
         box, link = self.box, self.link
         ctl, data = box.ctl(k), box.data(k)
+        self._busy = True
         step = int(box.bytes[ctl + 8:ctl + 12].view(np.uint32)[0])
         nbytes = box.get_u64(ctl + 16)
         try:
@@ -299,17 +307,32 @@ class Proxy:
                 link.run(Link.allgatherv, send, recv, counts)
             else:
                 raise ShmtreeError(f"shmtree: unknown proxy step {step}")
+            self._busy = False               # (before the leader can see it done)
             box.set_word(ctl, DONE)
         except BaseException as exc:
             text = link.failure or f"{type(exc).__name__}: {exc}"
             box.put_text(ctl + 1024, text)
             box.put_text(1024, text)
             box.set_word(4, 1)
+            self._busy = False
             box.set_word(ctl, FAILED)
 
     def close(self):
+        """Stop serving (Group.close in the launcher, before the group is marked closed).  A
+        clean close (no step in flight, the node healthy) tells the other nodes nothing: they
+        may still be finishing their last call.  A failure of this node that the thread has
+        not carried yet, or a step still in flight, fails the other nodes too."""
         self._stop = True
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        mine = threading.current_thread() is self._thread
+        if self._thread.is_alive() and not mine and not self._busy:
+            self._thread.join(5)
+        if self.link.failure is None:
+            text = self._interrupt()
+            if text is None and (self._busy or (self._thread.is_alive() and not mine)):
+                text = f"node {self.link.me}: its group was closed during an inter-node step"
+            if text is not None:
+                self.link.abort(text)
+        if self._thread.is_alive() and not mine:
             self._thread.join(5)
         self.link.close()
         try:

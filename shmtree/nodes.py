@@ -29,6 +29,8 @@ launcher (shmtree.mailbox) instead of MPI in the leader itself.
 from __future__ import annotations
 
 import atexit
+import os
+import re
 import time
 import weakref
 
@@ -41,7 +43,7 @@ from .collectives import (_deadline, _dtype_digest, _finish, _movable, _out_for,
                           _scatter_block)
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .group import Group
-from .inter import Link, _pieces
+from .inter import Link, _pieces, global_ranks
 from .ops import OP_NAMES, reduction_codes
 
 __all__ = ["from_mpi", "Spanning"]
@@ -52,6 +54,11 @@ LANES_BYTES = 1 << 20          # from_mpi, nodes of one size: reductions from th
                                # every rank's lane (_reduce_lanes), smaller ones on the leaders
 _REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes
+# a node's own step in its messages ("broadcast(root=0) #2"), and the messages of the links
+# (already in the words of the whole communicator)
+_STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
+                   r"(?:broadcast|reduce)\(root=\d+\)) #\d+")
+_FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
 class Spanning:
@@ -79,6 +86,11 @@ class Spanning:
         self._in_order = self._order == list(range(self.size))
         self._scratch = None
         self._closed = False
+        self._calls = 0                  # the user's calls on this communicator (for messages)
+        self._in_call = None             # the one running
+        for link in {link, lane} - {None}:
+            if isinstance(link, Link):   # (a from_mpi link: this node's failure in global ranks)
+                link.interrupt = self._node_failed
         if self.nodes == 1:          # one node: its own communicator makes every call
             for name in ("allreduce", "iallreduce", "reduce", "ireduce", "reduce_scatter",
                          "ireduce_scatter", "broadcast", "ibroadcast", "allgather",
@@ -157,11 +169,21 @@ class Spanning:
         return self._post(self._prep_barrier(timeout), "ibarrier")
 
     def empty(self, shape, dtype=float, order="C"):
-        """Shared within this node (a collective of the node's members): see Communicator."""
-        return self.local.empty(shape, dtype, order)
+        """Shared within this node (a collective of the node's members): see Communicator.
+        Its errors name global ranks."""
+        return self._in_node(self.local.empty, shape, dtype, order)
 
     def zeros(self, shape, dtype=float, order="C"):
-        return self.local.zeros(shape, dtype, order)
+        return self._in_node(self.local.zeros, shape, dtype, order)
+
+    def _in_node(self, fn, *args):
+        try:
+            return fn(*args)
+        except ShmtreeError as exc:
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (self._global(exc.args[0]) + f" (in node {self.node})",) + \
+                    exc.args[1:]
+            raise
 
     def stats(self) -> dict:
         return self.local.stats()
@@ -207,32 +229,44 @@ class Spanning:
             if link is not None and link.failure is not None:
                 raise PeerLostError(f"shmtree: rank {self.rank}: {link.failure}")
 
+    def _node_failed(self):
+        """A from_mpi link's interrupt: this node's group is aborted (in global ranks)."""
+        group = self.group
+        if not group.closed and group.aborted():
+            return f"node {self.node}: {self._global(group.describe_abort(), self._in_call)}"
+        return None
+
+    def _global(self, text, call=None):
+        """A message of the node's own group in the words of the whole communicator: global
+        ranks, and the user's call instead of the node's internal step."""
+        return global_ranks(text, self._members[self.node],
+                            (lambda part: _STEP.sub(call, part)) if call else None)
+
     def _guarded(self, run):
         """A failure inside a call (other than a mismatch, which every rank raises alike and
         which leaves the group usable) fails every node: the node's group is aborted and the
-        leader tells the other leaders."""
-        def call():
+        leader tells the other leaders.  Its message names global ranks and the user's call."""
+        self._calls += 1
+        call = f"{getattr(run, 'call', 'collective')} #{self._calls} across nodes"
+
+        def guarded():
+            self._in_call = call
             try:
                 return run()
             except CollectiveMismatchError:
                 raise
             except BaseException as exc:
-                text = (f"node {self.node} (rank {self.rank}) failed: "
+                if isinstance(exc, ShmtreeError) and exc.args and isinstance(exc.args[0], str) \
+                        and not _FROM_LINK.match(exc.args[0]):
+                    exc.args = (self._global(exc.args[0], call),) + exc.args[1:]
+                text = (f"node {self.node} (rank {self.rank}) failed in {call}: "
                         f"{type(exc).__name__}: {exc}")
                 for link in {self._link, self._lane} - {None}:
                     link.abort(text)
                 if not self.group.closed and not self.group.aborted():
                     self.group.abort(ABORT_FAILED, self.node_rank, note=text)
-                if isinstance(exc, ShmtreeError) and exc.args and isinstance(exc.args[0], str):
-                    exc.args = (exc.args[0] + self._numbering(),) + exc.args[1:]
                 raise
-        return call
-
-    def _numbering(self):
-        """What the rank numbers of this node's own messages mean (they are local)."""
-        ranks = self._members[self.node]
-        return (f" [in node {self.node}'s messages rank r is local rank r: global "
-                f"{ranks_text(ranks)}]" if ranks != list(range(len(ranks))) else "")
+        return guarded
 
     # ---- the steps inside a node ----
 
@@ -329,6 +363,7 @@ class Spanning:
                 src = src.copy()          # out overlaps the input without being it
             fold(src, flat, op, deliver, deadline)
             return _finish(result, copy_back)
+        run.call = what + (f"(root={root})" if root is not None else "")
         return run
 
     def _scratch_for(self, dtype, count):
@@ -465,10 +500,15 @@ class Spanning:
             view = result.reshape(-1).view(np.uint8) if result.size else \
                 np.empty(0, np.uint8)
             if self.rank == root and result.size:
-                if not np.shares_memory(result, src):
-                    view[...] = src.reshape(-1).view(np.uint8)
+                raw = src.reshape(-1).view(np.uint8)
+                # the same bytes: nothing to move; any other overlap: numpy's assignment
+                # copies through a temporary (the root's data, not a half-moved mix)
+                if not (raw.__array_interface__["data"][0] ==
+                        view.__array_interface__["data"][0] and raw.size == view.size):
+                    view[...] = raw
             self._bcast_pipeline(view, rnode, rlocal, deadline)
             return _finish(result, copy_back)
+        run.call = f"broadcast(root={root})"
         return run
 
     def _meta(self, a, rnode, rlocal, deadline):
@@ -562,6 +602,8 @@ class Spanning:
                                                          self._remaining(deadline))()
             else:
                 node_blocks = mine if axis == 0 else mine[None]
+                if np.may_share_memory(node_blocks, result):
+                    node_blocks = node_blocks.copy()    # (the input overlaps out)
             sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
             total = sum(sizes)
             flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
@@ -587,6 +629,7 @@ class Spanning:
             if self.node_size > 1 and total:
                 self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
             return _finish(result, copy_back)
+        run.call = "allgather"
         return run
 
     def _place(self, gathered, flat, lengths, rowbytes):
@@ -607,6 +650,7 @@ class Spanning:
         def run():
             table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
             self._check(table)
+        run.call = "barrier"
         return run
 
 
@@ -669,24 +713,44 @@ def _describe(r):
 
 def start_proxy(group, inter, segment_bytes):
     """In a launcher creating its node's group: agree with the other launchers (collective over
-    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node."""
+    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node.
+    Whether every launcher could start is agreed before any step of all of them: one that
+    cannot (bad option, no memory for its mailbox) raises its error, the others a ShmtreeError
+    naming it, none waits for it in MPI."""
     from mpi4py import MPI
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ShmtreeError("shmtree: inter= needs MPI initialised with MPI_THREAD_MULTIPLE "
-                           "(the proxy runs MPI on a thread of its own); leave "
-                           "mpi4py.rc.thread_level at its default, 'multiple'")
-    segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
-    if segment < 4096:
-        raise ValueError(f"shmtree: segment_bytes must be at least 4096, got {segment_bytes!r}")
-    info = inter.allgather((group.size, segment))
-    if len({g for _, g in info}) > 1:
+    from .mailbox import Mailbox, Proxy
+    segment, box, err = None, None, None
+    try:
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ShmtreeError("shmtree: inter= needs MPI initialised with "
+                               "MPI_THREAD_MULTIPLE (the proxy runs MPI on a thread of its "
+                               "own); leave mpi4py.rc.thread_level at its default, 'multiple'")
+        segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
+        if segment < 4096:
+            raise ValueError(f"shmtree: segment_bytes must be at least 4096, got "
+                             f"{segment_bytes!r}")
+        if inter.Get_size() > 1:
+            box = Mailbox.create(segment)
+    except Exception as exc:
+        err = exc
+    info = inter.allgather((group.size, segment,
+                            None if err is None else f"{type(err).__name__}: {err}"))
+    failed = [(n, e) for n, (_, _, e) in enumerate(info) if e is not None]
+    if failed and box is not None:
+        os.close(box[1])
+    if err is not None:
+        raise err
+    if failed:
+        raise ShmtreeError("shmtree: the launcher" + ("s" if len(failed) > 1 else "") +
+                           " of " + "; ".join(f"node {n} could not start its group: {e}"
+                                              for n, e in failed))
+    if len({g for _, g, _ in info}) > 1:
         raise ValueError(f"shmtree: the launchers passed different segment_bytes: "
-                         f"{[g for _, g in info]}")
+                         f"{[g for _, g, _ in info]}")
     if len(info) == 1:
         return None, None
-    from .mailbox import Proxy
-    proxy = Proxy(group, inter, segment)
-    return (inter.Get_rank(), [s for s, _ in info], segment, proxy.fd), proxy
+    proxy = Proxy(group, inter, segment, box)
+    return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
 
 
 def spanning_member(group, comm):
@@ -737,31 +801,35 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
         node = firsts.index(first)
         options = dict(group_options)
         options.setdefault("pin", False)
-        token, err = None, None
+        token, err, group, local = None, None, None, None
         if node_rank == 0:
             try:
                 group = Group(nsize, **options)
                 token = group.rendezvous_token()
             except Exception as exc:
-                err = f"{type(exc).__name__}: {exc}"
+                err = f"rank {rank}: {type(exc).__name__}: {exc}"
         token, err = node_comm.bcast((token, err), root=0)
-        if err is not None:
-            raise ShmtreeError(f"shmtree.from_mpi: node {node} could not create its group: "
-                               f"{err}")
-        local = None
-        try:
-            if node_rank != 0:
-                group = Group.from_token(token)
-            local = group.join(node_rank)
-            ok = 1
-        except Exception as exc:
-            ok, err = 0, f"rank {rank}: {type(exc).__name__}: {exc}"
-        if not all(node_comm.allgather(ok)):
-            errs = [e for e in node_comm.allgather(err) if e]
+        if err is None:
+            try:
+                if node_rank != 0:
+                    group = Group.from_token(token)
+                local = group.join(node_rank)
+            except Exception as exc:
+                err = f"rank {rank}: {type(exc).__name__}: {exc}"
+        # success is agreed over the whole communicator before any step of all of it: a node
+        # that could not form its group makes every rank of every node raise, none waits
+        every = mpi_comm.allgather(err)
+        failed = sorted({g for g, e in enumerate(every) if e is not None})
+        if failed:
             if local is not None:
                 local.close()
-            raise ShmtreeError(f"shmtree.from_mpi: the processes of node {node} could not form "
-                               f"a group: {'; '.join(errs)}")
+            if group is not None:
+                group.close()
+            bad = sorted({firsts.index(everyone[g][0]) for g in failed})
+            texts = "; ".join(dict.fromkeys(e for e in every if e is not None))
+            raise ShmtreeError(
+                f"shmtree.from_mpi: the processes of node{'s' if len(bad) > 1 else ''} "
+                f"{','.join(map(str, bad))} could not form a group: {texts}")
         node_comm.Barrier()            # every member attached before the creator goes on
     finally:
         node_comm.Free()

@@ -3,8 +3,9 @@
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
-failure, kill.  Launcher modes (N launchers, one per node, node n forking NODE_SIZE + n workers
-through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-mismatch, launch-kill.
+failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
+NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
+launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
 """
@@ -112,6 +113,24 @@ def mode_collectives(c, launched=False):
         assert np.array_equal(g0, np.concatenate([np.full(r + n, r, np.int32)
                                                   for r in range(P)]))
         c.barrier()
+    # out overlapping the input without being it: the root's data reaches every rank (and
+    # the same array, in place, works directly)
+    for n, shift in ((125, 10), (70001, 3), (70001, -5)):
+        for root in range(P):
+            buf = np.arange(n + 20, dtype=np.float64) + 1000 * me
+            lo = 5
+            a, out = buf[lo:lo + n], buf[lo + shift:lo + shift + n]
+            want = np.arange(n, dtype=np.float64) + lo + 1000 * root
+            got = c.broadcast(a, root=root, out=out)
+            assert got is out and np.array_equal(out, want), (n, shift, root)
+        x = np.arange(n, dtype=np.float64) + 1000 * me
+        c.broadcast(x, root=P - 1, out=x)
+        assert np.array_equal(x, np.arange(n, dtype=np.float64) + 1000 * (P - 1))
+    buf = np.zeros(5 * P + 2, np.int64)
+    buf[:5] = np.arange(5) + 10 * me
+    out = buf[2:2 + 5 * P].reshape(P, 5)
+    c.allgather(buf[:5], out=out)
+    assert all(np.array_equal(out[r], np.arange(5) + 10 * r) for r in range(P)), out
     # module-level calls go to this communicator
     assert shmtree.current() is c and shmtree.rank() == me and shmtree.size() == P
     assert float(shmtree.allreduce(np.ones(1))[0]) == P
@@ -137,6 +156,17 @@ def mode_mismatch(c, launched=False):
             raise AssertionError(f"rank {me}: no mismatch raised for {call}")
         # the group stays usable
         assert float(c.allreduce(np.ones(1))[0]) == P
+    # shared arrays are the node's: a mismatch in the last node names its global ranks
+    if c.node_size > 1:
+        last = c.nodes - 1
+        try:
+            c.empty(4 if me == bad else 3)
+        except shmtree.CollectiveMismatchError as exc:
+            assert c.node == last and f"rank {bad} " in str(exc) and \
+                f"(in node {last})" in str(exc), str(exc)
+        else:
+            assert c.node != last, f"rank {me}: no mismatch raised for empty"
+    assert float(c.allreduce(np.ones(1))[0]) == P
 
 
 def mode_failure(c):
@@ -164,6 +194,50 @@ def mode_failure(c):
         pass
     else:
         raise AssertionError(f"rank {me}: the communicator still works after a failure")
+    # a communicator formed again works (nothing of the failed one's links reaches it)
+    c.close()
+    W.Barrier()
+    c2 = shmtree.from_mpi(W, node_size=c.node_size)
+    for _ in range(5):
+        assert float(c2.allreduce(np.ones(1 << 16))[0]) == P
+    c2.close()
+
+
+def mode_sigint(c):
+    """Nodes of 2: rank 1 (node 0) is interrupted by SIGINT inside an allreduce (PROG_BYTES
+    bytes) that rank 2 (node 1's leader: rank 0's partner between the nodes) has not entered:
+    every other rank, rank 1's own node peer included, raises before rank 2 arrives (which
+    waits until told, or 60 s); then rank 2's call fails at once too."""
+    import signal
+    import threading
+    P, me = c.size, c.rank
+    late, victim = 2, 1
+    n = int(os.environ.get("PROG_BYTES", "64")) // 8
+    c.allreduce(np.ones(8))
+    W.Barrier()
+    if me == late:
+        told, t0 = set(), time.monotonic()
+        while len(told) < P - 1 and time.monotonic() - t0 < 30:
+            st = MPI.Status()
+            if W.Iprobe(source=MPI.ANY_SOURCE, tag=77, status=st):
+                W.recv(source=st.Get_source(), tag=77)
+                told.add(st.Get_source())
+            else:
+                time.sleep(0.005)
+        assert len(told) == P - 1, (f"ranks {sorted(set(range(P)) - {late} - told)} did not "
+                                    f"raise before the late rank arrived")
+    elif me == victim:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        c.allreduce(np.ones(n))
+    except (KeyboardInterrupt, shmtree.PeerLostError) as exc:
+        took = time.monotonic() - t0
+        print(f"rank {me} raised {type(exc).__name__} after {took:.2f} s: {exc}", flush=True)
+        if me != late:
+            W.send(took, dest=late, tag=77)
+    else:
+        raise AssertionError(f"rank {me}: no error")
 
 
 def mode_kill(c):
@@ -219,9 +293,57 @@ def main_pool(base):
         print("OK launch-pool", flush=True)
 
 
+def loop_spmd(comm):
+    return int(comm.allreduce(np.ones(3, np.int64))[0])
+
+
+def main_loop(base):
+    """Groups across nodes made and closed again and again (run, then Pool): every one works
+    (a launcher closing its group must not fail the others' groups, now or later)."""
+    workers = base + W.rank
+    P = sum(W.allgather(workers))
+    for i in range(int(os.environ.get("PROG_ROUNDS", "12"))):
+        try:
+            got = shmtree.run(loop_spmd, workers, inter=W, **SEGMENT)
+            assert got == [P] * workers, got
+            with shmtree.Pool(workers, inter=W, **SEGMENT) as pool:
+                assert pool.run(loop_spmd) == [P] * workers
+        except Exception as exc:        # (the other launchers would wait in the next round)
+            print(f"launcher {W.rank}: round {i} failed: {type(exc).__name__}: {exc}",
+                  flush=True)
+            W.Abort(1)
+    W.Barrier()
+    if W.rank == 0:
+        print("OK launch-loop", flush=True)
+
+
+def main_startfail(base):
+    """Launcher 1 passes a segment_bytes too small: it raises its ValueError, every other
+    launcher a ShmtreeError naming node 1 (none waits for it in MPI); then all start again."""
+    workers = base + W.rank
+    bad = {"segment_bytes": 1000} if W.rank == 1 else {}
+    try:
+        shmtree.run(loop_spmd, workers, inter=W, **bad)
+    except ValueError as exc:
+        assert W.rank == 1 and "at least 4096" in str(exc), exc
+    except shmtree.ShmtreeError as exc:
+        assert W.rank != 1 and "node 1 could not start its group: ValueError" in str(exc), exc
+    else:
+        raise AssertionError(f"launcher {W.rank}: no error")
+    P = sum(W.allgather(workers))
+    assert shmtree.run(loop_spmd, workers, inter=W) == [P] * workers
+    W.Barrier()
+    if W.rank == 0:
+        print("OK launch-startfail", flush=True)
+
+
 def main_launcher(mode, base):
     if mode == "pool":
         return main_pool(base)
+    if mode == "startfail":
+        return main_startfail(base)
+    if mode == "loop":
+        return main_loop(base)
     workers = base + W.rank
     t0 = time.monotonic()
     if mode == "exit" and W.rank == 1:
@@ -245,13 +367,160 @@ def main_launcher(mode, base):
         print(f"OK launch-{mode}", flush=True)
 
 
+def main_formfail(node_size):
+    """One process of the last node cannot form its node's group (PROG_FAIL=create: its
+    creator, join: its last member): every rank of every node raises the same ShmtreeError
+    naming that node and rank (none waits in a global step), and from_mpi works again."""
+    import shmtree.group as sg
+    import shmtree.nodes as sn
+    P, me = W.size, W.rank
+    last = list(range(P))[(P - 1) // node_size * node_size:]
+    victim = last[0] if os.environ["PROG_FAIL"] == "create" else last[-1]
+    if me == victim:
+        real_group, real_from_token = sn.Group, sg.Group.from_token
+
+        class Refused(real_group):
+            def __init__(self, *a, **k):
+                raise OSError("simulated: no memory for the segment")
+
+            @classmethod
+            def from_token(cls, token):
+                raise OSError("simulated: cannot open the segment")
+        sn.Group = Refused
+    t0 = time.monotonic()
+    try:
+        shmtree.from_mpi(W, node_size=node_size)
+    except shmtree.ShmtreeError as exc:
+        text = str(exc)
+        node = (P - 1) // node_size
+        assert f"node {node} could not form a group" in text and f"rank {victim}:" in text \
+            and "simulated" in text, text
+        same_everywhere(np.frombuffer(text.encode(), np.uint8), "the message")
+        print(f"rank {me} raised after {time.monotonic() - t0:.1f} s: {text}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: from_mpi did not raise")
+    if me == victim:
+        sn.Group = real_group
+    c = shmtree.from_mpi(W, node_size=node_size)
+    assert float(c.allreduce(np.ones(1))[0]) == P
+    c.close()
+    W.Barrier()
+    if me == 0:
+        print("OK formfail", flush=True)
+
+
+class _StubGroup:
+    """What a Link needs of its node's group, aborted on demand."""
+    closed = False
+
+    def __init__(self):
+        self.failed = False
+
+    def aborted(self):
+        return self.failed
+
+    def abort(self, *args, **kwargs):
+        self.failed = True
+
+    def describe_abort(self):
+        return "rank 0 failed (the test aborted it); the group is aborted"
+
+
+def main_orphans():
+    """Two leaders' Links.  Leader 0's allreduce step posts its receive into a temporary and
+    is aborted (its node fails) before leader 1 sends; then leader 1 sends what leader 0's
+    receive expects, straight on the link's communicator.  MPI completes that receive: into
+    memory the failed step must have kept (not freed under MPI: a SIGSEGV or a corrupted
+    array of leader 0)."""
+    import gc
+    import threading
+    from shmtree.inter import Link, TAG_RS
+    me = W.rank
+    stub = _StubGroup()
+    link = Link(W.Dup(), stub)
+    n = 8 << 20                                      # float64: 64 MiB, halves of 32 MiB
+    if me == 0:
+        threading.Timer(0.2, setattr, (stub, "failed", True)).start()
+        try:
+            link.run(Link.allreduce, np.ones(n), "sum")
+        except shmtree.PeerLostError:
+            pass
+        else:
+            raise AssertionError("leader 0: the step did not fail")
+        gc.collect()
+        fresh = [np.full(n // 2, 7.0) for _ in range(4)]   # (where a freed temporary was)
+        W.send("go", dest=1)
+        assert W.recv(source=1) == "sent"            # (MPI progresses here: the receive)
+        assert all((f == 7.0).all() for f in fresh), "a late receive wrote into leader 0's " \
+            "memory"
+    else:
+        assert W.recv(source=0) == "go"
+        half = np.full(n // 2, 3.0)
+        req = link.comm.Isend([half.view(np.uint8), MPI.BYTE], dest=0, tag=TAG_RS)
+        while not req.Test():
+            time.sleep(0.001)
+        W.send("sent", dest=0)
+    link.close()
+    W.Barrier()
+    if me == 0:
+        print("OK orphans", flush=True)
+
+
+def main_closebusy():
+    """Leader 0 closes its Link while another thread of it (as a launcher's proxy thread does)
+    runs a step inline that leader 1 never joins: close makes that step fail (PeerLostError in
+    that thread, the other leader told) and returns, instead of acting on the link's MPI
+    requests under the running step and leaving it to spin for ever."""
+    import threading
+    from shmtree.inter import Link
+    me = W.rank
+    stub = _StubGroup()
+    link = Link(W.Dup(), stub)
+    if me == 0:
+        seen = []
+
+        def step():
+            try:
+                link.run(Link.bcast, np.zeros(1 << 20, np.uint8), 1)
+            except shmtree.PeerLostError as exc:
+                seen.append(exc)
+        t = threading.Thread(target=step)
+        t.start()
+        while not link._running:                 # (the step has started)
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        link.close()
+        t.join(30)
+        assert not t.is_alive(), "leader 0: the step still runs after close"
+        assert seen and "closed during an inter-node step" in str(seen[0]), seen
+        print(f"leader 0: closed in {time.monotonic() - t0:.2f} s", flush=True)
+        W.send("closed", dest=1)
+    else:
+        assert W.recv(source=0) == "closed"
+        t0 = time.monotonic()
+        while link.failure is None and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        assert link.failure and "closed during an inter-node step" in link.failure, \
+            link.failure
+        link.close()
+    W.Barrier()
+    if me == 0:
+        print("OK closebusy", flush=True)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
+    if mode == "closebusy":
+        return main_closebusy()
+    if mode == "orphans":
+        return main_orphans()
     if mode.startswith("launch-"):
         return main_launcher(mode[len("launch-"):], node_size)
+    if mode == "formfail":
+        return main_formfail(node_size)
     c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode != "failure":
+    if mode not in ("failure", "sigint"):
         c.close()
     W.Barrier()
     if W.rank == 0:

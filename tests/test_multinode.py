@@ -129,6 +129,11 @@ def test_a_failure_in_one_node_reaches_every_node():
     assert rc == 0 and "OK failure" in out, out[-4000:]
     raised = _reports(out, r"rank \d+ raised ")
     assert sorted(r.split()[1] for r in raised) == ["0", "1", "2", "3"], out[-4000:]
+    # every rank's message names the global rank that timed out and the user's call (its
+    # second), not a node-local rank and an internal step of the node ("broadcast(root=0) #7")
+    for r in raised:
+        assert "rank 3 timed out in allreduce #2 across nodes" in r, r
+        assert not re.search(r"#\d+(?! across nodes)", r), r
 
 
 @pytest.mark.timeout(120)
@@ -229,3 +234,71 @@ def test_rendezvous_refuses_another_users_segment():
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["1+2", "1+2+3"])
+def test_launchers_groups_again_and_again(nprocs):
+    """run(inter=) and Pool(inter=) twelve times each in a row: a launcher that closes its
+    group when its workers are done must not fail a node still finishing the last call (nor a
+    later group of any node: control messages carry the link's epoch)."""
+    rc, out, _ = _launch(nprocs, "launch-loop", 1)
+    assert rc == 0 and "OK launch-loop" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size,fail", [(4, 2, "join"), (4, 2, "create"),
+                                                   (3, 2, "create"), (3, 1, "create")],
+                         ids=["2x2 member", "2x2 creator", "2+1 creator", "1+1+1 creator"])
+def test_a_node_that_cannot_form_its_group_fails_every_node(nprocs, node_size, fail, monkeypatch):
+    """from_mpi agrees on success over the whole communicator before any global step: the
+    other nodes raise too, instead of waiting in MPI for the failed one."""
+    monkeypatch.setenv("PROG_FAIL", fail)
+    rc, out, _ = _launch(nprocs, "formfail", node_size, timeout=60)
+    assert rc == 0 and "OK formfail" in out, out[-4000:]
+    assert len(_reports(out, r"rank \d+ raised ")) == nprocs, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nbytes", [64, 8 << 20], ids=["64B leaders", "8MiB lanes"])
+def test_sigint_in_one_node_fails_its_peer_at_once(nbytes, monkeypatch):
+    """from_mpi(node_size=2), rank 1 interrupted inside an allreduce that rank 2 (node 1's
+    first rank, rank 0's partner between the nodes) has not entered: rank 0 (rank 1's own
+    node) and rank 3 raise without waiting for rank 2 (which enters only once they have told
+    it so, through MPI, or after 30 s), within a few seconds of the interrupt; then rank 2's
+    call fails at once."""
+    monkeypatch.setenv("PROG_BYTES", str(nbytes))
+    rc, out, _ = _launch(4, "sigint", 2, timeout=90)
+    assert rc == 0 and "OK sigint" in out, out[-4000:]
+    raised = {r.split()[1]: r for r in _reports(out, r"rank \d+ raised ")}
+    assert sorted(raised) == ["0", "1", "2", "3"], out[-4000:]
+    assert "KeyboardInterrupt" in raised["1"] and "PeerLostError" in raised["0"]
+    for r in ("0", "3"):
+        took = float(re.search(r"after ([\d.]+) s", raised[r]).group(1))
+        assert took < 0.3 + 5, raised[r]     # (the interrupt comes at 0.3 s)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_keeps_its_posted_receives():
+    """An inter-node step that fails while its MPI receive is posted keeps the request and its
+    buffer (MPI may still write there): a late sender's data lands in memory nobody uses,
+    not in a freed temporary (a SIGSEGV or another array's contents)."""
+    rc, out, _ = _launch(2, "orphans", 1, timeout=60)
+    assert rc == 0 and "OK orphans" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["1+2", "1+2+3"])
+def test_a_launcher_that_cannot_start_fails_every_launcher(nprocs):
+    """Group(inter=) agrees on success over the launchers before any step of all of them."""
+    rc, out, _ = _launch(nprocs, "launch-startfail", 1, timeout=60)
+    assert rc == 0 and "OK launch-startfail" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_closing_a_link_under_a_running_step():
+    """Link.close while another thread (a launcher's proxy thread) runs a step inline: the step
+    fails with PeerLostError, the other leader is told, close returns; close does not act on
+    the link's MPI requests under the running step."""
+    rc, out, _ = _launch(2, "closebusy", 1, timeout=60)
+    assert rc == 0 and "OK closebusy" in out, out[-4000:]
