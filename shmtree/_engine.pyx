@@ -113,7 +113,7 @@ cdef object _output(cnp.ndarray a, out, int nd, cnp.npy_intp *dims, int num,
             or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)):
         return None
     if in_place_ok:
-        if res is not a and _ranges_overlap(a, res):
+        if _clash(a, res):
             return None
     elif cnp.PyArray_NBYTES(res) and _ranges_overlap(a, res):
         return None
@@ -140,6 +140,69 @@ cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
     cdef char *pa = <char *>cnp.PyArray_DATA(a)
     cdef char *pb = <char *>cnp.PyArray_DATA(b)
     return pa < pb + cnp.PyArray_NBYTES(b) and pb < pa + cnp.PyArray_NBYTES(a)
+
+
+# ---- the overlap rule (DESIGN sections 5, 6, 8), the one place it is decided ----
+# An input and an output that are the very same bytes (in place) or share no byte are used as
+# they are; any other overlap goes through a copy of the input first: the engine's algorithms
+# read the input while they write the output, piece by piece (the kernels' 16 KiB pieces, the
+# two-rank exchange, chunks of the pipeline), so a partly overlapping input would be read after
+# it was overwritten.  The fast paths decline such calls (_output, quick_allgather); begin and
+# begin_coll, which every other call goes through, copy the input; the Python layers ask
+# clash() where they build their own buffers (collectives.py, nodes.py).
+
+cdef inline bint _clash_c(const char *pa, uint64_t na, const char *pb, uint64_t nb) noexcept nogil:
+    """Do [pa, pa + na) and [pb, pb + nb) share a byte without being the very same bytes?"""
+    if na == 0 or nb == 0 or (pa == pb and na == nb):
+        return False
+    return pa < pb + nb and pb < pa + na
+
+
+cdef inline bint _clash(cnp.ndarray a, cnp.ndarray b):
+    """_clash_c of two C-contiguous arrays."""
+    return _clash_c(<const char *>cnp.PyArray_DATA(a), cnp.PyArray_NBYTES(a),
+                    <const char *>cnp.PyArray_DATA(b), cnp.PyArray_NBYTES(b))
+
+
+cdef void _extent(cnp.ndarray a, const char **lo, const char **hi):
+    """The lowest byte a's elements occupy and one past the highest (any strides)."""
+    cdef const char *p = <const char *>cnp.PyArray_DATA(a)
+    cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    cdef int i
+    lo[0] = p
+    hi[0] = p + cnp.PyArray_ITEMSIZE(a)
+    for i in range(cnp.PyArray_NDIM(a)):
+        if strides[i] < 0:
+            lo[0] += (dims[i] - 1) * strides[i]
+        else:
+            hi[0] += (dims[i] - 1) * strides[i]
+
+
+def clash(a, b):
+    """The overlap rule for the Python layers: do ndarrays a and b (any layout) share memory
+    without being the very same elements (the same first byte, shape, strides and item size)?
+    True: an input that is read while `b` is written must be copied first.  False for the very
+    same array (in place) and for disjoint memory.  (By extents: strided views that interleave
+    without sharing an element count as sharing; the copy is then merely unneeded.)"""
+    cdef cnp.ndarray x = a
+    cdef cnp.ndarray y = b
+    cdef const char *xl
+    cdef const char *xh
+    cdef const char *yl
+    cdef const char *yh
+    cdef int nd = cnp.PyArray_NDIM(x)
+    if cnp.PyArray_SIZE(x) == 0 or cnp.PyArray_SIZE(y) == 0:
+        return False
+    if (cnp.PyArray_DATA(x) == cnp.PyArray_DATA(y) and nd == cnp.PyArray_NDIM(y)
+            and cnp.PyArray_ITEMSIZE(x) == cnp.PyArray_ITEMSIZE(y)
+            and memcmp(cnp.PyArray_DIMS(x), cnp.PyArray_DIMS(y), nd * sizeof(cnp.npy_intp)) == 0
+            and memcmp(cnp.PyArray_STRIDES(x), cnp.PyArray_STRIDES(y),
+                       nd * sizeof(cnp.npy_intp)) == 0):
+        return False
+    _extent(x, &xl, &xh)
+    _extent(y, &yl, &yh)
+    return xl < yh and yl < xh
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
@@ -802,6 +865,8 @@ cdef class Engine:
             raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
         for i in range(nd):
             dims[i] = shape[i]
+        if src is not None and _clash(src, dst):
+            src = src.copy()                  # (the overlap rule: see _clash_c)
         self._begin_c(src, dst, itemsize, op, dtype, kind, nd, dims, small_bytes)
         return RC_DONE
 
@@ -842,6 +907,8 @@ cdef class Engine:
             raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
         for i in range(nd):
             dims[i] = shape[i]
+        if src is not None and dst is not None and _clash(src, dst):
+            src = src.copy()                  # (the overlap rule: see _clash_c)
         self.offs_ref = offs
         self.e.call.root = root
         self.e.call.coll_kind = CHAIN_BCAST if coll == COLL_BROADCAST else CHAIN_REDUCE

@@ -233,8 +233,10 @@ class Collectives:
             at = _moving.CLAIM_BYTES * P + _moving.META_BYTES
             view[...] = first[at:at + nbytes]
         elif self._own_algorithm("broadcast", nbytes):     # (shared outs: the single copy)
-            if me == root and not np.shares_memory(result, a):
-                view[...] = _bytes_of(a)       # the chain starts from the root's output
+            if me == root and not (pre is not None and pre[0] is result) \
+                    and _moving.address(result) != _moving.address(a):
+                view[...] = _bytes_of(a)       # the chain starts from the root's output (in
+                                               # place: it is a; numpy's copy minds overlap)
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), deadline,
                              coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
         elif P == 1:
@@ -345,8 +347,8 @@ class Collectives:
         blocks = self._own_algorithm("allgather", view.size)    # (shared outs: single copy)
         in_place = (blocks and a.flags.c_contiguous and a.nbytes == own.size and a.nbytes
                     and _moving.address(a) == _moving.address(own))     # out[rank] passed
-        if not in_place and np.may_share_memory(a, result):
-            a = a.copy()                      # (out overlaps the input)
+        if not in_place and _engine.clash(a, result):
+            a = a.copy()                      # (out overlaps the input: the overlap rule)
         if blocks:
             if not in_place:
                 own[...] = _bytes_of(a)
@@ -433,8 +435,7 @@ class Collectives:
         P = self.size
         offsets = tuple((r * (n // P) + min(r, n % P)) * row for r in range(P + 1))
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
-        if np.may_share_memory(result, src):
-            src = src.copy()
+        # (out overlapping the input: the engine's begin_coll copies it, the overlap rule)
         self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, deadline,
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
                                self._by_position(offsets)))

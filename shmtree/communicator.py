@@ -302,8 +302,8 @@ class Communicator(Collectives):
             result, dst, copy_back = dest or _destination(a, None)
             flags = a.flags
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
-            if src is not dst and _overlaps(src, dst):
-                src = src.copy()              # out overlaps the input without being it
+            # (out overlapping the input without being it: the engine's begin copies the input,
+            # the overlap rule's one place, _engine.clash)
             if root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
                                  coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
@@ -623,12 +623,10 @@ def _as_flat_buffer(out):
 
 
 def _overlaps(a, b) -> bool:
-    """Do two contiguous arrays share memory without being the very same bytes?"""
-    if not np.may_share_memory(a, b):
-        return False
-    same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.nbytes == b.nbytes)
-    return not same
+    """Do two arrays share memory without being the very same elements (then an input read
+    while the other is written must be copied first)?  The overlap rule, decided in one place:
+    _engine.clash (the engine's begin, begin_coll and fast paths apply the same rule)."""
+    return _engine.clash(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
