@@ -228,6 +228,12 @@ cdef enum:
                                       # nbytes; then the data room
 BCAST_CLAIM = BC_CLAIM
 BCAST_META = BC_META
+# a local error said in a call's round (begin_error): its descriptor's op and dtype, and how many
+# bytes of its text the descriptor carries
+cdef enum:
+    ERR_CODE = 255
+ERROR_CODE = ERR_CODE
+ERROR_TEXT = SHM_MAX_DIMS * 8
 
 # ---------------------------------------------------------------------------------------------
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
@@ -874,6 +880,25 @@ cdef class Engine:
     def seq(self):
         """The seq of the call begun last (calls are numbered 0, 1, ... by the engine)."""
         return self.cur_seq
+
+    def begin_error(self, int kind, bytes text):
+        """Begin a call that tells the other ranks this rank raised a local error in its
+        collective of descriptor kind `kind` (DESIGN section 6: an error only the root can see
+        must not leave the others behind): its descriptor has op and dtype ERROR_CODE, no data,
+        and the error's text (at most ERROR_TEXT bytes) as its dims.  It differs from the
+        descriptor of every rank that made the call, so every rank's call ends in MISMATCH
+        (DONE where every rank said the same error).  Returns DONE when started, ABORTED if
+        the group is already aborted."""
+        if self.busy:
+            raise RuntimeError("shmtree: a call is already in progress on this engine")
+        if aborted(&self.e):
+            return RC_ABORTED
+        cdef int64_t dims[SHM_MAX_DIMS]
+        memset(dims, 0, sizeof(dims))
+        memcpy(dims, <char *>text, min(len(text), <Py_ssize_t>sizeof(dims)))
+        self._begin_call(None, None, NULL, NULL, 0, 1, ERR_CODE, ERR_CODE, kind, SHM_MAX_DIMS,
+                         dims, 0, COLL_ALLREDUCE)
+        return RC_DONE
 
     def begin_coll(self, int coll, src, dst, uint64_t nbytes, int itemsize, int op, int dtype,
                    int kind, tuple shape, int root=0, offs=None):

@@ -59,10 +59,34 @@ def _movable(a, what):
     return a
 
 
+_SHOWN = 8                      # allgather(axis=0): dims of each rank's shape a mismatch names
+_NAMED = 1 << 62                # a digest that is the dtype's str itself (see _dtype_digest)
+
+
 @functools.lru_cache(maxsize=256)
 def _dtype_digest(dtype) -> int:
-    """A 32-bit digest of a dtype, byte order and fields included."""
-    return int.from_bytes(hashlib.sha256(pickle.dumps(np.dtype(dtype))).digest()[:4], "little")
+    """A dtype as a number, byte order and fields included: its str (at most 7 bytes, such as
+    '<f8' or '|S5') with bit 62 set, when the str names it (mismatch messages then say the
+    dtype in words: _dtype_text), else a 32-bit digest of its pickle."""
+    dt = np.dtype(dtype)
+    key = dt.str.encode()
+    if (len(key) <= 7 and dt.fields is None and dt.subdtype is None
+            and np.dtype(dt.str) == dt):
+        return int.from_bytes(key, "little") | _NAMED
+    return int.from_bytes(hashlib.sha256(pickle.dumps(dt)).digest()[:4], "little")
+
+
+def _dtype_text(digest) -> str:
+    """The dtype a _dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'); a
+    dtype without such a name (structured, ml_dtypes' bfloat16) is known by its digest."""
+    if digest & _NAMED:
+        try:
+            dt = np.dtype(int(digest & (_NAMED - 1)).to_bytes(7, "little").rstrip(b"\0")
+                          .decode())
+            return str(dt)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            pass
+    return f"#{digest:08x} (structured, or of an extension such as ml_dtypes)"
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,12 +153,21 @@ class Collectives:
     def ibroadcast(self, array, root=0, *, out=None, timeout=None):
         """broadcast, nonblocking: a Request."""
         array, out = _numpy_args(array, out, "ibroadcast")
-        return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
+        return self._post(self._prep_broadcast(array, root, out, timeout, posted=True),
+                          "ibroadcast")
 
-    def _prep_broadcast(self, array, root, out, timeout):
-        P, me = self.size, self.rank
+    def _prep_broadcast(self, array, root, out, timeout, posted=False):
+        P = self.size
         if type(root) is not int or not 0 <= root < P:
             root = _root(root, P)
+        try:
+            return self._prep_broadcast_args(array, root, out, timeout)
+        except (TypeError, ValueError) as exc:    # (said to the other ranks in the round)
+            raise self._local_error(exc, KIND_BROADCAST + KIND_ROOT_STEP * root, timeout,
+                                    posted) from None
+
+    def _prep_broadcast_args(self, array, root, out, timeout):
+        me = self.rank
         deadline = _deadline(timeout)
         if array is None:
             if me == root:
@@ -294,7 +327,7 @@ class Collectives:
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
-                                              timeout, kind, root=root), "ireduce")
+                                              timeout, kind, root=root, posted=True), "ireduce")
 
     # ---- allgather ----
 
@@ -378,20 +411,31 @@ class Collectives:
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
         dimensions and the dtype agree (a mismatch raises on every rank)."""
         P, me = self.size, self.rank
-        table = np.zeros((P, 2), np.uint64)
-        table[me] = (a.shape[0] + 1,
-                     _moving.claim(a.dtype, a.shape[1:]))
+        # per rank: length + 1, claim (dtype and the other dimensions), and for the message of
+        # a mismatch the dtype (_dtype_digest), ndim and the first _SHOWN dims
+        table = np.zeros((P, 4 + _SHOWN), np.uint64)
+        shown = a.shape[:_SHOWN]
+        table[me, :4 + len(shown)] = (a.shape[0] + 1, _moving.claim(a.dtype, a.shape[1:]),
+                                      _dtype_digest(a.dtype), a.ndim) + shown
         self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
-                         table.view(np.uint8).reshape(-1), (P, 2), deadline)
+                         table.view(np.uint8).reshape(-1), table.shape, deadline)
         groups = {}
         for r in range(P):
             groups.setdefault(int(table[r, 1]), []).append(r)
         if len(groups) > 1:
-            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}"
+            def passed(r):
+                nd = int(table[r, 3])
+                dims = [str(int(d)) for d in table[r, 4:4 + min(nd, _SHOWN)]]
+                if nd > _SHOWN:
+                    dims.append("...")
+                return (f"shape ({', '.join(dims)}{',' if nd == 1 else ''}) and dtype "
+                        f"{_dtype_text(int(table[r, 2]))}")
+            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}: "
+                              + "; ".join(dict.fromkeys(passed(r) for r in rs))
                               for rs in groups.values())
             raise CollectiveMismatchError(
                 "shmtree: ranks disagree on the collective call: allgather(axis=0): the dtype or "
-                f"the dimensions after the first differ between {parts}")
+                f"the dimensions after the first differ: {parts}")
         return [int(n) - 1 for n in table[:, 0]]
 
     # ---- reduce_scatter ----
