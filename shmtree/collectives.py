@@ -160,15 +160,15 @@ class Collectives:
         P = self.size
         if type(root) is not int or not 0 <= root < P:
             root = _root(root, P)
-        try:
-            return self._prep_broadcast_args(array, root, out, timeout)
-        except (TypeError, ValueError) as exc:    # (said to the other ranks in the round)
-            raise self._local_error(exc, KIND_BROADCAST + KIND_ROOT_STEP * root, timeout,
-                                    posted) from None
-
-    def _prep_broadcast_args(self, array, root, out, timeout):
-        me = self.rank
         deadline = _deadline(timeout)
+        try:
+            return self._prep_broadcast_args(array, root, out, deadline)
+        except TypeError as exc:          # (a dtype holding Python objects: said to the
+            raise self._local_error(exc, KIND_BROADCAST + KIND_ROOT_STEP * root, timeout,
+                                    posted) from None         # other ranks in the round)
+
+    def _prep_broadcast_args(self, array, root, out, deadline):
+        me = self.rank
         if array is None:
             if me == root:
                 raise ValueError("shmtree: broadcast: the root must pass the array")

@@ -285,13 +285,15 @@ class Communicator(Collectives):
             raise
 
     def _local_error(self, exc, kind, timeout, posted=False):
-        """A local error (TypeError, ValueError) of a rooted collective (broadcast, reduce, of
-        descriptor kind `kind`) raised by this rank's arguments: the others cannot see it (only
-        the root passes the data), so it is said in the call's round before it is raised here
+        """A local error of a rooted collective (broadcast, reduce, of descriptor kind `kind`)
+        that the other ranks cannot see: this rank's array's dtype holds Python objects, or is
+        not reducible (a TypeError).  It is said in the call's round before it is raised here
         (DESIGN section 6): every other rank's call then raises CollectiveMismatchError naming
-        this rank and its error, and every rank is through the same call (the group stays in
-        step).  posted: a nonblocking call, whose round is posted behind the outstanding ones
-        (the posting call raises at once)."""
+        this rank (the root) and its error, and every rank is through the same call (the group
+        stays in step; ranks that all made the error each raise their own).  Other local errors
+        (root, out=, timeout, op) stay local: every rank sees its own.  posted: a nonblocking
+        call, whose round is posted behind the outstanding ones (the posting call raises at
+        once).  Returns exc, for the caller to raise."""
         text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
             "utf-8", "replace")
         if len(text) > _engine.ERROR_TEXT:    # (what the round's descriptor carries)
@@ -337,12 +339,12 @@ class Communicator(Collectives):
         a = array if type(array) is np.ndarray else np.asarray(array)
         try:
             opc, dtc = reduction_codes(op, a.dtype)
-            dest = None if out is None else _destination(a, out)     # (out is checked now)
-            deadline = None if timeout is None else _deadline(timeout)
-        except (TypeError, ValueError) as exc:
-            if root is None:
+        except TypeError as exc:          # (its dtype is not reducible: a reduce says so in
+            if root is None:              # the call's round, DESIGN section 6)
                 raise
             raise self._local_error(exc, kind, timeout, posted) from None
+        dest = None if out is None else _destination(a, out)     # (out is checked now)
+        deadline = None if timeout is None else _deadline(timeout)
         mine = root is None or root == self.rank
 
         def run():
