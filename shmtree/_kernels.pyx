@@ -155,45 +155,46 @@ cdef enum:
 # Layer 1: point functions
 # ---------------------------------------------------------------------------------------------
 
-cdef inline Flt _nan_first(Flt r, Flt a) noexcept nogil:
-    """r, the result of `a op b`, unless a is a NaN: then a, quieted.  IEEE 754 leaves open
-    which NaN an operation on two NaNs returns, and compilers treat + and * as commutative, so
-    the hardware's rule (x86: the first operand's) is applied to whichever operand the compiler
-    put first - and that differs between the vector and scalar loops of one kernel, and between
-    the loops it takes by aliasing (dst is a source or not).  With a's NaN chosen here the bits
-    of every result depend on the operands and their order only: every rank, every path (the
-    single copy included) gets the same bits.  (When only b is a NaN, the hardware returns b's,
-    quieted, in either operand order.)  Branch-free: a compare and a blend, which vectorize with
-    the op."""
-    cdef f32_bits r32, a32
-    cdef f64_bits r64, a64
+cdef inline Flt _nan_pick(Flt a, Flt b) noexcept nogil:
+    """b, or a when a is a NaN: the right operand of a float sum or product (_fadd, _fsub,
+    _fmul), so that where the left operand is a NaN the result is that NaN, quieted (a op a).
+    IEEE 754 leaves open which NaN an operation on two NaNs returns, and compilers treat + and *
+    as commutative, so the hardware's rule (x86: the first operand's) applies to whichever
+    operand the compiler put first - and that differs between the vector and scalar loops of
+    one kernel, and between the loops it takes by aliasing (dst is a source or not).  With a's
+    NaN chosen here the bits of every result depend on the operands and their order only: every
+    rank, every path (the single copy included) gets the same bits.  (When only b is a NaN, the
+    hardware returns b's, quieted, in either operand order.)  Branch-free: a compare and a
+    blend, which vectorize with the op (the mask as wide as the lanes: the form GCC
+    vectorizes)."""
+    cdef f32_bits b32, a32
+    cdef f64_bits b64, a64
     cdef int32_t m32
     cdef int64_t m64
     if Flt is float:
-        r32.f = r
+        b32.f = b
         a32.f = a
-        m32 = -1 if a != a else 0         # (a mask as wide as the lanes: GCC vectorizes this
-        r32.u = (r32.u & ~<uint32_t>m32) | ((a32.u | 0x00400000U) & <uint32_t>m32)   # form)
-        return r32.f
+        m32 = -1 if a != a else 0
+        b32.u = (b32.u & ~<uint32_t>m32) | (a32.u & <uint32_t>m32)
+        return b32.f
     else:
-        r64.f = r
+        b64.f = b
         a64.f = a
         m64 = -1 if a != a else 0
-        r64.u = ((r64.u & ~<uint64_t>m64)
-                 | ((a64.u | 0x0008000000000000ULL) & <uint64_t>m64))
-        return r64.f
+        b64.u = (b64.u & ~<uint64_t>m64) | (a64.u & <uint64_t>m64)
+        return b64.f
 
 
 cdef inline Flt _fadd(Flt a, Flt b) noexcept nogil:
-    return _nan_first(a + b, a)
+    return a + _nan_pick(a, b)
 
 
 cdef inline Flt _fsub(Flt a, Flt b) noexcept nogil:
-    return _nan_first(a - b, a)
+    return a - _nan_pick(a, b)
 
 
 cdef inline Flt _fmul(Flt a, Flt b) noexcept nogil:
-    return _nan_first(a * b, a)
+    return a * _nan_pick(a, b)
 
 
 cdef inline Cplx _cadd(Cplx a, Cplx b) noexcept nogil:

@@ -29,7 +29,7 @@
  * min/max, then the sign bit fixed: see _fix_min_sign and _fix_max_sign there). */
 /* Sum and product: when a is a NaN, a's NaN quieted (a op a), whatever b is: which NaN an op on
  * two NaNs gives is otherwise the compiler's choice of operand order, which differs between
- * loops (see _nan_first in _kernels.pyx); so the result's bits depend on the operands and their
+ * loops (see _nan_pick in _kernels.pyx); so the result's bits depend on the operands and their
  * order only.  (b is replaced by a where a is a NaN: a compare and a blend.) */
 static inline float shmt_nan_pick(float a, float b)
 {
