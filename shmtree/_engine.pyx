@@ -181,7 +181,8 @@ cdef void _extent(cnp.ndarray a, const char **lo, const char **hi):
 
 def clash(a, b):
     """The overlap rule for the Python layers: do ndarrays a and b (any layout) share memory
-    without being the very same elements (the same first byte, shape, strides and item size)?
+    without being the very same elements (the very same bytes when both are C-contiguous, else
+    the same first byte, shape, strides and item size)?
     True: an input that is read while `b` is written must be copied first.  False for the very
     same array (in place) and for disjoint memory.  (By extents: strided views that interleave
     without sharing an element count as sharing; the copy is then merely unneeded.)"""
@@ -194,6 +195,8 @@ def clash(a, b):
     cdef int nd = cnp.PyArray_NDIM(x)
     if cnp.PyArray_SIZE(x) == 0 or cnp.PyArray_SIZE(y) == 0:
         return False
+    if cnp.PyArray_IS_C_CONTIGUOUS(x) and cnp.PyArray_IS_C_CONTIGUOUS(y):
+        return _clash(x, y)               # (the very same bytes: the same elements, in order)
     if (cnp.PyArray_DATA(x) == cnp.PyArray_DATA(y) and nd == cnp.PyArray_NDIM(y)
             and cnp.PyArray_ITEMSIZE(x) == cnp.PyArray_ITEMSIZE(y)
             and memcmp(cnp.PyArray_DIMS(x), cnp.PyArray_DIMS(y), nd * sizeof(cnp.npy_intp)) == 0

@@ -128,3 +128,20 @@ def test_overlapping_out_every_collective(P, coll):
     for r, (ran, bad) in enumerate(results):
         assert ran > 0
         assert not bad, f"rank {r}: {len(bad)} of {ran} calls wrong: {bad[:12]}"
+
+
+def test_the_rule_in_one_place():
+    """_engine.clash, the rule the Python layers ask (the engine's begin, begin_coll and fast
+    paths apply its C form): True only for memory shared without being the very same."""
+    from shmtree import _engine
+    b = np.arange(100.0)
+    assert not _engine.clash(b[0:10], b[0:10])                  # the very same: in place
+    assert not _engine.clash(b[0:12].reshape(3, 4), b[0:12])    # the same bytes, other shape
+    assert not _engine.clash(b[0:10], b[10:20])                 # adjacent: disjoint
+    assert not _engine.clash(b[::2], b[::2])                    # the same strided elements
+    assert not _engine.clash(b[:0], b)                          # nothing to share
+    assert _engine.clash(b[0:10], b[1:11])
+    assert _engine.clash(b[10:20], b[0:11])
+    assert _engine.clash(b[0:10], b[5:6])
+    assert _engine.clash(b[::2], b[1::2])                       # (interleaved: by extents)
+    assert _engine.clash(b[::-1], b)
