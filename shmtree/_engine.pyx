@@ -132,7 +132,7 @@ cdef object _output(cnp.ndarray a, out, int nd, cnp.npy_intp *dims, int num,
             or not cnp.PyArray_ISALIGNED(res) or not cnp.PyArray_ISNOTSWAPPED(res)):
         return None
     if in_place_ok:
-        if res is not a and _ranges_overlap(a, res):
+        if _clash(a, res):
             return None
     elif cnp.PyArray_NBYTES(res) and _ranges_overlap(a, res):
         return None
@@ -161,6 +161,72 @@ cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
     return pa < pb + cnp.PyArray_NBYTES(b) and pb < pa + cnp.PyArray_NBYTES(a)
 
 
+# ---- the overlap rule (DESIGN sections 5, 6, 8), the one place it is decided ----
+# An input and an output that are the very same bytes (in place) or share no byte are used as
+# they are; any other overlap goes through a copy of the input first: the engine's algorithms
+# read the input while they write the output, piece by piece (the kernels' 16 KiB pieces, the
+# two-rank exchange, chunks of the pipeline), so a partly overlapping input would be read after
+# it was overwritten.  The fast paths decline such calls (_output, quick_allgather); begin and
+# begin_coll, which every other call goes through, copy the input; the Python layers ask
+# clash() where they build their own buffers (collectives.py, nodes.py).
+
+cdef inline bint _clash_c(const char *pa, uint64_t na, const char *pb, uint64_t nb) noexcept nogil:
+    """Do [pa, pa + na) and [pb, pb + nb) share a byte without being the very same bytes?"""
+    if na == 0 or nb == 0 or (pa == pb and na == nb):
+        return False
+    return pa < pb + nb and pb < pa + na
+
+
+cdef inline bint _clash(cnp.ndarray a, cnp.ndarray b):
+    """_clash_c of two C-contiguous arrays."""
+    return _clash_c(<const char *>cnp.PyArray_DATA(a), cnp.PyArray_NBYTES(a),
+                    <const char *>cnp.PyArray_DATA(b), cnp.PyArray_NBYTES(b))
+
+
+cdef void _extent(cnp.ndarray a, const char **lo, const char **hi):
+    """The lowest byte a's elements occupy and one past the highest (any strides)."""
+    cdef const char *p = <const char *>cnp.PyArray_DATA(a)
+    cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    cdef int i
+    lo[0] = p
+    hi[0] = p + cnp.PyArray_ITEMSIZE(a)
+    for i in range(cnp.PyArray_NDIM(a)):
+        if strides[i] < 0:
+            lo[0] += (dims[i] - 1) * strides[i]
+        else:
+            hi[0] += (dims[i] - 1) * strides[i]
+
+
+def clash(a, b):
+    """The overlap rule for the Python layers: do ndarrays a and b (any layout) share memory
+    without being the very same elements (the very same bytes when both are C-contiguous, else
+    the same first byte, shape, strides and item size)?
+    True: an input that is read while `b` is written must be copied first.  False for the very
+    same array (in place) and for disjoint memory.  (By extents: strided views that interleave
+    without sharing an element count as sharing; the copy is then merely unneeded.)"""
+    cdef cnp.ndarray x = a
+    cdef cnp.ndarray y = b
+    cdef const char *xl
+    cdef const char *xh
+    cdef const char *yl
+    cdef const char *yh
+    cdef int nd = cnp.PyArray_NDIM(x)
+    if cnp.PyArray_SIZE(x) == 0 or cnp.PyArray_SIZE(y) == 0:
+        return False
+    if cnp.PyArray_IS_C_CONTIGUOUS(x) and cnp.PyArray_IS_C_CONTIGUOUS(y):
+        return _clash(x, y)               # (the very same bytes: the same elements, in order)
+    if (cnp.PyArray_DATA(x) == cnp.PyArray_DATA(y) and nd == cnp.PyArray_NDIM(y)
+            and cnp.PyArray_ITEMSIZE(x) == cnp.PyArray_ITEMSIZE(y)
+            and memcmp(cnp.PyArray_DIMS(x), cnp.PyArray_DIMS(y), nd * sizeof(cnp.npy_intp)) == 0
+            and memcmp(cnp.PyArray_STRIDES(x), cnp.PyArray_STRIDES(y),
+                       nd * sizeof(cnp.npy_intp)) == 0):
+        return False
+    _extent(x, &xl, &xh)
+    _extent(y, &yl, &yh)
+    return xl < yh and yl < xh
+
+
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
 VERSION = 3
 # the layout constants, for transport.py (one definition: layout.h)
@@ -184,6 +250,12 @@ cdef enum:
                                       # nbytes; then the data room
 BCAST_CLAIM = BC_CLAIM
 BCAST_META = BC_META
+# a local error said in a call's round (begin_error): its descriptor's op and dtype, and how many
+# bytes of its text the descriptor carries
+cdef enum:
+    ERR_CODE = 255
+ERROR_CODE = ERR_CODE
+ERROR_TEXT = SHM_MAX_DIMS * 8
 
 # ---------------------------------------------------------------------------------------------
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
@@ -841,6 +913,8 @@ cdef class Engine:
             raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
         for i in range(nd):
             dims[i] = shape[i]
+        if src is not None and _clash(src, dst):
+            src = src.copy()                  # (the overlap rule: see _clash_c)
         self._begin_c(src, dst, itemsize, op, dtype, kind, nd, dims, small_bytes)
         return RC_DONE
 
@@ -848,6 +922,25 @@ cdef class Engine:
     def seq(self):
         """The seq of the call begun last (calls are numbered 0, 1, ... by the engine)."""
         return self.cur_seq
+
+    def begin_error(self, int kind, bytes text):
+        """Begin a call that tells the other ranks this rank raised a local error in its
+        collective of descriptor kind `kind` (DESIGN section 6: an error only the root can see
+        must not leave the others behind): its descriptor has op and dtype ERROR_CODE, no data,
+        and the error's text (at most ERROR_TEXT bytes) as its dims.  It differs from the
+        descriptor of every rank that made the call, so every rank's call ends in MISMATCH
+        (DONE where every rank said the same error).  Returns DONE when started, ABORTED if
+        the group is already aborted."""
+        if self.busy:
+            raise RuntimeError("shmtree: a call is already in progress on this engine")
+        if aborted(&self.e):
+            return RC_ABORTED
+        cdef int64_t dims[SHM_MAX_DIMS]
+        memset(dims, 0, sizeof(dims))
+        memcpy(dims, <char *>text, min(len(text), <Py_ssize_t>sizeof(dims)))
+        self._begin_call(None, None, NULL, NULL, 0, 1, ERR_CODE, ERR_CODE, kind, SHM_MAX_DIMS,
+                         dims, 0, COLL_ALLREDUCE)
+        return RC_DONE
 
     def begin_coll(self, int coll, src, dst, uint64_t nbytes, int itemsize, int op, int dtype,
                    int kind, tuple shape, int root=0, offs=None):
@@ -881,6 +974,8 @@ cdef class Engine:
             raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
         for i in range(nd):
             dims[i] = shape[i]
+        if src is not None and dst is not None and _clash(src, dst):
+            src = src.copy()                  # (the overlap rule: see _clash_c)
         self.offs_ref = offs
         self.e.call.root = root
         self.e.call.coll_kind = CHAIN_BCAST if coll == COLL_BROADCAST else CHAIN_REDUCE

@@ -2,7 +2,10 @@
 #
 # A kernel computes, in one fused pass, dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i]
 # for i < n, in that fixed order (so the same inputs always give the same bits).  dst may be the same
-# pointer as srcs[0] (accumulate in place) but never partially overlaps any source.  nsrc >= 1
+# pointer as srcs[0] (accumulate in place), or as srcs[1] when nsrc == 2, but never partially
+# overlaps any source.  Float sum and prod (and complex's parts): when the left operand is a NaN
+# the result is that NaN, quieted, so NaN payloads too depend on the operands and their order
+# only, not on the loop a kernel takes (vector or scalar, in place or not).  nsrc >= 1
 # (nsrc == 1 is a copy).  n counts items, not bytes.  Kernels never touch the GIL.  Float min/max
 # order -0.0 below +0.0 (IEEE 754-2019 minimum/maximum), so their result on a -0.0/+0.0 tie does
 # not depend on the order in which operands meet.

@@ -95,6 +95,10 @@ ctypedef fused Cplx:
     c8_t
     c16_t
 
+ctypedef fused Flt:
+    float
+    double
+
 # Every element type the generic loops reduce (float16 and bfloat16 have kernels of their own,
 # in C: _csrc/half_kernels.h).
 ctypedef fused Num:
@@ -151,18 +155,60 @@ cdef enum:
 # Layer 1: point functions
 # ---------------------------------------------------------------------------------------------
 
+cdef inline Flt _nan_pick(Flt a, Flt b) noexcept nogil:
+    """b, or a when a is a NaN: the right operand of a float sum or product (_fadd, _fsub,
+    _fmul), so that where the left operand is a NaN the result is that NaN, quieted (a op a).
+    IEEE 754 leaves open which NaN an operation on two NaNs returns, and compilers treat + and *
+    as commutative, so the hardware's rule (x86: the first operand's) applies to whichever
+    operand the compiler put first - and that differs between the vector and scalar loops of
+    one kernel, and between the loops it takes by aliasing (dst is a source or not).  With a's
+    NaN chosen here the bits of every result depend on the operands and their order only: every
+    rank, every path (the single copy included) gets the same bits.  (When only b is a NaN, the
+    hardware returns b's, quieted, in either operand order.)  Branch-free: a compare and a
+    blend, which vectorize with the op (the mask as wide as the lanes: the form GCC
+    vectorizes)."""
+    cdef f32_bits b32, a32
+    cdef f64_bits b64, a64
+    cdef int32_t m32
+    cdef int64_t m64
+    if Flt is float:
+        b32.f = b
+        a32.f = a
+        m32 = -1 if a != a else 0
+        b32.u = (b32.u & ~<uint32_t>m32) | (a32.u & <uint32_t>m32)
+        return b32.f
+    else:
+        b64.f = b
+        a64.f = a
+        m64 = -1 if a != a else 0
+        b64.u = (b64.u & ~<uint64_t>m64) | (a64.u & <uint64_t>m64)
+        return b64.f
+
+
+cdef inline Flt _fadd(Flt a, Flt b) noexcept nogil:
+    return a + _nan_pick(a, b)
+
+
+cdef inline Flt _fsub(Flt a, Flt b) noexcept nogil:
+    return a - _nan_pick(a, b)
+
+
+cdef inline Flt _fmul(Flt a, Flt b) noexcept nogil:
+    return a * _nan_pick(a, b)
+
+
 cdef inline Cplx _cadd(Cplx a, Cplx b) noexcept nogil:
     cdef Cplx r
-    r.re = a.re + b.re
-    r.im = a.im + b.im
+    r.re = _fadd(a.re, b.re)
+    r.im = _fadd(a.im, b.im)
     return r
 
 
 cdef inline Cplx _cmul(Cplx a, Cplx b) noexcept nogil:
-    # numpy's complex multiply, same terms in the same order.
+    # numpy's complex multiply, same terms in the same order (each op NaN-first, as _fadd).
     cdef Cplx r
-    r.re = a.re * b.re - a.im * b.im
-    r.im = a.re * b.im + a.im * b.re
+    r.re = _fsub(_fmul(a.re, b.re), _fmul(a.im, b.im))
+    r.im = _fadd(_fmul(a.re, b.im), _fmul(a.im, b.re))
     return r
 
 
@@ -174,7 +220,7 @@ cdef inline Num _add(Num a, Num b) noexcept nogil:
         # signed type as modulo), which is two's complement wrap-around at the type's width.
         return <Num>(<uint64_t>a + <uint64_t>b)
     else:
-        return a + b
+        return _fadd(a, b)
 
 
 cdef inline Num _mul(Num a, Num b) noexcept nogil:
@@ -183,7 +229,7 @@ cdef inline Num _mul(Num a, Num b) noexcept nogil:
     elif Num in Integer:
         return <Num>(<uint64_t>a * <uint64_t>b)    # same reasoning as in _add
     else:
-        return a * b
+        return _fmul(a, b)
 
 
 cdef inline Real _fix_min_sign(Real r, Real a) noexcept nogil:

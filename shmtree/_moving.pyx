@@ -19,7 +19,8 @@ broadcasts of one size sends each in one round of about its own size:
                        +4 u32 length of the pickled (dtype, shape) when long
                        +8 u64 the array's nbytes
                        +16 dtype.str (at most 16 bytes)   +32 at most 8 int64 dims
-                     long when the dtype has fields or a subarray, or its str or ndim do not fit
+                     long when the dtype has fields or a subarray, its str names another
+                     dtype (ml_dtypes' bfloat16 is '<V2'), or its str or ndim do not fit
   [8P + META, F)     the root's data, when it fits the room (and the description is not long)
 A claim is FNV-1a (64-bit) over the dtype's key (dtype.str for plain dtypes; its pickle for
 structured ones), then ndim and every dim; every rank checks every claim against the root's.
@@ -55,7 +56,9 @@ cdef tuple _key(dt):
     if got is None:
         if len(_KEYS) > 1024:
             _KEYS.clear()
-        plain = dt.fields is None and dt.subdtype is None
+        # (a dtype whose str names another one - ml_dtypes' bfloat16 is '<V2' - travels
+        # pickled, as structured ones do)
+        plain = dt.fields is None and dt.subdtype is None and np.dtype(dt.str) == dt
         if plain:
             s = dt.str.encode()
             got = (s, len(s) <= MAX_STR)

@@ -59,10 +59,34 @@ def _movable(a, what):
     return a
 
 
+_SHOWN = 8                      # allgather(axis=0): dims of each rank's shape a mismatch names
+_NAMED = 1 << 62                # a digest that is the dtype's str itself (see _dtype_digest)
+
+
 @functools.lru_cache(maxsize=256)
 def _dtype_digest(dtype) -> int:
-    """A 32-bit digest of a dtype, byte order and fields included."""
-    return int.from_bytes(hashlib.sha256(pickle.dumps(np.dtype(dtype))).digest()[:4], "little")
+    """A dtype as a number, byte order and fields included: its str (at most 7 bytes, such as
+    '<f8' or '|S5') with bit 62 set, when the str names it (mismatch messages then say the
+    dtype in words: _dtype_text), else a 32-bit digest of its pickle."""
+    dt = np.dtype(dtype)
+    key = dt.str.encode()
+    if (len(key) <= 7 and dt.fields is None and dt.subdtype is None
+            and np.dtype(dt.str) == dt):
+        return int.from_bytes(key, "little") | _NAMED
+    return int.from_bytes(hashlib.sha256(pickle.dumps(dt)).digest()[:4], "little")
+
+
+def _dtype_text(digest) -> str:
+    """The dtype a _dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'); a
+    dtype without such a name (structured, ml_dtypes' bfloat16) is known by its digest."""
+    if digest & _NAMED:
+        try:
+            dt = np.dtype(int(digest & (_NAMED - 1)).to_bytes(7, "little").rstrip(b"\0")
+                          .decode())
+            return str(dt)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            pass
+    return f"#{digest:08x} (structured, or of an extension such as ml_dtypes)"
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,13 +153,22 @@ class Collectives:
     def ibroadcast(self, array, root=0, *, out=None, timeout=None):
         """broadcast, nonblocking: a Request."""
         array, out = _numpy_args(array, out, "ibroadcast")
-        return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
+        return self._post(self._prep_broadcast(array, root, out, timeout, posted=True),
+                          "ibroadcast")
 
-    def _prep_broadcast(self, array, root, out, timeout):
-        P, me = self.size, self.rank
+    def _prep_broadcast(self, array, root, out, timeout, posted=False):
+        P = self.size
         if type(root) is not int or not 0 <= root < P:
             root = _root(root, P)
         deadline = _deadline(timeout)
+        try:
+            return self._prep_broadcast_args(array, root, out, deadline)
+        except TypeError as exc:          # (a dtype holding Python objects: said to the
+            raise self._local_error(exc, KIND_BROADCAST + KIND_ROOT_STEP * root, timeout,
+                                    posted) from None         # other ranks in the round)
+
+    def _prep_broadcast_args(self, array, root, out, deadline):
+        me = self.rank
         if array is None:
             if me == root:
                 raise ValueError("shmtree: broadcast: the root must pass the array")
@@ -233,8 +266,10 @@ class Collectives:
             at = _moving.CLAIM_BYTES * P + _moving.META_BYTES
             view[...] = first[at:at + nbytes]
         elif self._own_algorithm("broadcast", nbytes):     # (shared outs: the single copy)
-            if me == root and not np.shares_memory(result, a):
-                view[...] = _bytes_of(a)       # the chain starts from the root's output
+            if me == root and not (pre is not None and pre[0] is result) \
+                    and _moving.address(result) != _moving.address(a):
+                view[...] = _bytes_of(a)       # the chain starts from the root's output (in
+                                               # place: it is a; numpy's copy minds overlap)
             self._collective(kind, _BOR, _U1, None, view, (nbytes,), deadline,
                              coll=(_engine.BROADCAST, nbytes, self._pos[root], None))
         elif P == 1:
@@ -292,7 +327,7 @@ class Collectives:
         root = _root(root, self.size)
         kind = KIND_REDUCE + KIND_ROOT_STEP * root
         return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
-                                              timeout, kind, root=root), "ireduce")
+                                              timeout, kind, root=root, posted=True), "ireduce")
 
     # ---- allgather ----
 
@@ -345,8 +380,8 @@ class Collectives:
         blocks = self._own_algorithm("allgather", view.size)    # (shared outs: single copy)
         in_place = (blocks and a.flags.c_contiguous and a.nbytes == own.size and a.nbytes
                     and _moving.address(a) == _moving.address(own))     # out[rank] passed
-        if not in_place and np.may_share_memory(a, result):
-            a = a.copy()                      # (out overlaps the input)
+        if not in_place and _engine.clash(a, result):
+            a = a.copy()                      # (out overlaps the input: the overlap rule)
         if blocks:
             if not in_place:
                 own[...] = _bytes_of(a)
@@ -376,20 +411,31 @@ class Collectives:
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
         dimensions and the dtype agree (a mismatch raises on every rank)."""
         P, me = self.size, self.rank
-        table = np.zeros((P, 2), np.uint64)
-        table[me] = (a.shape[0] + 1,
-                     _moving.claim(a.dtype, a.shape[1:]))
+        # per rank: length + 1, claim (dtype and the other dimensions), and for the message of
+        # a mismatch the dtype (_dtype_digest), ndim and the first _SHOWN dims
+        table = np.zeros((P, 4 + _SHOWN), np.uint64)
+        shown = a.shape[:_SHOWN]
+        table[me, :4 + len(shown)] = (a.shape[0] + 1, _moving.claim(a.dtype, a.shape[1:]),
+                                      _dtype_digest(a.dtype), a.ndim) + shown
         self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
-                         table.view(np.uint8).reshape(-1), (P, 2), deadline)
+                         table.view(np.uint8).reshape(-1), table.shape, deadline)
         groups = {}
         for r in range(P):
             groups.setdefault(int(table[r, 1]), []).append(r)
         if len(groups) > 1:
-            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}"
+            def passed(r):
+                nd = int(table[r, 3])
+                dims = [str(int(d)) for d in table[r, 4:4 + min(nd, _SHOWN)]]
+                if nd > _SHOWN:
+                    dims.append("...")
+                return (f"shape ({', '.join(dims)}{',' if nd == 1 else ''}) and dtype "
+                        f"{_dtype_text(int(table[r, 2]))}")
+            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}: "
+                              + "; ".join(dict.fromkeys(passed(r) for r in rs))
                               for rs in groups.values())
             raise CollectiveMismatchError(
                 "shmtree: ranks disagree on the collective call: allgather(axis=0): the dtype or "
-                f"the dimensions after the first differ between {parts}")
+                f"the dimensions after the first differ: {parts}")
         return [int(n) - 1 for n in table[:, 0]]
 
     # ---- reduce_scatter ----
@@ -433,8 +479,7 @@ class Collectives:
         P = self.size
         offsets = tuple((r * (n // P) + min(r, n % P)) * row for r in range(P + 1))
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
-        if np.may_share_memory(result, src):
-            src = src.copy()
+        # (out overlapping the input: the engine's begin_coll copies it, the overlap rule)
         self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, deadline,
                          coll=(_engine.REDUCE_SCATTER, src.nbytes, 0,
                                self._by_position(offsets)))

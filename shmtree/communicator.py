@@ -31,11 +31,12 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
+                    KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
-from .collectives import Collectives, _deadline
+from .collectives import Collectives, _deadline, _dtype_text
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
 from .requests import Progress, Request, wait_all
@@ -283,7 +284,50 @@ class Communicator(Collectives):
             self._interrupted(eng)
             raise
 
-    def _prep_reducing(self, array, op, out, timeout, kind, root=None):
+    def _local_error(self, exc, kind, timeout, posted=False):
+        """A local error of a rooted collective (broadcast, reduce, of descriptor kind `kind`)
+        that the other ranks cannot see: this rank's array's dtype holds Python objects, or is
+        not reducible (a TypeError).  It is said in the call's round before it is raised here
+        (DESIGN section 6): every other rank's call then raises CollectiveMismatchError naming
+        this rank (the root) and its error, and every rank is through the same call (the group
+        stays in step; ranks that all made the error each raise their own).  Other local errors
+        (root, out=, timeout, op) stay local: every rank sees its own.  posted: a nonblocking
+        call, whose round is posted behind the outstanding ones (the posting call raises at
+        once).  Returns exc, for the caller to raise."""
+        text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
+            "utf-8", "replace")
+        if len(text) > _engine.ERROR_TEXT:    # (what the round's descriptor carries)
+            text = text[:_engine.ERROR_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
+        try:
+            deadline = _deadline(timeout)
+        except ValueError:
+            deadline = None
+        run = lambda: self._error_round(kind, text, deadline)     # noqa: E731
+        try:
+            if posted:
+                self._post(run, "call")
+            else:
+                self._now(run)
+        except ShmtreeError:              # (the group cannot take the round: the error stands)
+            pass
+        return exc
+
+    def _error_round(self, kind, text, deadline):
+        if self._closed or self._gen != _fork_gen or self.group._closed:
+            self._check_usable()
+        eng = self._engine
+        if eng.in_call:
+            raise ShmtreeError(_CONCURRENT)
+        try:
+            rc = eng.begin_error(kind, text)
+            self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)
+        except CollectiveMismatchError:
+            pass                          # (the others made the call: they raise it too)
+        except BaseException:
+            self._interrupted(eng)
+            raise
+
+    def _prep_reducing(self, array, op, out, timeout, kind, root=None, posted=False):
         """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
         and prepared (the result is allocated when the call runs).  With a root
         (reduce) a large message runs the engine's pipelined chain to the root, ranks other
@@ -293,7 +337,12 @@ class Communicator(Collectives):
                 raise TypeError("shmtree: masked arrays are not supported (the mask would be "
                                 "dropped); reduce array.filled(...) or the mask separately")
         a = array if type(array) is np.ndarray else np.asarray(array)
-        opc, dtc = reduction_codes(op, a.dtype)
+        try:
+            opc, dtc = reduction_codes(op, a.dtype)
+        except TypeError as exc:          # (its dtype is not reducible: a reduce says so in
+            if root is None:              # the call's round, DESIGN section 6)
+                raise
+            raise self._local_error(exc, kind, timeout, posted) from None
         dest = None if out is None else _destination(a, out)     # (out is checked now)
         deadline = None if timeout is None else _deadline(timeout)
         mine = root is None or root == self.rank
@@ -302,8 +351,8 @@ class Communicator(Collectives):
             result, dst, copy_back = dest or _destination(a, None)
             flags = a.flags
             src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
-            if src is not dst and _overlaps(src, dst):
-                src = src.copy()              # out overlaps the input without being it
+            # (out overlapping the input without being it: the engine's begin copies the input,
+            # the overlap rule's one place, _engine.clash)
             if root is not None and self._own_algorithm("reduce", src.nbytes):
                 self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
                                  coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
@@ -558,10 +607,18 @@ class Communicator(Collectives):
 
     def _mismatch_message(self, seq) -> str:
         seen = {}
+        raised = []
         for r in range(self.size):
             dseq, nbytes, kind, opc, dtc, shape = self._seg.descriptor(r, seq)
             base = kind % KIND_ROOT_STEP
-            if dseq != seq:
+            if dseq == seq and opc == _engine.ERROR_CODE and dtc == _engine.ERROR_CODE:
+                text = b"".join(int(v).to_bytes(8, "little", signed=True) for v in shape
+                                if v is not Ellipsis).rstrip(b"\0")
+                root = kind // KIND_ROOT_STEP if base in (KIND_BROADCAST, KIND_REDUCE) else -1
+                raised.append(f"rank {r}{' (the root)' if r == root else ''} raised "
+                              f"{text.decode('utf-8', 'replace')} in {kind_name(kind)}")
+                what = f"{kind_name(kind)}, which raised a local error"
+            elif dseq != seq:
                 what = "a different call"
             elif base == KIND_BARRIER:
                 what = "barrier"
@@ -574,6 +631,9 @@ class Communicator(Collectives):
                         f"dtype={dtype_name(dtc)}, op={OP_NAMES.get(opc, opc)!r})")
             seen.setdefault(what, []).append(r)
         parts = "; ".join(f"{ranks_text(rs)}: {what}" for what, rs in seen.items())
+        if raised:
+            return (f"shmtree: {'; '.join(raised)} (a local error of its arguments), so the call "
+                    f"cannot complete on any rank; ranks disagree on the collective call: {parts}")
         return f"shmtree: ranks disagree on the collective call: {parts}"
 
 
@@ -586,9 +646,12 @@ def _moved_text(kind, shape, nbytes):
     """How a broadcast or allgather round is described: its kind and root, and the shape and
     dtype digest the rank passed (the descriptor's last two dims: item size, dtype digest)."""
     name = kind_name(kind)
-    if len(shape) >= 2 and shape[-1] is not Ellipsis and kind_name(kind).startswith("allgather"):
-        return (f"{name}(shape={tuple(shape[:-2])}, {shape[-2]}-byte items of dtype "
-                f"#{shape[-1]:08x})")
+    base = kind % KIND_ROOT_STEP
+    if len(shape) >= 2 and shape[-1] is not Ellipsis and base == KIND_ALLGATHER:
+        return (f"{name}(shape={tuple(shape[:-2])}, dtype {_dtype_text(shape[-1])}, "
+                f"{shape[-2]}-byte items)")
+    if base == KIND_ALLGATHER_LENGTHS:
+        return f"{name}(axis=0)"
     return f"{name}({nbytes} bytes)"
 
 
@@ -626,12 +689,10 @@ def _as_flat_buffer(out):
 
 
 def _overlaps(a, b) -> bool:
-    """Do two contiguous arrays share memory without being the very same bytes?"""
-    if not np.may_share_memory(a, b):
-        return False
-    same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.nbytes == b.nbytes)
-    return not same
+    """Do two arrays share memory without being the very same elements (then an input read
+    while the other is written must be copied first)?  The overlap rule, decided in one place:
+    _engine.clash (the engine's begin, begin_coll and fast paths apply the same rule)."""
+    return _engine.clash(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

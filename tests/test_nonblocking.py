@@ -566,7 +566,9 @@ def local_error_calls(c):
     return {
         "bad op for dtype": lambda: c.iallreduce(x, "band"),
         "unknown op": lambda: c.iallreduce(x, "nope"),
-        "complex max": lambda: c.ireduce(np.ones(3, complex), "max"),
+        # (ireduce of an unreducible dtype is no longer local to one rank: DESIGN section 6
+        # has it said in the call's round, tests/test_root_errors.py)
+        "complex max": lambda: c.iallreduce(np.ones(3, complex), "max"),
         "rs bad op": lambda: c.ireduce_scatter(x, "bor"),
         "bcast root = size": lambda: c.ibroadcast(x, root=c.size),
         "bcast root -1": lambda: c.ibroadcast(x, root=-1),

@@ -27,8 +27,18 @@
 /* The ops on floats, as _kernels.pyx defines them for float32: min/max propagate NaN (a NaN in
  * either operand gives a NaN) and order -0.0 below +0.0 in either operand order (the ordinary
  * min/max, then the sign bit fixed: see _fix_min_sign and _fix_max_sign there). */
-static inline float shmt_op_sum(float a, float b) { return a + b; }
-static inline float shmt_op_prod(float a, float b) { return a * b; }
+/* Sum and product: when a is a NaN, a's NaN quieted (a op a), whatever b is: which NaN an op on
+ * two NaNs gives is otherwise the compiler's choice of operand order, which differs between
+ * loops (see _nan_pick in _kernels.pyx); so the result's bits depend on the operands and their
+ * order only.  (b is replaced by a where a is a NaN: a compare and a blend.) */
+static inline float shmt_nan_pick(float a, float b)
+{
+    uint32_t m = a != a ? 0xffffffffu : 0u;     /* (a lane-wide mask: this form vectorizes) */
+    return shmt_f32_from_bits((shmt_f32_bits(b) & ~m) | (shmt_f32_bits(a) & m));
+}
+
+static inline float shmt_op_sum(float a, float b) { return a + shmt_nan_pick(a, b); }
+static inline float shmt_op_prod(float a, float b) { return a * shmt_nan_pick(a, b); }
 
 static inline float shmt_op_min(float a, float b)
 {
