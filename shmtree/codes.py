@@ -49,6 +49,18 @@ STATE_NAMES = {ST_NONE: "not joined yet", ST_BUSY: "busy outside the collective"
                ST_IDLE: "idle, no task", ST_LEFT: "left the group"}
 
 
+WORDS_BYTES = 256          # what one rank says of a mismatch every rank saw, in UTF-8 bytes
+
+
+def grouped(said, ranks=None):
+    """[(ranks, text)]: the ranks (all, or those given) that said the same text, grouped in
+    order of first appearance (said: a text per rank)."""
+    groups = {}
+    for r in (range(len(said)) if ranks is None else ranks):
+        groups.setdefault(said[r], []).append(r)
+    return [(rs, text) for text, rs in groups.items()]
+
+
 def ranks_text(ranks):
     """'rank 2' or 'ranks 0,1,3'."""
     ranks = list(ranks)

@@ -32,9 +32,10 @@ from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up on
 from . import _engine, _kernels, _moving, arrays as _arrays
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST,
-                    KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
+                    KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, WORDS_BYTES, grouped,
+                    ranks_text)
 from .errors import CollectiveMismatchError
-from .ops import reduction_codes
+from .ops import dtype_words as _dtype_words, reduction_codes
 
 _U1 = _kernels.DTYPE_CODES["u1"]
 _BOR = _kernels.OP_CODES["bor"]
@@ -250,13 +251,17 @@ class Collectives:
             if got[3]:
                 got = ("mismatch",) + got[1:]
         tag, dtype, shape = got[:3]
-        if tag == "mismatch":
-            wrong = got[3]
+        if tag == "mismatch":               # (every rank read the same claims: all are here)
+            said = self._words_round("nothing" if a is None else
+                                     f"shape {tuple(a.shape)} and dtype {_dtype_words(a.dtype)}",
+                                     deadline)
+            wrong = [r for r in got[3] if r != root]
             raise CollectiveMismatchError(
                 f"shmtree: ranks disagree on the collective call: broadcast(root={root}): the "
-                f"root passed shape {tuple(shape)} and dtype {dtype}; "
-                f"{'rank' if len(wrong) == 1 else 'ranks'} {','.join(map(str, wrong))} passed "
-                f"another shape or dtype")
+                f"root passed shape {tuple(shape)} and dtype {_dtype_words(dtype)}; "
+                + "; ".join(f"{ranks_text(rs)} passed {text}" for rs, text in grouped(said, wrong))
+                + "; every rank must pass None, or an array (or out=) of the root's shape and "
+                  "dtype")
         result, copy_back = _out_for(out, shape, dtype, "broadcast")
         nbytes = result.nbytes
         view = _bytes_of(result) if nbytes else None
@@ -294,6 +299,18 @@ class Collectives:
         if is_root and result is not a and _moving.address(result) != _moving.address(a):
             _bytes_of(result)[...] = _bytes_of(a)       # (the data leaves from the output)
         return result, copy_back
+
+    def _words_round(self, text, deadline=None):
+        """What every rank says, by rank: one allgather of WORDS_BYTES of UTF-8 text each (a
+        mismatch that every rank has seen, said in words; never pickled)."""
+        raw = text.encode("utf-8")
+        if len(raw) > WORDS_BYTES:
+            raw = raw[:WORDS_BYTES - 3] + b"..."
+        mine = np.zeros(WORDS_BYTES, np.uint8)
+        mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+        rows = self.allgather(mine, timeout=None if deadline is None
+                              else max(deadline - time.monotonic(), 1e-3))
+        return [row.tobytes().rstrip(b"\0").decode("utf-8", "replace") for row in rows]
 
     def _bytes_round(self, buf, kind, deadline, limit=None):
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise

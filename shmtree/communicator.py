@@ -652,6 +652,8 @@ def _moved_text(kind, shape, nbytes):
                 f"{shape[-2]}-byte items)")
     if base == KIND_ALLGATHER_LENGTHS:
         return f"{name}(axis=0)"
+    if base == KIND_BROADCAST:          # (its first round's size is the library's, not the call's)
+        return name
     return f"{name}({nbytes} bytes)"
 
 

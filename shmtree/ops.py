@@ -43,3 +43,13 @@ def reduction_codes(op, dtype):
 def dtype_name(code) -> str:
     name = _DT_NAMES.get(code, "u1")
     return "bfloat16" if name == "bf16" else str(np.dtype(name.replace("b1", "?")))
+
+
+def dtype_words(dtype) -> str:
+    """numpy's name of a dtype (float64, bfloat16, ...), its full form when it has fields."""
+    if dtype.fields is None and dtype.subdtype is None:
+        name = dtype.name
+        if not dtype.isnative and dtype.itemsize > 1:
+            name += " (byte-swapped)"
+        return name
+    return str(dtype)

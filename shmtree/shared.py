@@ -30,8 +30,9 @@ import weakref
 import numpy as np
 
 from . import _moving, transport
-from .codes import ranks_text
+from .codes import grouped, ranks_text
 from .errors import CollectiveMismatchError, ShmtreeError
+from .ops import dtype_words
 
 
 class SharedArrays:
@@ -104,19 +105,10 @@ class SharedArrays:
 
     def _mismatch(self, what, shape, dtype, order):
         """The ranks asked for different arrays (their claims differ: every rank knows it):
-        say what each asked for, in words (one more allgather, of fixed-size text)."""
-        text = _described(shape, dtype, order).encode("utf-8")
-        if len(text) > _DESC_BYTES:
-            text = text[:_DESC_BYTES - 3] + b"..."
-        mine = np.zeros(_DESC_BYTES, np.uint8)
-        mine[:len(text)] = np.frombuffer(text, np.uint8)
-        rows = self._comm.allgather(mine)
-        groups = {}
-        for r, row in enumerate(rows):
-            said = row.tobytes().rstrip(b"\0").decode("utf-8", "replace")
-            groups.setdefault(said, []).append(r)
+        say what each asked for, in words (one more round, of fixed-size text)."""
+        said = self._comm._words_round(_described(shape, dtype, order))
         return ("shmtree: ranks disagree on the collective call: " + what + ": "
-                + "; ".join(f"{ranks_text(rs)} asked for {said}" for said, rs in groups.items())
+                + "; ".join(f"{ranks_text(rs)} asked for {text}" for rs, text in grouped(said))
                 + "; every rank must ask for the same shape, dtype and order")
 
     def _forget(self, ident):
@@ -139,26 +131,13 @@ class SharedArrays:
                 engine.unshare(ident)
 
 
-_DESC_BYTES = 256
-
-
 def _described(shape, dtype, order) -> str:
     layout = "C" if order == "C" else "Fortran"
-    return f"shape {shape}, dtype {_dtype_words(dtype)}, {layout} order"
-
-
-def _dtype_words(dtype) -> str:
-    """numpy's name of a dtype (float64, bfloat16, ...), its full form when it has fields."""
-    if dtype.fields is None and dtype.subdtype is None:
-        name = dtype.name
-        if not dtype.isnative and dtype.itemsize > 1:
-            name += " (byte-swapped)"
-        return name
-    return str(dtype)
+    return f"shape {shape}, dtype {dtype_words(dtype)}, {layout} order"
 
 
 def _shortfall(what, shape, dtype, nranks, size, need, have) -> str:
-    return (f"shmtree: {what}(shape={shape}, dtype={_dtype_words(dtype)}) needs {_gib(size)} "
+    return (f"shmtree: {what}(shape={shape}, dtype={dtype_words(dtype)}) needs {_gib(size)} "
             f"({size} bytes) of shared memory on each of {nranks} rank(s), {need} bytes in all, "
             f"but only {_gib(have)} ({have} bytes) is available (the least any rank sees of "
             "MemAvailable and its memory cgroup's limit); no memory was committed and the group "

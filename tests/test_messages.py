@@ -1,5 +1,6 @@
 """Mismatch messages name what each rank passed in words (issue 21, item 15): dtype names, not
-digests, in allgather mismatches; the shapes and dtypes in allgather(axis=0) mismatches."""
+digests, in allgather mismatches; the shapes and dtypes in allgather(axis=0) and broadcast
+mismatches."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,11 @@ CASES = {
     "axis0_rest": lambda c: c.allgather(np.ones((2, 3 if c.rank else 4)), axis=0),
     "axis0_dtype": lambda c: c.allgather(np.ones((2, 3), np.float32 if c.rank == 2 else float),
                                          axis=0),
+    "bcast_shape": lambda c: c.broadcast(np.ones(4 if c.rank != 1 else 5)),
+    "bcast_dtype": lambda c: c.broadcast(np.ones(70001, np.float32 if c.rank else float)),
+    "bcast_out": lambda c: c.broadcast(np.ones(3) if c.rank == 0 else None,
+                                       out=None if c.rank != 2 else np.empty(3, np.int16)),
+    "bcast_root": lambda c: c.broadcast(np.ones(3), root=1 if c.rank == 1 else 0),
 }
 WANT = {
     "dtype": ["rank 0: allgather(shape=(2,), dtype float64", "allgather(shape=(2,), dtype |S8"],
@@ -19,6 +25,13 @@ WANT = {
                    "ranks 1,2: shape (2, 3) and dtype float64"],
     "axis0_dtype": ["ranks 0,1: shape (2, 3) and dtype float64",
                     "rank 2: shape (2, 3) and dtype float32"],
+    "bcast_shape": ["the root passed shape (4,) and dtype float64",
+                    "rank 1 passed shape (5,) and dtype float64"],
+    "bcast_dtype": ["the root passed shape (70001,) and dtype float64",
+                    "ranks 1,2 passed shape (70001,) and dtype float32"],
+    "bcast_out": ["the root passed shape (3,) and dtype float64",
+                  "rank 2 passed shape (3,) and dtype int16"],
+    "bcast_root": ["ranks 0,2: broadcast(root=0); rank 1: broadcast(root=1)"],
 }
 
 
@@ -39,6 +52,6 @@ def test_mismatch_messages_name_dtypes_and_shapes():
     for rank, out in enumerate(run_ok(worker, 3)):
         for name, msg in out.items():
             assert msg is not None and msg.startswith("CollectiveMismatchError"), (rank, name)
-            assert "#" not in msg, (rank, name, msg)
+            assert "#" not in msg and "bytes)" not in msg, (rank, name, msg)
             for piece in WANT[name]:
                 assert piece in msg, (rank, name, msg)
