@@ -313,11 +313,7 @@ class Communicator(Collectives):
         return exc
 
     def _error_round(self, kind, text, deadline):
-        if self._closed or self._gen != _fork_gen or self.group._closed:
-            self._check_usable()
-        eng = self._engine
-        if eng.in_call:
-            raise ShmtreeError(_CONCURRENT)
+        eng = self._idle_engine()
         try:
             rc = eng.begin_error(kind, text)
             self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)
@@ -440,15 +436,21 @@ class Communicator(Collectives):
 
     # ---- one collective ----
 
-    def _collective(self, kind, opc, dtc, src, dst, shape, deadline, coll=None, limit=None):
-        """One call of the engine (by the thread that holds the executor lock): an allreduce of
-        src into dst, or with coll = (collective, nbytes, root position, block offsets) one of
-        the engine's other collectives; deadline and limit as for _quick."""
+    def _idle_engine(self):
+        """The engine, for a call the caller (holding the executor lock) begins: the
+        communicator must be usable and no other call in progress on the engine."""
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
         eng = self._engine
         if eng.in_call:
             raise ShmtreeError(_CONCURRENT)
+        return eng
+
+    def _collective(self, kind, opc, dtc, src, dst, shape, deadline, coll=None, limit=None):
+        """One call of the engine (by the thread that holds the executor lock): an allreduce of
+        src into dst, or with coll = (collective, nbytes, root position, block offsets) one of
+        the engine's other collectives; deadline and limit as for _quick."""
+        eng = self._idle_engine()
         try:
             itemsize = src.itemsize if src is not None else 1
             try:
