@@ -179,6 +179,9 @@ def _spmd_task(fn, args, kwargs):
 #                                where map, map_async, starmap and starmap_async all go
 #   Pool._help_stuff_finish(inqueue, task_handler, size)   (static; inqueue._rlock, ._reader)
 #                                called by terminate() to drain the task queue
+#   Pool._task_handler, Pool._worker_handler (threads with a ._state: RUN / TERMINATE),
+#   Pool._change_notifier, Pool._outqueue._wlock
+#                                the handlers' last steps, before terminate() kills workers
 
 
 def _fail_jobs(pool, exc):
@@ -226,6 +229,32 @@ class _PoolInternals(multiprocessing.pool.Pool):
         while task_handler.is_alive() and inqueue._reader.poll():
             inqueue._reader.recv()
             time.sleep(0)
+
+
+    def _finish_task_handler(self):
+        """Let the task handler send its last sentinels while the workers still live, before
+        terminate() kills them: a worker killed while it held the result queue's write lock
+        (sending a result) would leave the task handler's last put blocked for good, and
+        terminate(), which joins it, with it.  Told to stop, the worker handler puts the task
+        queue's sentinel; the task handler then sends its own and ends.  If it is still
+        blocked after POOL_LOCK_S and a worker has died (the group is aborted: killed while
+        it sent a result, the lock's holder is gone), the lock is released for it."""
+        th = getattr(self, "_task_handler", None)
+        wh = getattr(self, "_worker_handler", None)
+        if th is None or wh is None or not th.is_alive():
+            return
+        th._state = wh._state = multiprocessing.pool.TERMINATE
+        self._change_notifier.put(None)
+        wh.join(POOL_LOCK_S)
+        th.join(POOL_LOCK_S)
+        group = self._shm_group
+        if th.is_alive() and ((group is not None and not group.closed and group.aborted())
+                              or any(p.exitcode is not None for p in list(self._pool))):
+            try:
+                self._outqueue._wlock.release()
+            except ValueError:                # (not held after all)
+                pass
+            th.join(POOL_LOCK_S)
 
 
 # end of the multiprocessing.pool internals
@@ -371,6 +400,7 @@ class Pool(_PoolInternals):
 
     def terminate(self):
         try:
+            self._finish_task_handler()
             super().terminate()
         finally:
             if self._shm_group is not None:
