@@ -134,6 +134,33 @@ def fd_and_map_problems(fds_before, maps_before, settle_s=FD_SETTLE_S):
     return failures, warns
 
 
+# ---- gates: one process holds back until another says it may go on (no sleep as a guess) ----
+
+GATE_HOLD_S = 20.0          # how long wait_gate holds back before it goes on regardless
+GATE_POLL_S = 0.002
+
+
+def open_gate(path):
+    """Let whoever waits in wait_gate(path) go on (a file appears, atomically)."""
+    path = os.fspath(path)
+    with open(path + ".tmp", "w"):
+        pass
+    os.replace(path + ".tmp", path)
+
+
+def wait_gate(path, timeout=GATE_HOLD_S):
+    """Hold back until open_gate(path) has run, in any process: True; or False after `timeout`
+    seconds, and the caller goes on anyway (a gate that never opens is the test's failure to
+    see, not a hang: what the caller then does shows what went wrong)."""
+    path = os.fspath(path)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(GATE_POLL_S)
+    return True
+
+
 def is_gone(proc):
     """Has this process (a psutil.Process or a pid) exited (a zombie counts as gone)?"""
     try:
