@@ -18,6 +18,7 @@ import gc
 import mmap
 import multiprocessing as mp
 import os
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -67,6 +68,31 @@ def test_leak_check_sees_a_memfd_descriptor_and_mapping():
         os.close(fd)
     failures, _ = fd_and_map_problems(fds_before, maps_before, settle_s=0.1)
     assert not failures, failures
+
+
+def test_leak_check_watches_a_shm_entry_nobody_holds(tmp_path, monkeypatch):
+    """A new /dev/shm entry that nobody holds is most often another job's, between its holders'
+    exit and its unlink, a moment a loaded machine stretches to seconds: split_foreign watches
+    it (up to SHM_UNHELD_SETTLE_S) and does not blame the test for one that goes meanwhile; one
+    that stays, held by nobody, is still the test's.  (In a directory of this test's own, so
+    that other jobs' leak checks never see these entries.)"""
+    import conftest
+    import procutil
+    monkeypatch.setattr(procutil, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(conftest, "SHM_DIR", str(tmp_path))
+    goes, stays = tmp_path / "shmtree-goes", tmp_path / "shmtree-stays"
+    goes.write_bytes(b"")
+    stays.write_bytes(b"")
+    timer = threading.Timer(conftest.SHM_SETTLE_S, goes.unlink)     # nobody holds either
+    timer.start()
+    try:
+        monkeypatch.setattr(conftest, "SHM_UNHELD_SETTLE_S", 30.0)
+        assert conftest.split_foreign([goes.name]) == ([], []), "an entry that went was blamed"
+    finally:
+        timer.cancel()
+        timer.join()
+    monkeypatch.setattr(conftest, "SHM_UNHELD_SETTLE_S", 0.5)
+    assert conftest.split_foreign([stays.name]) == ([stays.name], [])
 
 
 # ---------------------------------------------------------------------------------------------
