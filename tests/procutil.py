@@ -161,6 +161,18 @@ def wait_gate(path, timeout=GATE_HOLD_S):
     return True
 
 
+def wait_in_call(group, rank, call, timeout=30.0):
+    """Wait until `rank` of `group` is inside its call number `call` (1 = its first), as the
+    group's segment says: True, or False after `timeout` s.  (A parent that strikes a member
+    "while the others are blocked in their call" waits for this, not for a guessed sleep.)"""
+    deadline = time.monotonic() + timeout
+    while group._seg.call_of(rank) != call:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def is_gone(proc):
     """Has this process (a psutil.Process or a pid) exited (a zombie counts as gone)?"""
     try:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from procutil import stop_processes, error_name
+from procutil import stop_processes, error_name, wait_in_call
 
 DETECT_S = 5.0                     # kill -> survivor's PeerLostError (design: ~20 ms / 1 s scans)
 STOP_TIMEOUT_S = 1.5               # timeout= the survivors pass when the victim is stopped
@@ -126,7 +126,12 @@ def inject(P, tree, moment, sig, n, victim, timeout=None):
                 procs.append(p)
             assert ready.wait(60), "the victim never reached the moment of the fault"
             if moment in ("between_calls", "in_barrier"):
-                time.sleep(0.1)                   # let the others block in their call
+                # the others block in their call (call 2: call 1 made sure every member is
+                # up), the victim too in a barrier; the late rank holds back for `go`
+                until = time.monotonic() + 30
+                for r in range(P):
+                    if r != (victim if moment == "between_calls" else late):
+                        wait_in_call(group, r, 2, max(0.0, until - time.monotonic()))
             else:
                 time.sleep(0.005 + 0.01 * (P % 3))
             struck = time.monotonic()

@@ -32,7 +32,8 @@ import psutil
 import pytest
 
 import shmtree
-from procutil import shm_listing, new_shm_entries, is_gone, session_processes, stop_processes
+from procutil import (shm_listing, new_shm_entries, is_gone, session_processes, stop_processes,
+                      wait_in_call)
 
 DETECT_S = 5.0
 EXIT_S = 15.0             # a signalled job must be gone within this
@@ -191,30 +192,6 @@ def interrupted_member(group, rank, n, ready, go, queue):
         queue.put((rank, "setup " + type(e).__name__, str(e), time.monotonic(), 0.0))
 
 
-def main_thread_state(pid):
-    """The state letter of pid's main thread (R running, S sleeping, ...), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def wait_blocked(pid, timeout=30.0):
-    """Wait until pid's main thread is seen sleeping (S) twice in a row: a member that set its
-    ready event just before its call is then blocked in it (spun and yielded, now asleep on its
-    bell).  True, or False after `timeout` s (the test goes on: its assertions hold either way;
-    only the moment of the signal is less telling)."""
-    deadline = time.monotonic() + timeout
-    seen = 0
-    while time.monotonic() < deadline:
-        seen = seen + 1 if main_thread_state(pid) == "S" else 0
-        if seen >= 2:
-            return True
-        time.sleep(0.005)
-    return False
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [10, (8 << 20) // 8])
 def test_ctrl_c_to_worker_blocked_in_allreduce(n):
@@ -230,7 +207,7 @@ def test_ctrl_c_to_worker_blocked_in_allreduce(n):
                 procs.append(p)
             for rank in (0, 2):                       # ranks 0 and 2 are blocked in allreduce
                 assert ready[rank].wait(60), f"rank {rank} never got to its call"
-                wait_blocked(procs[rank].pid)
+                wait_in_call(group, rank, 2)          # (call 1 was the barrier)
             sent = time.monotonic()
             os.kill(procs[0].pid, signal.SIGINT)
             deadline = time.monotonic() + 30
