@@ -295,7 +295,10 @@ def run_victim(comm, victim, how, n):
             elif how == "exits":
                 os._exit(7)
             elif how == "in_barrier":
-                time.sleep(0.2)                   # the others are in the barrier by now
+                until = time.monotonic() + 30     # the others are in barrier #3 (call_of 3)
+                for r in range(comm.size):
+                    if r != victim:
+                        wait_in_call(comm.group, r, 3, max(0.0, until - time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
         if how == "in_barrier":
             comm.barrier()
