@@ -10,8 +10,8 @@ when a process of the test process's tree holds it, else "foreign", into a JSON 
 check reads.  An entry seen held by the
 test's tree stays "ours"; one that nobody holds is looked at again for up to PENDING_S.
 
-usage: python shm_watch.py TEST_PID VERDICT_FILE [DIR]  (DIR: /dev/shm unless said; exits when
-the test process is gone)
+usage: python shm_watch.py TEST_PID VERDICT_FILE [DIR]  (DIR: /dev/shm unless said; started by
+the test process TEST_PID, and exits when that is gone)
 """
 import json
 import os
@@ -74,7 +74,7 @@ def main():
     known = listing()                 # there before the session: never the session's
     verdicts, pending = {}, {}        # name -> verdict; name -> first seen (no holder yet)
     write(out, verdicts)              # (the file's existence says: watching now)
-    while psutil.pid_exists(test_pid):
+    while os.getppid() == test_pid:   # (reparented once the test process is gone)
         now = listing()
         changed = False
         for name in now - known:
