@@ -49,7 +49,7 @@ def group_options(tree):
     return dict(tree=tree)
 
 
-def wait_stopped(pid, timeout=5.0):
+def wait_stopped(pid, timeout=30.0):
     """Wait until /proc says pid is stopped (state T)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
