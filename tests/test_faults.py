@@ -49,6 +49,15 @@ def group_options(tree):
     return dict(tree=tree)
 
 
+def own_process_group():
+    """Make this (victim) process the leader of a process group of its own.  The kernel sends
+    SIGCONT (after SIGHUP, which a job started with nohup ignores) to every process of a group
+    that becomes orphaned while one of them is stopped: when the shell that started the test
+    run in the background exits mid-run, a victim stopped in the test process's group would be
+    resumed behind the test's back (seen: every rank's call "returned" 0.9 s after the stop)."""
+    os.setpgid(0, 0)
+
+
 def wait_stopped(pid, timeout=30.0):
     """Wait until /proc says pid is stopped (state T)."""
     deadline = time.monotonic() + timeout
@@ -73,6 +82,8 @@ def fault_member(group, rank, victim, late, moment, n, timeout, ready, go, queue
     victim had entered), so a survivor whose call returned makes one more call, which cannot."""
     first = "raised"
     try:
+        if rank == victim:
+            own_process_group()
         comm = group.join(rank)
         x = np.full(n, rank + 1.0)
         out = np.empty_like(x)
@@ -369,6 +380,7 @@ def test_run_worker_dies_before_join(monkeypatch):
 def run_stopper(comm, victim):
     comm.allreduce(np.ones(8), timeout=30)
     if comm.rank == victim:
+        own_process_group()
         os.kill(os.getpid(), signal.SIGSTOP)
     comm.allreduce(np.ones(LARGE_N), timeout=STOP_TIMEOUT_S)
 
