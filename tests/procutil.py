@@ -15,8 +15,10 @@ import shmtree
 
 SHM_DIR = "/dev/shm"
 MEMFD = "/memfd:"           # how the link of a memfd descriptor, and its mapping, read
-FD_SETTLE_S = 1.5           # how long new memfd descriptors and mappings may take to go
-PLAIN_SETTLE_S = 0.3        # how long other new descriptors may take to go
+FD_SETTLE_S = 10.0          # how long new memfd descriptors and mappings may take to go (only
+                            # waited for when there are some: a loaded machine stretches it)
+PLAIN_SETTLE_S = 0.3        # how long a few (FD_ALLOWANCE) other new descriptors may take to go;
+                            # more than that are given FD_SETTLE_S
 FD_ALLOWANCE = 3            # new plain descriptors reported as a warning, not a failure
 
 
@@ -111,7 +113,8 @@ def fd_and_map_problems(fds_before, maps_before, settle_s=FD_SETTLE_S):
         maps = {ino: n for ino, n in memfd_mappings().items() if ino not in maps_before}
         now = time.monotonic()
         settled = not memfds and not maps and (
-            not plain or now >= start + min(settle_s, PLAIN_SETTLE_S))
+            not plain or len(plain) <= FD_ALLOWANCE and now >= start + min(settle_s,
+                                                                          PLAIN_SETTLE_S))
         if settled or now >= start + settle_s:
             break
         if tries:
@@ -129,6 +132,45 @@ def fd_and_map_problems(fds_before, maps_before, settle_s=FD_SETTLE_S):
     elif plain:
         warns.append(f"new descriptors left open by the test process: {plain}")
     return failures, warns
+
+
+# ---- gates: one process holds back until another says it may go on (no sleep as a guess) ----
+
+GATE_HOLD_S = 20.0          # how long wait_gate holds back before it goes on regardless
+GATE_POLL_S = 0.002
+
+
+def open_gate(path):
+    """Let whoever waits in wait_gate(path) go on (a file appears, atomically)."""
+    path = os.fspath(path)
+    with open(path + ".tmp", "w"):
+        pass
+    os.replace(path + ".tmp", path)
+
+
+def wait_gate(path, timeout=GATE_HOLD_S):
+    """Hold back until open_gate(path) has run, in any process: True; or False after `timeout`
+    seconds, and the caller goes on anyway (a gate that never opens is the test's failure to
+    see, not a hang: what the caller then does shows what went wrong)."""
+    path = os.fspath(path)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(GATE_POLL_S)
+    return True
+
+
+def wait_in_call(group, rank, call, timeout=30.0):
+    """Wait until `rank` of `group` is inside its call number `call` (1 = its first), as the
+    group's segment says: True, or False after `timeout` s.  (A parent that strikes a member
+    "while the others are blocked in their call" waits for this, not for a guessed sleep.)"""
+    deadline = time.monotonic() + timeout
+    while group._seg.call_of(rank) != call:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def is_gone(proc):

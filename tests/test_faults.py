@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from procutil import stop_processes, error_name
+from procutil import stop_processes, error_name, wait_in_call
 
 DETECT_S = 5.0                     # kill -> survivor's PeerLostError (design: ~20 ms / 1 s scans)
 STOP_TIMEOUT_S = 1.5               # timeout= the survivors pass when the victim is stopped
@@ -49,7 +49,16 @@ def group_options(tree):
     return dict(tree=tree)
 
 
-def wait_stopped(pid, timeout=5.0):
+def own_process_group():
+    """Make this (victim) process the leader of a process group of its own.  The kernel sends
+    SIGCONT (after SIGHUP, which a job started with nohup ignores) to every process of a group
+    that becomes orphaned while one of them is stopped: when the shell that started the test
+    run in the background exits mid-run, a victim stopped in the test process's group would be
+    resumed behind the test's back (seen: every rank's call "returned" 0.9 s after the stop)."""
+    os.setpgid(0, 0)
+
+
+def wait_stopped(pid, timeout=30.0):
     """Wait until /proc says pid is stopped (state T)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,6 +82,8 @@ def fault_member(group, rank, victim, late, moment, n, timeout, ready, go, queue
     victim had entered), so a survivor whose call returned makes one more call, which cannot."""
     first = "raised"
     try:
+        if rank == victim:
+            own_process_group()
         comm = group.join(rank)
         x = np.full(n, rank + 1.0)
         out = np.empty_like(x)
@@ -126,7 +137,12 @@ def inject(P, tree, moment, sig, n, victim, timeout=None):
                 procs.append(p)
             assert ready.wait(60), "the victim never reached the moment of the fault"
             if moment in ("between_calls", "in_barrier"):
-                time.sleep(0.1)                   # let the others block in their call
+                # the others block in their call (call 2: call 1 made sure every member is
+                # up), the victim too in a barrier; the late rank holds back for `go`
+                until = time.monotonic() + 30
+                for r in range(P):
+                    if r != (victim if moment == "between_calls" else late):
+                        wait_in_call(group, r, 2, max(0.0, until - time.monotonic()))
             else:
                 time.sleep(0.005 + 0.01 * (P % 3))
             struck = time.monotonic()
@@ -290,7 +306,10 @@ def run_victim(comm, victim, how, n):
             elif how == "exits":
                 os._exit(7)
             elif how == "in_barrier":
-                time.sleep(0.2)                   # the others are in the barrier by now
+                until = time.monotonic() + 30     # the others are in barrier #3 (call_of 3)
+                for r in range(comm.size):
+                    if r != victim:
+                        wait_in_call(comm.group, r, 3, max(0.0, until - time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
         if how == "in_barrier":
             comm.barrier()
@@ -361,6 +380,7 @@ def test_run_worker_dies_before_join(monkeypatch):
 def run_stopper(comm, victim):
     comm.allreduce(np.ones(8), timeout=30)
     if comm.rank == victim:
+        own_process_group()
         os.kill(os.getpid(), signal.SIGSTOP)
     comm.allreduce(np.ones(LARGE_N), timeout=STOP_TIMEOUT_S)
 

@@ -18,13 +18,19 @@ import gc
 import mmap
 import multiprocessing as mp
 import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 
 import shmtree
-from procutil import MEMFD, fd_and_map_problems, memfd_mappings, open_fds, stop_processes
+from procutil import (MEMFD, fd_and_map_problems, memfd_mappings, open_fds, open_gate,
+                      stop_processes, wait_gate)
 
 
 def memfd_fds():
@@ -67,6 +73,86 @@ def test_leak_check_sees_a_memfd_descriptor_and_mapping():
         os.close(fd)
     failures, _ = fd_and_map_problems(fds_before, maps_before, settle_s=0.1)
     assert not failures, failures
+
+
+def test_leak_check_watches_a_shm_entry_nobody_holds(tmp_path, monkeypatch):
+    """A new /dev/shm entry that nobody holds is most often another job's, between its holders'
+    exit and its unlink, a moment a loaded machine stretches to seconds: split_foreign watches
+    it (up to SHM_UNHELD_SETTLE_S) and does not blame the test for one that goes meanwhile; one
+    that stays, held by nobody, is still the test's.  (In a directory of this test's own, so
+    that other jobs' leak checks never see these entries.)"""
+    import conftest
+    import procutil
+    monkeypatch.setattr(procutil, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(conftest, "SHM_DIR", str(tmp_path))
+    goes, stays = tmp_path / "shmtree-goes", tmp_path / "shmtree-stays"
+    goes.write_bytes(b"")
+    stays.write_bytes(b"")
+    timer = threading.Timer(conftest.SHM_SETTLE_S, goes.unlink)     # nobody holds either
+    timer.start()
+    try:
+        monkeypatch.setattr(conftest, "SHM_UNHELD_SETTLE_S", 30.0)
+        assert conftest.split_foreign([goes.name]) == ([], []), "an entry that went was blamed"
+    finally:
+        timer.cancel()
+        timer.join()
+    monkeypatch.setattr(conftest, "SHM_UNHELD_SETTLE_S", 0.5)
+    assert conftest.split_foreign([stays.name]) == ([stays.name], [])
+
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)    # created and held ...
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # ... and left behind: this process ends without unlinking it
+""")
+
+
+@pytest.mark.timeout(120)
+def test_leak_check_leaves_an_entry_another_job_abandoned_to_that_job(tmp_path, monkeypatch):
+    """Another job's process (outside this test's tree) creates an entry, holds it, and ends
+    without unlinking it: at the check nobody holds it, but the watcher (shm_watch.py) saw
+    whose it was, and split_foreign reports it as foreign, not as the test's.  (In a
+    directory of this test's own, watched by a watcher of its own.)"""
+    import conftest
+    import procutil
+    shm, verdicts = tmp_path / "shm", str(tmp_path / "verdicts.json")
+    shm.mkdir()
+    entry, release = shm / "other-job-segment", str(tmp_path / "release")
+    watcher = conftest.start_shm_watch(verdicts, str(shm))
+    try:
+        monkeypatch.setattr(procutil, "SHM_DIR", str(shm))
+        monkeypatch.setattr(conftest, "SHM_DIR", str(shm))
+        monkeypatch.setattr(conftest, "_watcher", {"pid": watcher.pid, "verdicts": verdicts})
+        monkeypatch.setattr(conftest, "SHM_UNHELD_SETTLE_S", 0.5)
+        assert wait_gate(verdicts, 60), "the watcher never began"
+        pid = os.fork()                   # the holder is orphaned: not of this test's tree
+        if pid == 0:
+            try:
+                subprocess.Popen([sys.executable, "-c", HOLDER, str(entry), release],
+                                 start_new_session=True)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 60
+        while conftest.watcher_verdicts().get(entry.name) != "foreign":
+            assert time.monotonic() < deadline, \
+                f"the watcher never saw {entry} held by another job: {conftest.watcher_verdicts()}"
+            time.sleep(0.02)
+        open_gate(release)
+        while conftest.shm_holders(entry.name):
+            assert time.monotonic() < deadline, "the other job's process never ended"
+            time.sleep(0.02)
+        assert conftest.split_foreign([entry.name]) == ([], [entry.name])
+        # what the check made of it without the watcher's word: the test's own leak
+        monkeypatch.setattr(conftest, "_watcher", {"pid": None, "verdicts": None})
+        assert conftest.split_foreign([entry.name]) == ([entry.name], [])
+    finally:
+        open_gate(release)
+        watcher.kill()
+        watcher.wait()
 
 
 # ---------------------------------------------------------------------------------------------

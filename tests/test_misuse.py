@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from procutil import run_ok
+from procutil import open_gate, run_ok, wait_gate
 
 P = 3
 
@@ -420,18 +420,32 @@ def test_forked_grandchild_uses_parents_communicator():
 # ---------------------------------------------------------------------------------------------
 # two threads of one rank
 
-def two_threads_worker(comm, second_kind):
-    """Rank 0: thread A enters an allreduce (rank 1 arrives 1 s later), then the main thread
-    makes a second collective: it must raise ShmtreeError at once, not hang or interleave."""
+SECOND_TIMEOUT_S = 5.0          # timeout= of the second thread's call, which must raise ...
+SECOND_RAISES_S = SECOND_TIMEOUT_S / 2      # ... well before that runs out
+
+
+def engine_in_call(comm, timeout=30.0):
+    """Wait until a thread of this rank is inside a call of comm's engine (True), or False after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not comm._engine.in_call:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def two_threads_worker(comm, second_kind, gate):
+    """Rank 0: thread A enters an allreduce (rank 1 arrives only once the main thread's second
+    collective has returned or raised), then the main thread makes a second collective: it must
+    raise ShmtreeError at once, not hang or interleave."""
     if comm.rank == 1:
-        time.sleep(1.0)
+        wait_gate(gate)
         y = comm.allreduce(np.full(1000, 2.0), timeout=30)
         return None, bool(np.all(y == 3.0)), good_call(comm)
-    inside = threading.Event()
     res = {}
 
     def thread_a():
-        inside.set()
         try:
             res["y"] = comm.allreduce(np.full(1000, 1.0), timeout=30)
         except BaseException as e:  # noqa: B036
@@ -439,12 +453,14 @@ def two_threads_worker(comm, second_kind):
 
     t = threading.Thread(target=thread_a)
     t.start()
-    inside.wait(10)
-    time.sleep(0.1)                                 # thread A is blocked in its call
-    if second_kind == "barrier":
-        second = attempt(lambda: comm.barrier(timeout=5))
-    else:
-        second = attempt(lambda: comm.allreduce(np.ones(1000), timeout=5))
+    try:
+        assert engine_in_call(comm), "thread A never entered its call"  # it waits for rank 1
+        if second_kind == "barrier":
+            second = attempt(lambda: comm.barrier(timeout=SECOND_TIMEOUT_S))
+        else:
+            second = attempt(lambda: comm.allreduce(np.ones(1000), timeout=SECOND_TIMEOUT_S))
+    finally:
+        open_gate(gate)
     t.join(30)
     ok = "y" in res and bool(np.all(res["y"] == 3.0))
     return second, ok or res.get("error"), good_call(comm)
@@ -452,12 +468,12 @@ def two_threads_worker(comm, second_kind):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("second_kind", ["allreduce", "barrier"])
-def test_two_threads_of_one_rank(second_kind):
-    results = run_ok(two_threads_worker, 2, args=(second_kind,))
+def test_two_threads_of_one_rank(second_kind, tmp_path):
+    results = run_ok(two_threads_worker, 2, args=(second_kind, str(tmp_path / "gate")))
     (what, msg, secs), first_ok, good = results[0]
     assert what == "ShmtreeError", f"second thread: {what}: {msg}"
     assert "thread" in msg, msg
-    assert secs < 0.5, f"the second thread waited {secs:.2f} s before raising"
+    assert secs < SECOND_RAISES_S, f"the second thread waited {secs:.2f} s before raising"
     assert first_ok is True, f"the first thread's call went wrong: {first_ok}"
     assert good and results[1][1] and results[1][2]
 

@@ -33,11 +33,10 @@ import numpy as np
 import pytest
 
 import shmtree
-from procutil import run_ok
+from procutil import open_gate, run_ok, wait_gate
 from test_collectives import check, make, reference, same_bytes, unwire, wire
 
 SMALL, LARGE = 7, 70001          # inline, and a non-multiple of every chunk size
-DELAY_S = 0.5                    # how long a peer holds back its matching call
 PROGRESS_PREFIX = "shmtree-progress-"
 
 
@@ -206,19 +205,24 @@ def mixed_expected(i, P, rank):
     return None
 
 
-def mixed_order_worker(comm, pattern):
-    """pattern[i]: 'b' blocking, 'n' nonblocking.  Before a nonblocking call followed by a
-    blocking one, rank i % P sleeps a little: the other ranks make that blocking call while
-    the nonblocking one is outstanding (it is queued behind it)."""
+def mixed_order_worker(comm, pattern, gates):
+    """pattern[i]: 'b' blocking, 'n' nonblocking.  A nonblocking call i followed by a blocking
+    one: rank i % P holds back call i until every other rank has posted it and is about to
+    make the blocking call (gates in the directory `gates`), so the others make that blocking
+    call while their request i is outstanding (it is queued behind it)."""
     P, me = comm.size, comm.rank
     results = {}
     pending = {}
     queued = 0                  # blocking calls made while a request was outstanding
     for i, how in enumerate(pattern):
         if how == "n" and pattern[i + 1:i + 2] == "b" and me == i % P:
-            time.sleep(0.03)
+            for r in range(P):
+                if r != me:
+                    wait_gate(os.path.join(gates, f"{i}-{r}"))
         if how == "b":
             queued += any(not r.done() for r in pending.values())
+            if pattern[i - 1:i] == "n" and me != (i - 1) % P:
+                open_gate(os.path.join(gates, f"{i - 1}-{me}"))
             results[i] = outcome(lambda: mixed_step(comm, i, True))
         else:
             pending[i] = mixed_step(comm, i, False)
@@ -239,9 +243,9 @@ def mixed_order_worker(comm, pattern):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("P", [2, 3])
-def test_mixed_blocking_and_nonblocking_in_issue_order(P):
+def test_mixed_blocking_and_nonblocking_in_issue_order(P, tmp_path):
     pattern = "nnbnnnbbnbnnnnbnbbnnnbnn"[:MIXED_STEPS]
-    outs = run_ok(mixed_order_worker, P, args=(pattern,))
+    outs = run_ok(mixed_order_worker, P, args=(pattern, str(tmp_path)))
     for rank, (errors, after, queued) in enumerate(outs):
         assert errors == [], (rank, errors)
         assert after == [float(P)] * 3
@@ -254,18 +258,26 @@ def test_mixed_blocking_and_nonblocking_in_issue_order(P):
 MANY = 100
 
 
-def late_rank_1(comm, seconds):
-    """Every rank meets, then rank 1 holds back its next call for `seconds`."""
+def late_rank_1(comm, gate):
+    """Every rank meets, then rank 1 holds back its next call until rank 0 opens the gate (the
+    path `gate`: procutil.open_gate) when it has seen what it checks while rank 1 is late."""
     comm.barrier()
     if comm.rank == 1:
-        time.sleep(seconds)
+        wait_gate(gate)
 
 
-def many_worker(comm):
+def rank_1_may_go(comm, gate):
+    """Rank 0: let rank 1 (held back by late_rank_1) make its call."""
+    if comm.rank == 0:
+        open_gate(gate)
+
+
+def many_worker(comm, gate):
     P, me = comm.size, comm.rank
-    late_rank_1(comm, DELAY_S)                 # rank 0 holds all 100 outstanding meanwhile
+    late_rank_1(comm, gate)                    # rank 0 holds all 100 outstanding meanwhile
     reqs = [mixed_step(comm, i, False) for i in range(MANY)]
     outstanding = sum(not r.done() for r in reqs)
+    rank_1_may_go(comm, gate)
     errors = []
     for i in reversed(range(MANY)):
         got = reqs[i].wait()
@@ -284,8 +296,8 @@ def many_worker(comm):
 
 
 @pytest.mark.timeout(120)
-def test_hundred_outstanding_waited_in_reverse_and_wait_all_order():
-    outs = run_ok(many_worker, 2)
+def test_hundred_outstanding_waited_in_reverse_and_wait_all_order(tmp_path):
+    outs = run_ok(many_worker, 2, args=(str(tmp_path / "gate"),))
     outstanding, errors, numbers, wait_all_ok, is_list = outs[0]
     assert outstanding == MANY, f"rank 0 had only {outstanding} requests outstanding"
     for rank, (_, errors, numbers, wait_all_ok, is_list) in enumerate(outs):
@@ -307,16 +319,17 @@ class Capture(logging.Handler):
                                                             record.exc_info[1]))
 
 
-def callbacks_worker(comm):
+def callbacks_worker(comm, gate):
     P, me = comm.size, comm.rank
     total = float(sum(range(1, P + 1)))
     rep = {}
     # a callback added while the request is pending runs in the progress thread
-    late_rank_1(comm, 0.2)
+    late_rank_1(comm, gate)
     seen, ev = [], threading.Event()
     req = comm.iallreduce(np.full(4, me + 1.0))
     req.add_done_callback(lambda f: (seen.append((threading.current_thread().name,
                                                   f.result().tolist())), ev.set()))
+    rank_1_may_go(comm, gate)
     rep["wait"] = req.wait().tolist()
     rep["callback_ran"] = ev.wait(5)
     rep["callback"] = seen
@@ -367,8 +380,8 @@ def callbacks_worker(comm):
 
 
 @pytest.mark.timeout(90)
-def test_callbacks_futures_wait_and_asyncio():
-    for rank, rep in enumerate(run_ok(callbacks_worker, 2)):
+def test_callbacks_futures_wait_and_asyncio(tmp_path):
+    for rank, rep in enumerate(run_ok(callbacks_worker, 2, args=(str(tmp_path / "gate"),))):
         total = rep["total"]
         assert rep["wait"] == [total] * 4
         assert rep["callback_ran"], rank
@@ -388,27 +401,31 @@ def test_callbacks_futures_wait_and_asyncio():
 # ---------------------------------------------------------------------------------------------
 # 5. result(timeout) vs the call's own timeout=
 
-LATE_WAIT_S = 1.0
+WAIT_TIMEOUT_S = 0.05
+WAIT_RETURNS_S = 2.0        # result(timeout=WAIT_TIMEOUT_S) returns within this (rank 1 holds
+                            # back its matching call up to procutil.GATE_HOLD_S: a wait that does
+                            # not honour its timeout shows as one that took that long)
 
 
-def wait_timeout_worker(comm):
-    """rank 1 makes its matching call LATE_WAIT_S late; rank 0 waits with short timeouts."""
+def wait_timeout_worker(comm, gate):
+    """rank 1 makes its matching call only when rank 0 has waited with short timeouts."""
     me = comm.rank
     rep = {}
-    late_rank_1(comm, LATE_WAIT_S)
+    late_rank_1(comm, gate)
     req = comm.iallreduce(np.full(5, me + 1.0))
     if me == 0:
         t0 = time.monotonic()
         try:
-            req.result(timeout=0.05)
+            req.result(timeout=WAIT_TIMEOUT_S)
             rep["result"] = ("returned", None, None, time.monotonic() - t0)
         except concurrent.futures.TimeoutError as e:
             rep["result"] = ("TimeoutError", isinstance(e, TimeoutError),
                              isinstance(e, shmtree.ShmtreeError), time.monotonic() - t0)
-        rep["wait"] = outcome(lambda: req.wait(timeout=0.05))[0]
-        rep["exception"] = outcome(lambda: req.exception(timeout=0.05))[0]
-        rep["wait_all"] = outcome(lambda: shmtree.wait_all([req], timeout=0.05))[0]
+        rep["wait"] = outcome(lambda: req.wait(timeout=WAIT_TIMEOUT_S))[0]
+        rep["exception"] = outcome(lambda: req.exception(timeout=WAIT_TIMEOUT_S))[0]
+        rep["wait_all"] = outcome(lambda: shmtree.wait_all([req], timeout=WAIT_TIMEOUT_S))[0]
         rep["done_then"] = req.done()
+    rank_1_may_go(comm, gate)
     rep["late"] = req.wait(timeout=30).tolist()
     rep["after"] = comm.allreduce(np.full(2, me + 1.0)).tolist()
     rep["after_i"] = comm.iallreduce(np.full(2, me + 1.0)).wait().tolist()
@@ -416,12 +433,12 @@ def wait_timeout_worker(comm):
 
 
 @pytest.mark.timeout(90)
-def test_wait_timeout_aborts_nothing():
-    reps = run_ok(wait_timeout_worker, 2)
+def test_wait_timeout_aborts_nothing(tmp_path):
+    reps = run_ok(wait_timeout_worker, 2, args=(str(tmp_path / "gate"),))
     name, is_builtin, is_shmtree, took = reps[0]["result"]
-    assert name == "TimeoutError", f"result(timeout=0.05) {name} after {took:.2f} s"
+    assert name == "TimeoutError", f"result(timeout={WAIT_TIMEOUT_S}) {name} after {took:.2f} s"
     assert (is_builtin, is_shmtree) == (True, False), reps[0]
-    assert took < LATE_WAIT_S / 2, f"result(timeout=0.05) took {took:.2f} s"
+    assert took < WAIT_RETURNS_S, f"result(timeout={WAIT_TIMEOUT_S}) took {took:.2f} s"
     assert reps[0]["wait"] == reps[0]["exception"] == reps[0]["wait_all"] == "TimeoutError"
     assert reps[0]["done_then"] is False
     for rep in reps:
@@ -430,11 +447,13 @@ def test_wait_timeout_aborts_nothing():
 
 
 CALL_TIMEOUT_S = 0.2
-LATE_S = 1.5
+CALL_TIMED_OUT_S = CALL_TIMEOUT_S + 5.0     # it fires by then (rank 1 holds back its matching
+                                            # call up to procutil.GATE_HOLD_S)
 
 
-def call_timeout_worker(comm):
-    """rank 1 sleeps LATE_S before its matching call; rank 0's iallreduce has timeout=0.2."""
+def call_timeout_worker(comm, gate):
+    """rank 1 makes its matching call only when rank 0's iallreduce, timeout=0.2, has failed
+    (or after procutil.GATE_HOLD_S)."""
     me = comm.rank
     rep = {}
     if me == 0:
@@ -442,10 +461,11 @@ def call_timeout_worker(comm):
         req = comm.iallreduce(np.ones(5), timeout=CALL_TIMEOUT_S)
         behind = comm.iallreduce(np.ones(5))          # posted behind it: fails too
         rep["req"] = outcome(req.result)[:2] + (time.monotonic() - t0,)
+        open_gate(gate)
         rep["behind"] = outcome(behind.result)[0]
         rep["exception_type"] = type(req.exception()).__name__
     else:
-        time.sleep(LATE_S)
+        wait_gate(gate)
         rep["req"] = outcome(lambda: comm.iallreduce(np.ones(5)).result(timeout=10))
         rep["behind"] = None
     rep["later"] = outcome(lambda: comm.allreduce(np.ones(2), timeout=10))[0]
@@ -454,12 +474,12 @@ def call_timeout_worker(comm):
 
 
 @pytest.mark.timeout(90)
-def test_call_timeout_fails_request_and_aborts_group():
-    reps = run_ok(call_timeout_worker, 2)
+def test_call_timeout_fails_request_and_aborts_group(tmp_path):
+    reps = run_ok(call_timeout_worker, 2, args=(str(tmp_path / "gate"),))
     name, msg, took = reps[0]["req"]
     assert name == "CollectiveTimeoutError", reps[0]
     assert reps[0]["exception_type"] == "CollectiveTimeoutError"
-    assert CALL_TIMEOUT_S * 0.9 <= took < LATE_S, f"timed out after {took:.2f} s"
+    assert CALL_TIMEOUT_S * 0.9 <= took < CALL_TIMED_OUT_S, f"timed out after {took:.2f} s"
     assert reps[0]["behind"] in ("PeerLostError", "ShmtreeError"), reps[0]
     assert reps[1]["req"][0] in ("PeerLostError", "ShmtreeError"), reps[1]
     for rep in reps:
@@ -591,9 +611,9 @@ def local_error_calls(c):
     }
 
 
-def local_errors_worker(comm):
+def local_errors_worker(comm, gate):
     me = comm.rank
-    late_rank_1(comm, 0.2)
+    late_rank_1(comm, gate)
     pending = comm.iallreduce(np.full(4, me + 1.0))     # outstanding while rank 0 errs
     errs = {}
     if me == 0:
@@ -606,6 +626,7 @@ def local_errors_worker(comm):
             except BaseException as e:  # noqa: B036
                 errs[name] = f"{type(e).__name__}: {e}"
         errs["pending done early"] = pending.done()
+    rank_1_may_go(comm, gate)
     got = pending.wait(30).tolist()
     after = [comm.iallreduce(np.full(2, me + 1.0)).wait(30).tolist(),
              comm.allreduce(np.full(2, me + 1.0), timeout=30).tolist(),
@@ -614,8 +635,8 @@ def local_errors_worker(comm):
 
 
 @pytest.mark.timeout(90)
-def test_local_errors_raised_by_posting_call():
-    outs = run_ok(local_errors_worker, 2)
+def test_local_errors_raised_by_posting_call(tmp_path):
+    outs = run_ok(local_errors_worker, 2, args=(str(tmp_path / "gate"),))
     errs, got, after = outs[0]
     early = errs.pop("pending done early")
     assert early is False, "rank 0's request completed before rank 1 posted its own"
@@ -629,15 +650,16 @@ def test_local_errors_raised_by_posting_call():
 # ---------------------------------------------------------------------------------------------
 # 9. cancel, test, done, wait, repr
 
-def api_worker(comm):
+def api_worker(comm, gate):
     me = comm.rank
     rep = {}
-    late_rank_1(comm, DELAY_S)
+    late_rank_1(comm, gate)
     req = comm.iallreduce(np.full(3, me + 1.0))
     if me == 0:
         rep["types"] = (isinstance(req, shmtree.Request),
                         isinstance(req, concurrent.futures.Future))
         rep["pending"] = (req.cancel(), req.cancelled(), req.test(), req.done(), repr(req))
+    rank_1_may_go(comm, gate)
     result = req.wait()
     rep["result"] = result.tolist()
     rep["same_object"] = req.result() is result and req.wait(0) is result
@@ -650,8 +672,8 @@ def api_worker(comm):
 
 
 @pytest.mark.timeout(60)
-def test_cancel_test_done_wait_repr():
-    reps = run_ok(api_worker, 2)
+def test_cancel_test_done_wait_repr(tmp_path):
+    reps = run_ok(api_worker, 2, args=(str(tmp_path / "gate"),))
     assert reps[0]["types"] == (True, True)
     cancel, cancelled, test, done, text = reps[0]["pending"]
     assert (cancel, cancelled, test, done) == (False, False, False, False), reps[0]["pending"]
@@ -670,13 +692,14 @@ def test_cancel_test_done_wait_repr():
 # ---------------------------------------------------------------------------------------------
 # 10. close() waits for outstanding requests, and ends the progress thread
 
-def close_worker(comm):
+def close_worker(comm, gate):
     me = comm.rank
-    late_rank_1(comm, DELAY_S)
+    late_rank_1(comm, gate)
     reqs = [comm.iallreduce(np.full(n, me + 1.0)) for n in (3, LARGE, 5)] + \
         [comm.ibroadcast(np.arange(4.0) if me == 0 else None), comm.ibarrier()]
     before = [r.done() for r in reqs]
     threads_before = progress_threads()
+    rank_1_may_go(comm, gate)
     t0 = time.monotonic()
     comm.close()
     took = time.monotonic() - t0
@@ -690,8 +713,8 @@ def close_worker(comm):
 
 
 @pytest.mark.timeout(60)
-def test_close_waits_for_outstanding_requests():
-    outs = run_ok(close_worker, 2)
+def test_close_waits_for_outstanding_requests(tmp_path):
+    outs = run_ok(close_worker, 2, args=(str(tmp_path / "gate"),))
     before, threads_before, took, after, results, values, threads, closed, msg = outs[0]
     assert not any(before), "rank 0's requests were done before rank 1 posted its own"
     for rank, (before, threads_before, took, after, results, values, threads, closed,
@@ -711,12 +734,16 @@ CHILD_CHECKS = ("wait", "result_timeout", "exception", "wait_all", "allreduce", 
                 "barrier", "module_iallreduce")
 
 
-def fork_worker(comm):
+CHILD_RAISES_S = 2.0        # each check in the child raises within this (result(timeout=5) and
+                            # the child's 10 s alarm are what a wait would run into)
+
+
+def fork_worker(comm, gate):
     me = comm.rank
     comm.barrier()
     if me == 1:
         comm.iallreduce(np.full(2, me + 1.0)).wait()
-        time.sleep(1.0)                    # rank 0's request is outstanding at the fork
+        wait_gate(gate)                    # rank 0's request is outstanding at the fork
         return comm.iallreduce(np.full(3, me + 1.0)).wait().tolist(), \
             comm.allreduce(np.ones(2)).tolist()
     done = comm.iallreduce(np.full(2, me + 1.0))
@@ -749,6 +776,7 @@ def fork_worker(comm):
             code = 0
         finally:
             os._exit(code)
+    open_gate(gate)                        # (forked: rank 1 may complete the request now)
     os.close(wfd)
     chunks = []
     while True:
@@ -764,8 +792,9 @@ def fork_worker(comm):
 
 
 @pytest.mark.timeout(60)
-def test_fork_with_requests_outstanding():
-    (parent, (code, child, after)), (peer, peer_after) = run_ok(fork_worker, 2)
+def test_fork_with_requests_outstanding(tmp_path):
+    (parent, (code, child, after)), (peer, peer_after) = run_ok(fork_worker, 2,
+                                                                args=(str(tmp_path / "gate"),))
     assert parent == peer == [3.0] * 3
     assert after == peer_after == [2.0, 2.0]
     assert code != -signal.SIGALRM, "the child hung (killed by its 10 s alarm)"
@@ -774,26 +803,32 @@ def test_fork_with_requests_outstanding():
     for name in CHILD_CHECKS:
         what, msg, took = child[name]
         assert what == "ShmtreeError", (name, what, msg)
-        assert took < 0.5, f"{name} took {took:.2f} s in the child"
+        assert took < CHILD_RAISES_S, f"{name} took {took:.2f} s in the child"
     what, value, took, is_done = child["done_request"]
-    assert is_done and took < 0.5, child["done_request"]
+    assert is_done and took < CHILD_RAISES_S, child["done_request"]
     assert (what, value) == ("ok", [3.0, 3.0]) or what == "ShmtreeError", child["done_request"]
 
 
 # ---------------------------------------------------------------------------------------------
 # 12. Ctrl-C while waiting
 
-def ctrl_c_worker(comm):
+INTERRUPT_AFTER_S = 0.1     # SIGINT comes this long after the wait began
+INTERRUPT_S = 2.0           # ... and interrupts it within this (rank 1 holds back its matching
+                            # call up to procutil.GATE_HOLD_S: a wait that cannot be interrupted
+                            # ends only then)
+
+
+def ctrl_c_worker(comm, gate):
     me = comm.rank
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rep = {}
     comm.barrier()
     if me == 1:
-        time.sleep(1.0)
+        wait_gate(gate)
         rep["result"] = comm.iallreduce(np.full(4, me + 1.0)).wait().tolist()
     else:
         req = comm.iallreduce(np.full(4, me + 1.0))
-        timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+        timer = threading.Timer(INTERRUPT_AFTER_S, os.kill, (os.getpid(), signal.SIGINT))
         t0 = time.monotonic()
         timer.start()
         try:
@@ -803,6 +838,7 @@ def ctrl_c_worker(comm):
             rep["first"] = ("KeyboardInterrupt", time.monotonic() - t0, req.done())
         finally:
             timer.join()
+            open_gate(gate)
         rep["result"] = req.wait(30).tolist()
     rep["after"] = comm.allreduce(np.full(2, me + 1.0), timeout=30).tolist()
     rep["after_i"] = comm.iallreduce(np.full(2, me + 1.0), timeout=30).wait(30).tolist()
@@ -810,18 +846,19 @@ def ctrl_c_worker(comm):
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_waiting_interrupts_the_wait_only():
-    reps = run_ok(ctrl_c_worker, 2)
+def test_ctrl_c_while_waiting_interrupts_the_wait_only(tmp_path):
+    reps = run_ok(ctrl_c_worker, 2, args=(str(tmp_path / "gate"),))
     what, took, done = reps[0]["first"]
     assert what == "KeyboardInterrupt", reps[0]
-    assert took < 0.8, f"KeyboardInterrupt {took:.2f} s after the wait began"
+    assert took < INTERRUPT_AFTER_S + INTERRUPT_S, \
+        f"KeyboardInterrupt {took:.2f} s after the wait began"
     assert done is False
     for rep in reps:
         assert rep["result"] == [3.0] * 4
         assert rep["after"] == rep["after_i"] == [3.0] * 2
 
 
-def ctrl_c_blocking_worker(comm):
+def ctrl_c_blocking_worker(comm, gate):
     """As above, but rank 0 is waiting in a blocking allreduce queued behind its request: the
     interrupt leaves a call half-issued, so the group is aborted (README, "Nonblocking calls")."""
     me = comm.rank
@@ -829,26 +866,27 @@ def ctrl_c_blocking_worker(comm):
     rep = {}
     comm.barrier()
     if me == 1:
-        time.sleep(1.0)
+        wait_gate(gate)
         rep["req"] = outcome(lambda: comm.iallreduce(np.ones(4)).wait(10))[0]
     else:
         req = comm.iallreduce(np.ones(4))
-        timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+        timer = threading.Timer(INTERRUPT_AFTER_S, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         try:
             rep["blocking"] = outcome(lambda: comm.allreduce(np.ones(2)))[::2]
         finally:
             timer.join()
+            open_gate(gate)
         rep["req"] = outcome(lambda: req.wait(10))[0]
     rep["after"] = outcome(lambda: comm.allreduce(np.ones(2), timeout=10))[0]
     return rep
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_in_blocking_call_queued_behind_requests_aborts():
-    reps = run_ok(ctrl_c_blocking_worker, 2)
+def test_ctrl_c_in_blocking_call_queued_behind_requests_aborts(tmp_path):
+    reps = run_ok(ctrl_c_blocking_worker, 2, args=(str(tmp_path / "gate"),))
     what, took = reps[0]["blocking"]
-    assert what == "KeyboardInterrupt" and took < 0.8, reps[0]
+    assert what == "KeyboardInterrupt" and took < INTERRUPT_AFTER_S + INTERRUPT_S, reps[0]
     for rep in reps:
         assert rep["req"] in ("PeerLostError", "ShmtreeError"), rep
         assert rep["after"] in ("PeerLostError", "ShmtreeError"), rep
@@ -882,24 +920,32 @@ def test_idle_progress_thread_burns_no_cpu():
 # ---------------------------------------------------------------------------------------------
 # 14. a collective or a wait inside a completion callback raises instead of deadlocking
 
-def callback_blocking_worker(comm):
+IN_CALLBACK_TIMEOUT_S = 5.0     # timeout= of the collectives a callback makes ...
+IN_CALLBACK_RAISES_S = IN_CALLBACK_TIMEOUT_S / 2    # ... which raise well before it runs out
+
+
+def callback_blocking_worker(comm, gate):
     me = comm.rank
     rep = {}
-    late_rank_1(comm, 0.3)
+    late_rank_1(comm, gate)                    # (the callback is added while the call waits)
     seen, ev = {}, threading.Event()
     first = comm.iallreduce(np.full(2, me + 1.0))
     second = comm.iallreduce(np.full(3, me + 1.0))          # still outstanding when the
     if me == 0:                                              # callback of `first` runs
 
         def cb(f):
-            seen["allreduce"] = outcome(lambda: comm.allreduce(np.ones(2), timeout=5))
-            seen["broadcast"] = outcome(lambda: comm.broadcast(np.ones(2), timeout=5))
-            seen["iallreduce"] = outcome(lambda: comm.iallreduce(np.ones(2), timeout=5))
+            seen["allreduce"] = outcome(lambda: comm.allreduce(
+                np.ones(2), timeout=IN_CALLBACK_TIMEOUT_S))
+            seen["broadcast"] = outcome(lambda: comm.broadcast(
+                np.ones(2), timeout=IN_CALLBACK_TIMEOUT_S))
+            seen["iallreduce"] = outcome(lambda: comm.iallreduce(
+                np.ones(2), timeout=IN_CALLBACK_TIMEOUT_S))
             seen["wait"] = outcome(lambda: second.wait())
             seen["wait_all"] = outcome(lambda: shmtree.wait_all([second]))
             seen["close"] = outcome(comm.close)
             ev.set()
         first.add_done_callback(cb)
+        rank_1_may_go(comm, gate)
         if not ev.wait(10):
             os._exit(17)            # the callback hangs: close() would wait for it forever
     rep["first"] = first.wait(30).tolist()
@@ -911,50 +957,55 @@ def callback_blocking_worker(comm):
 
 
 @pytest.mark.timeout(60)
-def test_collective_or_wait_inside_callback_raises():
-    reps = run_ok(callback_blocking_worker, 2)
+def test_collective_or_wait_inside_callback_raises(tmp_path):
+    reps = run_ok(callback_blocking_worker, 2, args=(str(tmp_path / "gate"),))
     for name, (what, msg, took) in reps[0]["seen"].items():
         assert what == "ShmtreeError", (name, what, msg)
-        assert took < 1.0, f"{name} in a callback took {took:.2f} s"
+        assert took < IN_CALLBACK_RAISES_S, f"{name} in a callback took {took:.2f} s"
     for rep in reps:
         assert rep["first"] == [3.0] * 2 and rep["second"] == [3.0] * 3
         assert rep["after"] == [3.0] * 2
 
 
-def callback_last_request_worker(comm):
+def callback_last_request_worker(comm, gate, gate_after):
     """The callback of the only outstanding request makes a blocking collective and posts an
-    i-call; rank 1 makes no matching call until well after their timeouts."""
+    i-call; rank 1 makes no matching call until they are over (or timed out)."""
     me = comm.rank
     seen, ev = {}, threading.Event()
-    late_rank_1(comm, 0.3)                     # (the callback is added while the call waits)
+    late_rank_1(comm, gate)                    # (the callback is added while the call waits)
     req = comm.iallreduce(np.full(2, me + 1.0))
     if me == 0:
 
         def cb(f):
             seen["thread"] = ("ok", threading.current_thread().name, 0.0)
-            seen["allreduce"] = outcome(lambda: comm.allreduce(np.ones(2), timeout=0.5))
-            seen["iallreduce"] = outcome(lambda: comm.iallreduce(np.ones(2), timeout=0.5))
+            seen["allreduce"] = outcome(lambda: comm.allreduce(
+                np.ones(2), timeout=IN_CALLBACK_TIMEOUT_S))
+            seen["iallreduce"] = outcome(lambda: comm.iallreduce(
+                np.ones(2), timeout=IN_CALLBACK_TIMEOUT_S))
             ev.set()
         req.add_done_callback(cb)
+        rank_1_may_go(comm, gate)
     req.wait(30)
     if me == 0:
-        if not ev.wait(10):
+        if not ev.wait(10 + 2 * IN_CALLBACK_TIMEOUT_S):
             os._exit(17)
+        open_gate(gate_after)
     else:
-        time.sleep(1.0)
+        wait_gate(gate_after)
     after = outcome(lambda: comm.allreduce(np.full(2, me + 1.0), timeout=10))
     return {k: (v[0], str(v[1])[:200], v[2]) for k, v in seen.items()}, after[:2]
 
 
 @pytest.mark.timeout(60)
-def test_collective_inside_callback_of_last_request_raises():
+def test_collective_inside_callback_of_last_request_raises(tmp_path):
     """(Nothing else outstanding: the collective would otherwise run in the progress thread at
     a place in this rank's call order that depends on timing.)"""
-    reps = run_ok(callback_last_request_worker, 2)
+    reps = run_ok(callback_last_request_worker, 2,
+                  args=(str(tmp_path / "gate"), str(tmp_path / "gate_after")))
     assert reps[0][0].pop("thread")[1].startswith(PROGRESS_PREFIX), reps[0][0]
     for name, (what, msg, took) in reps[0][0].items():
         assert what == "ShmtreeError", (name, what, msg)      # (not CollectiveTimeoutError)
-        assert took < 0.4, f"the callback's {name} took {took:.2f} s"
+        assert took < IN_CALLBACK_RAISES_S, f"the callback's {name} took {took:.2f} s"
     for seen, after in reps:
         assert after[0] == "ok" and after[1].tolist() == [3.0] * 2, after
 
