@@ -173,6 +173,41 @@ def wait_in_call(group, rank, call, timeout=30.0):
     return True
 
 
+def wait_aborted(group, timeout=30.0):
+    """Wait until `group` is aborted (a timeout, a death, a failure ran its course): True, or
+    False after `timeout` s.  (A rank that must come "late", after the others' timeout has
+    aborted the group, waits for this, not for a sleep guessed longer than their timeout.)"""
+    deadline = time.monotonic() + timeout
+    while not group.aborted():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def own_process_group():
+    """Make this (victim) process the leader of a process group of its own.  The kernel sends
+    SIGCONT (after SIGHUP, which a job started with nohup ignores) to every process of a group
+    that becomes orphaned while one of them is stopped: when the shell that started the test
+    run in the background exits mid-run, a victim stopped in the test process's group would be
+    resumed behind the test's back (seen: every rank's call "returned" 0.9 s after the stop)."""
+    os.setpgid(0, 0)
+
+
+def wait_stopped(pid, timeout=30.0):
+    """Wait until /proc says pid is stopped (state T)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return True
+        except OSError:
+            return False
+        time.sleep(0.005)
+    return False
+
+
 def is_gone(proc):
     """Has this process (a psutil.Process or a pid) exited (a zombie counts as gone)?"""
     try:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from procutil import stop_processes, error_name, wait_in_call
+from procutil import stop_processes, error_name, wait_in_call, own_process_group, wait_stopped
 
 DETECT_S = 5.0                     # kill -> survivor's PeerLostError (design: ~20 ms / 1 s scans)
 STOP_TIMEOUT_S = 1.5               # timeout= the survivors pass when the victim is stopped
@@ -47,29 +47,6 @@ def group_options(tree):
     if tree == "topology":
         return dict(topology="2x4", tree="topology")
     return dict(tree=tree)
-
-
-def own_process_group():
-    """Make this (victim) process the leader of a process group of its own.  The kernel sends
-    SIGCONT (after SIGHUP, which a job started with nohup ignores) to every process of a group
-    that becomes orphaned while one of them is stopped: when the shell that started the test
-    run in the background exits mid-run, a victim stopped in the test process's group would be
-    resumed behind the test's back (seen: every rank's call "returned" 0.9 s after the stop)."""
-    os.setpgid(0, 0)
-
-
-def wait_stopped(pid, timeout=30.0):
-    """Wait until /proc says pid is stopped (state T)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                    return True
-        except OSError:
-            return False
-        time.sleep(0.005)
-    return False
 
 
 # ---------------------------------------------------------------------------------------------
