@@ -169,6 +169,11 @@ def mode_mismatch(c, launched=False):
     assert float(c.allreduce(np.ones(1))[0]) == P
 
 
+FAILURE_TIMEOUT_S = 0.5       # mode_failure: rank P-1's timeout
+HANG_S = 30.0                 # time for a failure to reach every rank: a hang bound (nothing
+                              # else there has a timeout: a missed failure waits for ever)
+
+
 def mode_failure(c):
     """Rank P-1 times out in its node (its node peer arrives late): every rank of every node
     raises (PeerLostError or the timeout), none hangs."""
@@ -177,14 +182,21 @@ def mode_failure(c):
     t0 = time.monotonic()
     try:
         if me == P - 1:
-            c.allreduce(np.ones(1 << 16), timeout=0.5)
+            c.allreduce(np.ones(1 << 16), timeout=FAILURE_TIMEOUT_S)
         else:
             if c.node == c.nodes - 1:
-                time.sleep(2)
+                # late: only once rank P-1's timeout has aborted the node's group (entering
+                # before would let its allreduce complete), not after a guess of how long
+                # that takes on a loaded machine
+                while not c.group.aborted():
+                    assert time.monotonic() - t0 < FAILURE_TIMEOUT_S + HANG_S, \
+                        f"rank {me}: rank {P - 1}'s timeout did not abort the node's group"
+                    time.sleep(0.01)
             c.allreduce(np.ones(1 << 16))
     except (shmtree.PeerLostError, shmtree.CollectiveTimeoutError) as exc:
         took = time.monotonic() - t0
-        assert took < 10, took
+        # a bound on a hang (no call here has a timeout but rank P-1's), not on speed
+        assert took < FAILURE_TIMEOUT_S + HANG_S, took
         print(f"rank {me} raised {type(exc).__name__} after {took:.1f} s: {exc}", flush=True)
     else:
         raise AssertionError(f"rank {me}: no error")

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from conftest import classify_shm, split_foreign, watcher_verdicts
 
 pytest.importorskip("mpi4py")
 
@@ -61,15 +62,25 @@ def _launch(nprocs, mode, node_size, timeout=120, segment=None, start=None):
         pytest.fail(f"mpiexec -n {nprocs} {mode} hung:\n{out.decode(errors='replace')[-3000:]}")
     finally:
         _reap(proc.pid)
-        for name in _shm() - before:          # MPICH's own segment, after a killed job
-            if name.startswith("mpich_shm_"):
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
-    left = _shm() - before
-    assert not left, f"left in /dev/shm: {left}"
+        _unlink_own_mpich_segments(before)
+    leaked, _ = split_foreign(sorted(_shm() - before))   # (others' jobs: conftest warns)
+    assert not leaked, f"left in /dev/shm: {leaked}"
     return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0
+
+
+def _unlink_own_mpich_segments(before):
+    """MPICH's own segments that a killed job leaves: only this job's, never another job's on
+    the machine.  An entry new since `before` is this job's when a process of the test's tree
+    holds it, or when nobody holds it and the session's watcher (conftest, tests/shm_watch.py)
+    did not see it held by another job: the job's processes are gone by now (_reap)."""
+    new = [n for n in sorted(_shm() - before) if n.startswith("mpich_shm_")]
+    ours, _, unheld = classify_shm(new)
+    seen = watcher_verdicts()
+    for name in ours + [n for n in unheld if seen.get(n) != "foreign"]:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def _import_root():
