@@ -175,8 +175,9 @@ HANG_S = 30.0                 # time for a failure to reach every rank: a hang b
 
 
 def mode_failure(c):
-    """Rank P-1 times out in its node (its node peer arrives late): every rank of every node
-    raises (PeerLostError or the timeout), none hangs."""
+    """Rank P-1 times out in its node (its node peers enter only once that timeout has aborted
+    the node's group): every rank of every node raises (PeerLostError or the timeout), none
+    hangs."""
     P, me = c.size, c.rank
     c.allreduce(np.ones(8))
     t0 = time.monotonic()
@@ -252,11 +253,19 @@ def mode_sigint(c):
         raise AssertionError(f"rank {me}: no error")
 
 
+def killed(who):
+    """SIGKILL this process, saying when first (time.monotonic: the clock of every process of
+    the machine), so that the test measures how long the job takes to end from the kill, not
+    from its start (a loaded machine stretches the start)."""
+    print(f"{who} killed at {time.monotonic():.3f}", flush=True)
+    os.kill(os.getpid(), 9)
+
+
 def mode_kill(c):
     P, me = c.size, c.rank
     c.allreduce(np.ones(8))
     if me == P - 1:
-        os.kill(os.getpid(), 9)
+        killed(f"rank {me}")
     c.allreduce(np.ones(1 << 18))
     time.sleep(60)
 
@@ -266,7 +275,7 @@ def launched(comm, mode):
     if mode == "kill":
         comm.allreduce(np.ones(8))
         if comm.rank == comm.size - 1:
-            os.kill(os.getpid(), 9)
+            killed(f"worker {comm.rank}")
         comm.allreduce(np.ones(1 << 18))
         raise AssertionError(f"rank {comm.rank}: the allreduce survived a dead peer")
     if mode == "exit":                 # collectives until the launcher of node 1 is killed
@@ -360,7 +369,7 @@ def main_launcher(mode, base):
     t0 = time.monotonic()
     if mode == "exit" and W.rank == 1:
         import threading
-        threading.Timer(1.0, os.kill, (os.getpid(), 9)).start()
+        threading.Timer(1.0, killed, (f"launcher {W.rank}",)).start()
     try:
         got = shmtree.run(launched, workers, args=(mode,), inter=W, **SEGMENT,
                           **({"start_method": os.environ["PROG_START"]}
