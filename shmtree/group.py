@@ -59,18 +59,24 @@ class Group:
                  nt_bytes=None, stall_timeout=None, inter=None, segment_bytes=None):
         self._closed = True                 # until the segment exists
         self._span = self._proxy = None
-        self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
-                               pin=pin, slots=slots, placement=placement, numa=numa,
-                               small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
-                               stall_timeout=stall_timeout))
-        self._nonce = new_nonce()
-        self._creator = os.getpid()
-        self._fd = create_memfd(self.layout.total)
         try:
-            self._seg = _engine.Segment(self._fd, self.layout.total, self.size)
-            self._seg.init_header(self._nonce, self.plan.digest())
-        except BaseException:
-            os.close(self._fd)
+            self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
+                                   pin=pin, slots=slots, placement=placement, numa=numa,
+                                   small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
+                                   stall_timeout=stall_timeout))
+            self._nonce = new_nonce()
+            self._creator = os.getpid()
+            self._fd = create_memfd(self.layout.total)
+            try:
+                self._seg = _engine.Segment(self._fd, self.layout.total, self.size)
+                self._seg.init_header(self._nonce, self.plan.digest())
+            except BaseException:
+                os.close(self._fd)
+                raise
+        except Exception as exc:
+            if inter is not None:           # the other launchers wait to agree with this one:
+                from . import nodes         # they raise too, naming this node
+                nodes.refuse_proxy(inter, exc)
             raise
         self._closed = False
         if inter is not None:               # one node of several: this process is its proxy

@@ -99,6 +99,14 @@ def _preload_in_forkserver(ctx):
         ctx.set_forkserver_preload(modules + ["shmtree"])
 
 
+def _refuse_inter(inter, exc):
+    """A launcher of several (inter=) whose call fails its own checks before its group exists:
+    the other launchers wait to agree with it on starting; they raise too, naming this node."""
+    if inter is not None:
+        from . import nodes
+        nodes.refuse_proxy(inter, exc)
+
+
 def _check_picklable(who, ctx, **things):
     """Under spawn and forkserver everything a worker gets is pickled (ctx None: pickled whatever
     the start method, as pool tasks are): say so clearly, with the remedy, before any process
@@ -170,11 +178,15 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
 
     If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
     (rank, remote_traceback) is raised for the rank that failed first."""
-    _check_options("shmtree.run", group_options,
-                   ("args", "kwargs", "start_method") + GROUP_OPTIONS)
-    args, kwargs = _check_args("shmtree.run", fn, args, kwargs)
-    ctx = _context(start_method)
-    _check_picklable("shmtree.run", ctx, fn=fn, args=args, kwargs=kwargs)
+    try:
+        _check_options("shmtree.run", group_options,
+                       ("args", "kwargs", "start_method") + GROUP_OPTIONS)
+        args, kwargs = _check_args("shmtree.run", fn, args, kwargs)
+        ctx = _context(start_method)
+        _check_picklable("shmtree.run", ctx, fn=fn, args=args, kwargs=kwargs)
+    except Exception as exc:
+        _refuse_inter(group_options.get("inter"), exc)
+        raise
     me = identity()
     with Group(nprocs, **group_options) as group:
         procs, conns = [], []

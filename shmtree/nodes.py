@@ -733,8 +733,7 @@ def start_proxy(group, inter, segment_bytes):
             box = Mailbox.create(segment)
     except Exception as exc:
         err = exc
-    info = inter.allgather((group.size, segment,
-                            None if err is None else f"{type(err).__name__}: {err}"))
+    info = _agree_start(inter, group.size, segment, err)
     failed = [(n, e) for n, (_, _, e) in enumerate(info) if e is not None]
     if failed and box is not None:
         os.close(box[1])
@@ -751,6 +750,20 @@ def start_proxy(group, inter, segment_bytes):
         return None, None
     proxy = Proxy(group, inter, segment, box)
     return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
+
+
+def _agree_start(inter, size, segment, err):
+    """The launchers' one agreement before any step (collective over `inter`): by node, its
+    group size, segment bytes and its error's text (None: it could start)."""
+    return inter.allgather((size, segment,
+                            None if err is None else f"{type(err).__name__}: {err}"))
+
+
+def refuse_proxy(inter, err):
+    """In a launcher whose group could not even be made (a bad option, no memory): take part in
+    start_proxy's agreement with its error, so that the other launchers raise naming this node
+    instead of waiting for it in MPI."""
+    _agree_start(inter, 0, 0, err)
 
 
 def spanning_member(group, comm):

@@ -25,7 +25,7 @@ from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_N
 from .errors import PeerLostError, ShmtreeError, WorkerError
 from .group import Group
 from .launch import (GROUP_OPTIONS, _check_args, _check_options, _check_picklable,
-                     _context, no_mpi_init)
+                     _context, _refuse_inter, no_mpi_init)
 from .liveness import identity, start_parent_watch
 from .plan import usable_count
 
@@ -280,18 +280,23 @@ class Pool(_PoolInternals):
                  stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
         self._mark_starting()
         self._shm_group = None
-        if "maxtasksperchild" in group_options:
-            raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker is a "
-                            "rank of the group for the pool's whole life (a worker that exits "
-                            "takes its rank with it)")
-        _check_options("shmtree.Pool", group_options,
-                       ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS)
-        if initializer is not None and not callable(initializer):
-            raise TypeError(f"shmtree.Pool: initializer must be callable, got {initializer!r}")
-        initargs, _ = _check_args("shmtree.Pool", None, initargs, None, fn_name=None,
-                                  args_name="initargs", kwargs_name=None)
-        ctx = _context(context)
-        _check_picklable("shmtree.Pool", ctx, initializer=initializer, initargs=initargs)
+        try:
+            if "maxtasksperchild" in group_options:
+                raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker "
+                                "is a rank of the group for the pool's whole life (a worker "
+                                "that exits takes its rank with it)")
+            _check_options("shmtree.Pool", group_options,
+                           ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS)
+            if initializer is not None and not callable(initializer):
+                raise TypeError(f"shmtree.Pool: initializer must be callable, got "
+                                f"{initializer!r}")
+            initargs, _ = _check_args("shmtree.Pool", None, initargs, None, fn_name=None,
+                                      args_name="initargs", kwargs_name=None)
+            ctx = _context(context)
+            _check_picklable("shmtree.Pool", ctx, initializer=initializer, initargs=initargs)
+        except Exception as exc:
+            _refuse_inter(group_options.get("inter"), exc)
+            raise
         self._shm_group = Group(usable_count() if processes is None else processes,
                                 stall_timeout=stall_timeout, **group_options)
         try:

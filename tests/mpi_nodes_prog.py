@@ -339,18 +339,29 @@ def main_loop(base):
 
 
 def main_startfail(base):
-    """Launcher 1 passes a segment_bytes too small: it raises its ValueError, every other
-    launcher a ShmtreeError naming node 1 (none waits for it in MPI); then all start again."""
+    """Launcher 1 cannot start: a segment_bytes too small (refused as the proxy starts), a tree
+    the planner refuses (before its group exists), a misspelt option of run and of Pool (before
+    anything).  It raises its own error, every other launcher a ShmtreeError naming node 1 (none
+    waits for it in MPI); then all start again."""
     workers = base + W.rank
-    bad = {"segment_bytes": 1000} if W.rank == 1 else {}
-    try:
-        shmtree.run(loop_spmd, workers, inter=W, **bad)
-    except ValueError as exc:
-        assert W.rank == 1 and "at least 4096" in str(exc), exc
-    except shmtree.ShmtreeError as exc:
-        assert W.rank != 1 and "node 1 could not start its group: ValueError" in str(exc), exc
-    else:
-        raise AssertionError(f"launcher {W.rank}: no error")
+    for bad, error, words, pool in (({"segment_bytes": 1000}, ValueError, "at least 4096", False),
+                                    ({"tree": "no-such-tree"}, ValueError, "tree", False),
+                                    ({"chunk_byte": 4096}, TypeError, "chunk_bytes", False),
+                                    ({"chunk_byte": 4096}, TypeError, "chunk_bytes", True)):
+        mine = bad if W.rank == 1 else {}
+        try:
+            if pool:
+                with shmtree.Pool(workers, inter=W, **mine) as p:
+                    p.run(loop_spmd)
+            else:
+                shmtree.run(loop_spmd, workers, inter=W, **mine)
+        except error as exc:
+            assert W.rank == 1 and words in str(exc), exc
+        except shmtree.ShmtreeError as exc:
+            assert W.rank != 1 and \
+                f"node 1 could not start its group: {error.__name__}" in str(exc), exc
+        else:
+            raise AssertionError(f"launcher {W.rank}: no error for {bad}")
     P = sum(W.allgather(workers))
     assert shmtree.run(loop_spmd, workers, inter=W) == [P] * workers
     W.Barrier()
