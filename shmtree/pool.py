@@ -40,12 +40,12 @@ POOL_START_S = 60.0         # how long Pool() waits for its workers to join befo
 # the parent side: the watch thread
 
 
-def _watch_pool(pool_ref, group):
+def _watch_pool(pool_ref, group, stop):
     """Parent side of a Pool: once the group is aborted (a member died, timed out or failed),
     fail every outstanding job with PeerLostError naming the cause.  Without this, a job given
-    to a worker that died would never complete (multiprocessing.Pool does not notice)."""
-    while True:
-        time.sleep(POOL_WATCH_S)
+    to a worker that died would never complete (multiprocessing.Pool does not notice).  Ends
+    when `stop` is set (the pool is done: no thread of it is left for a later fork to copy)."""
+    while not stop.wait(POOL_WATCH_S):
         pool = pool_ref()
         if pool is None or group.closed:
             return
@@ -309,8 +309,10 @@ class Pool(_PoolInternals):
             self._shm_group.close()
             raise
         weakref.finalize(self, Group.close, self._shm_group)
+        self._shm_stop = threading.Event()
         self._shm_watch = threading.Thread(target=_watch_pool,
-                                           args=(weakref.ref(self), self._shm_group),
+                                           args=(weakref.ref(self), self._shm_group,
+                                                 self._shm_stop),
                                            name="shmtree-pool-watch", daemon=True)
         self._shm_watch.start()
         try:
@@ -408,9 +410,19 @@ class Pool(_PoolInternals):
             self._finish_task_handler()
             super().terminate()
         finally:
-            if self._shm_group is not None:
-                self._shm_group.close()
+            self._shm_done()
 
     def join(self):
         super().join()
-        self._shm_group.close()
+        self._shm_done()
+
+    def _shm_done(self):
+        """Close the group and end the watch thread (a fork after the pool, as run's, copies no
+        thread of it: Python >= 3.12 warns of forking a process with threads)."""
+        if self._shm_group is not None:
+            self._shm_group.close()
+        watch = getattr(self, "_shm_watch", None)
+        if watch is not None:
+            self._shm_stop.set()
+            if watch is not threading.current_thread():
+                watch.join(POOL_LOCK_S)

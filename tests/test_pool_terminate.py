@@ -43,3 +43,24 @@ def test_terminate_returns_when_a_dead_process_held_the_result_lock():
     t.start()
     t.join(4 * _pool.POOL_LOCK_S + 30)
     assert done.is_set(), "Pool.terminate hung on the result queue's lock a dead process held"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["with", "close_join"])
+def test_no_thread_of_a_pool_outlives_it(how):
+    """A fork after a Pool (run's workers) must not copy a thread of it: Python >= 3.12 warns
+    that forking a multi-threaded process may deadlock the child."""
+    before = set(threading.enumerate())
+    if how == "with":
+        with shmtree.Pool(2) as pool:
+            assert pool.map(_task, range(2)) == [2.0, 2.0]
+    else:
+        pool = shmtree.Pool(2)
+        try:
+            assert pool.map(_task, range(2)) == [2.0, 2.0]
+            pool.close()
+            pool.join()
+        finally:
+            pool.terminate()
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not left, f"threads of the pool still running after it: {left}"
