@@ -26,6 +26,8 @@ PENDING_S = 5.0
 
 
 def holders(path):
+    # (conftest.shm_holders' twin: this script runs alone, importing nothing of the tests',
+    # which import shmtree, under PYTHONSAFEPATH in a fresh clone)
     found = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
