@@ -148,6 +148,13 @@ class _PostedWork(dist.Work):
             raise RuntimeError(f"shmtree: the operation is not done after {seconds} s "
                                "(Work.wait timed out; it is still running)") from None
         self._source.wait()             # (its completion callback has run)
+        try:
+            # and the future's own value is made: the then() of the source runs in the thread
+            # that completed it, possibly after the source's waiters were woken
+            self._future.wait()
+        except Exception:
+            if self._error is None:
+                raise
         if self._error is not None:
             raise RuntimeError(str(self._error))
         return True
@@ -156,10 +163,10 @@ class _PostedWork(dist.Work):
         return self._future
 
     def is_completed(self):
-        return self._source.done()
+        return self._future.done()
 
     def is_success(self):
-        return self._source.done() and self._error is None
+        return self._future.done() and self._error is None
 
     def exception(self):
         return self._error
