@@ -20,8 +20,10 @@ complex64/128).  torch is optional: `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
+import weakref
 
 import numpy as np
 import torch
@@ -207,6 +209,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         self._failure = None              # a posted operation's failure, for the next one
         # rank 0's descriptor must stay open until everyone has attached: meet once
         self._comm.barrier(timeout=self._timeout)
+        _LIVE.add(self)
 
     def getBackendName(self):
         return BACKEND
@@ -412,6 +415,24 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     def __del__(self):
         try:
             self.shutdown()
+        except Exception:
+            pass
+
+
+_LIVE = weakref.WeakSet()           # this process's process groups, for _stop_failed_at_exit
+
+
+@atexit.register
+def _stop_failed_at_exit():
+    """At interpreter exit, before torch's C++ objects go: stop the progress thread of every
+    process group whose shmtree group failed (a peer died), so that it is not still failing
+    the posted operations, inside torch's futures, while they are destroyed (a rank 0 that
+    raised from DDP after its peer died exited once with SIGABRT).  A healthy group is left
+    as it is (its outstanding operations may still need peers that are alive)."""
+    for pg in list(_LIVE):
+        try:
+            if pg._group.aborted():
+                pg.shutdown()
         except Exception:
             pass
 
