@@ -60,7 +60,6 @@ def _movable(a, what):
     return a
 
 
-_SHOWN = 8                      # allgather(axis=0): dims of each rank's shape a mismatch names
 _NAMED = 1 << 62                # a digest that is the dtype's str itself (see _dtype_digest)
 
 
@@ -301,15 +300,15 @@ class Collectives:
         return result, copy_back
 
     def _words_round(self, text, deadline=None):
-        """What every rank says, by rank: one allgather of WORDS_BYTES of UTF-8 text each (a
-        mismatch that every rank has seen, said in words; never pickled)."""
+        """What every rank says, by rank: one round of WORDS_BYTES of UTF-8 text each (a
+        mismatch that every rank has seen, said in words; never pickled).  Inside a call (by the
+        thread that runs it: the progress thread for a posted one), as _bytes_round."""
         raw = text.encode("utf-8")
         if len(raw) > WORDS_BYTES:
             raw = raw[:WORDS_BYTES - 3] + b"..."
-        mine = np.zeros(WORDS_BYTES, np.uint8)
-        mine[:len(raw)] = np.frombuffer(raw, np.uint8)
-        rows = self.allgather(mine, timeout=None if deadline is None
-                              else max(deadline - time.monotonic(), 1e-3))
+        rows = np.zeros((self.size, WORDS_BYTES), np.uint8)
+        rows[self.rank, :len(raw)] = np.frombuffer(raw, np.uint8)
+        self._bytes_round(rows.reshape(-1), KIND_ALLGATHER, deadline)
         return [row.tobytes().rstrip(b"\0").decode("utf-8", "replace") for row in rows]
 
     def _bytes_round(self, buf, kind, deadline, limit=None):
@@ -428,31 +427,17 @@ class Collectives:
         """allgather(axis=0): every rank's length along axis 0, after checking that the other
         dimensions and the dtype agree (a mismatch raises on every rank)."""
         P, me = self.size, self.rank
-        # per rank: length + 1, claim (dtype and the other dimensions), and for the message of
-        # a mismatch the dtype (_dtype_digest), ndim and the first _SHOWN dims
-        table = np.zeros((P, 4 + _SHOWN), np.uint64)
-        shown = a.shape[:_SHOWN]
-        table[me, :4 + len(shown)] = (a.shape[0] + 1, _moving.claim(a.dtype, a.shape[1:]),
-                                      _dtype_digest(a.dtype), a.ndim) + shown
+        table = np.zeros((P, 2), np.uint64)
+        table[me] = (a.shape[0] + 1, _moving.claim(a.dtype, a.shape[1:]))
         self._collective(KIND_ALLGATHER_LENGTHS, _BOR, _U1, table.view(np.uint8).reshape(-1),
-                         table.view(np.uint8).reshape(-1), table.shape, deadline)
-        groups = {}
-        for r in range(P):
-            groups.setdefault(int(table[r, 1]), []).append(r)
-        if len(groups) > 1:
-            def passed(r):
-                nd = int(table[r, 3])
-                dims = [str(int(d)) for d in table[r, 4:4 + min(nd, _SHOWN)]]
-                if nd > _SHOWN:
-                    dims.append("...")
-                return (f"shape ({', '.join(dims)}{',' if nd == 1 else ''}) and dtype "
-                        f"{_dtype_text(int(table[r, 2]))}")
-            parts = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))}: "
-                              + "; ".join(dict.fromkeys(passed(r) for r in rs))
-                              for rs in groups.values())
+                         table.view(np.uint8).reshape(-1), (P, 2), deadline)
+        if (table[:, 1] != table[0, 1]).any():      # (every rank has the same table)
+            said = self._words_round(f"shape {a.shape} and dtype {_dtype_words(a.dtype)}",
+                                     deadline)
             raise CollectiveMismatchError(
                 "shmtree: ranks disagree on the collective call: allgather(axis=0): the dtype or "
-                f"the dimensions after the first differ: {parts}")
+                "the dimensions after the first differ: "
+                + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
         return [int(n) - 1 for n in table[:, 0]]
 
     # ---- reduce_scatter ----

@@ -106,7 +106,8 @@ class SharedArrays:
     def _mismatch(self, what, shape, dtype, order):
         """The ranks asked for different arrays (their claims differ: every rank knows it):
         say what each asked for, in words (one more round, of fixed-size text)."""
-        said = self._comm._words_round(_described(shape, dtype, order))
+        comm = self._comm
+        said = comm._now(lambda: comm._words_round(_described(shape, dtype, order)))
         return ("shmtree: ranks disagree on the collective call: " + what + ": "
                 + "; ".join(f"{ranks_text(rs)} asked for {text}" for rs, text in grouped(said))
                 + "; every rank must ask for the same shape, dtype and order")

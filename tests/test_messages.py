@@ -17,6 +17,8 @@ CASES = {
     "bcast_out": lambda c: c.broadcast(np.ones(3) if c.rank == 0 else None,
                                        out=None if c.rank != 2 else np.empty(3, np.int16)),
     "bcast_root": lambda c: c.broadcast(np.ones(3), root=1 if c.rank == 1 else 0),
+    "ibcast_shape": lambda c: c.ibroadcast(np.ones(4 if c.rank != 1 else 5)).result(60),
+    "iaxis0_rest": lambda c: c.iallgather(np.ones((2, 3 if c.rank else 4)), axis=0).result(60),
 }
 WANT = {
     "dtype": ["rank 0: allgather(shape=(2,), dtype float64", "allgather(shape=(2,), dtype |S8"],
@@ -32,6 +34,10 @@ WANT = {
     "bcast_out": ["the root passed shape (3,) and dtype float64",
                   "rank 2 passed shape (3,) and dtype int16"],
     "bcast_root": ["ranks 0,2: broadcast(root=0); rank 1: broadcast(root=1)"],
+    "ibcast_shape": ["the root passed shape (4,) and dtype float64",
+                     "rank 1 passed shape (5,) and dtype float64"],
+    "iaxis0_rest": ["rank 0: shape (2, 4) and dtype float64",
+                    "ranks 1,2: shape (2, 3) and dtype float64"],
 }
 
 
