@@ -749,7 +749,7 @@ def _set_current(comm):
 
 def _usable(comm) -> bool:
     return (comm is not None and not comm._closed and comm._gen == _fork_gen
-            and not comm.group.closed)
+            and not comm.group._closed)
 
 
 def _set_pool_group(group):

@@ -229,10 +229,12 @@ def _is_live_sysfs(root: Path) -> bool:
 # --------------------------------------------------------------------------- cgroup CPU quota
 
 
-def _proc_cgroups() -> Dict[str, str]:
+def _proc_cgroups(controller: str = "cpu",
+                  proc_cgroup: "str | os.PathLike[str]" = "/proc/self/cgroup") -> Dict[str, str]:
     """This process's cgroup paths from /proc/self/cgroup: "v2" (the unified hierarchy) and
-    "cpu" (the v1 hierarchy holding the cpu controller), where present."""
-    text = _read_text(Path("/proc/self/cgroup")) or ""
+    `controller` (the v1 hierarchy holding that controller: "cpu", "memory"), where present.
+    (transport.available_memory reads the memory cgroups through this and _cgroup_dirs.)"""
+    text = _read_text(Path(proc_cgroup)) or ""
     paths: Dict[str, str] = {}
     for line in text.splitlines():
         parts = line.split(":", 2)
@@ -241,8 +243,8 @@ def _proc_cgroups() -> Dict[str, str]:
         _, controllers, path = parts
         if controllers == "":
             paths["v2"] = path
-        elif "cpu" in controllers.split(","):
-            paths["cpu"] = path
+        elif controller in controllers.split(","):
+            paths[controller] = path
     return paths
 
 

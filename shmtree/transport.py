@@ -31,8 +31,10 @@ import fcntl
 import os
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ShmtreeError
+from .topology import _cgroup_dirs, _proc_cgroups
 
 # the layout constants are the engine's (one definition: _csrc/layout.h, exported by _engine)
 from ._engine import (HEADER_BYTES as HDR_BYTES, LINE_BYTES as LINE, PAGE_BYTES as PAGE,
@@ -221,27 +223,16 @@ def _stat_field(path, name) -> int:
 def _memory_cgroups(root):
     """(directory, limit file, usage file, reclaimable cache field) of this process's memory
     cgroup and of each one above it, v2 and v1, as far as they are mounted where they are
-    expected (in a container the mount's root is often the container's own cgroup)."""
-    v2 = v1 = "/"
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            for line in f:
-                hid, _, rest = line.strip().partition(":")
-                controllers, _, path = rest.partition(":")
-                if hid == "0" and controllers == "":
-                    v2 = path or "/"
-                elif "memory" in controllers.split(","):
-                    v1 = path or "/"
-    except OSError:
-        pass
+    expected (in a container the mount's root is often the container's own cgroup): the cgroup
+    walk of topology.cpu_quota's, for the memory controller."""
+    paths = _proc_cgroups("memory", os.path.join(root, "proc/self/cgroup"))
     out = []
-    for base, path, names in (
-            ("sys/fs/cgroup", v2, ("memory.max", "memory.current", "inactive_file")),
-            ("sys/fs/cgroup/memory", v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                          "total_inactive_file"))):
-        parts = [p for p in path.split("/") if p and p != ".."]
-        for i in range(len(parts), -1, -1):
-            out.append((os.path.join(root, base, *parts[:i]),) + names)
+    for base, key, names in (
+            ("sys/fs/cgroup", "v2", ("memory.max", "memory.current", "inactive_file")),
+            ("sys/fs/cgroup/memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                "total_inactive_file"))):
+        for d in _cgroup_dirs(Path(root, base), paths.get(key, "/")):
+            out.append((str(d),) + names)
     return out
 
 
