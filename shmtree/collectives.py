@@ -22,107 +22,37 @@ the same rounds; the `_prep_<name>` paths take every other call.
 from __future__ import annotations
 
 import functools
-import hashlib
 import pickle
 import time
 
 import numpy as np
-from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels, _moving, arrays as _arrays
-from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
+from . import _engine, _kernels, _moving, calls
 from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BROADCAST,
                     KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, WORDS_BYTES, grouped,
                     ranks_text)
 from .errors import CollectiveMismatchError
-from .ops import dtype_words as _dtype_words, reduction_codes
+from .ops import dtype_words as _dtype_words
 
 _U1 = _kernels.DTYPE_CODES["u1"]
 _BOR = _kernels.OP_CODES["bor"]
 
 
-def _root(root, size):
-    if isinstance(root, bool) or not hasattr(root, "__index__") \
-            or not 0 <= root.__index__() < size:
-        raise ValueError(f"shmtree: root must be an int in [0, {size}), got {root!r}")
-    return root.__index__()
-
-
-def _movable(a, what):
-    if not isinstance(a, np.ndarray):
-        a = np.asarray(a)
-    if isinstance(a, MaskedArray):
-        raise TypeError(f"shmtree: {what}: masked arrays are not supported (the mask would be "
-                        "dropped)")
-    if a.dtype.hasobject:
-        raise TypeError(f"shmtree: {what}: dtype {a.dtype} holds Python objects, which cannot "
-                        "be sent as bytes; use a numeric, string or structured dtype")
-    return a
-
-
-_NAMED = 1 << 62                # a digest that is the dtype's str itself (see _dtype_digest)
-
-
-@functools.lru_cache(maxsize=256)
-def _dtype_digest(dtype) -> int:
-    """A dtype as a number, byte order and fields included: its str (at most 7 bytes, such as
-    '<f8' or '|S5') with bit 62 set, when the str names it (mismatch messages then say the
-    dtype in words: _dtype_text), else a 32-bit digest of its pickle."""
-    dt = np.dtype(dtype)
-    key = dt.str.encode()
-    if (len(key) <= 7 and dt.fields is None and dt.subdtype is None
-            and np.dtype(dt.str) == dt):
-        return int.from_bytes(key, "little") | _NAMED
-    return int.from_bytes(hashlib.sha256(pickle.dumps(dt)).digest()[:4], "little")
-
-
-def _dtype_text(digest) -> str:
-    """The dtype a _dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'); a
-    dtype without such a name (structured, ml_dtypes' bfloat16) is known by its digest."""
-    if digest & _NAMED:
-        try:
-            dt = np.dtype(int(digest & (_NAMED - 1)).to_bytes(7, "little").rstrip(b"\0")
-                          .decode())
-            return str(dt)
-        except (TypeError, ValueError, UnicodeDecodeError):
-            pass
-    return f"#{digest:08x} (structured, or of an extension such as ml_dtypes)"
+# (the parse's rules, calls.py; by these names for the multi-node steps, nodes.py)
+_root = calls.check_root
+_movable = calls.movable
+_dtype_digest = calls.dtype_digest
+_dtype_text = calls.dtype_text
+_out_for = calls.out_for
+_finish = calls.finish
+_bytes_of = calls.bytes_of
+_deadline = calls.deadline_of
+_scatter_block = calls.scatter_shape
 
 
 @functools.lru_cache(maxsize=256)
 def _unmeta(raw: bytes):
     return pickle.loads(raw)
-
-
-def _bytes_of(a):
-    """A C-contiguous, aligned uint8 view of a's bytes (a copy when a is not laid out so)."""
-    if not (a.flags.c_contiguous and a.flags.aligned):
-        a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
-
-
-def _out_for(out, shape, dtype, what):
-    """A writable C-contiguous array of (shape, dtype): `out` itself when it is one, else a new
-    array (None) - and the array to copy the result into afterwards, if any."""
-    if out is None:
-        return np.empty(shape, dtype), None
-    if not isinstance(out, np.ndarray):
-        raise ValueError(f"shmtree: {what}: out must be a numpy array, got {type(out).__name__}")
-    if out.dtype != dtype or out.shape != tuple(shape):
-        raise ValueError(f"shmtree: {what}: out has shape {out.shape} and dtype {out.dtype}; the "
-                         f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}")
-    if not out.flags.writeable:
-        raise ValueError(f"shmtree: {what}: out is read-only")
-    if out.flags.c_contiguous and out.flags.aligned:
-        return out, None
-    return np.empty(shape, dtype), out
-
-
-def _finish(result, copy_back):
-    if copy_back is None:
-        return result
-    copy_back[...] = result
-    return copy_back
 
 
 class Collectives:
@@ -137,55 +67,6 @@ class Collectives:
     fast path, when no nonblocking call is outstanding."""
 
     # ---- broadcast ----
-
-    def broadcast(self, array, root=0, *, out=None, timeout=None):
-        """Every rank gets the root's array.  Elsewhere `array` is None (the shape and dtype come
-        from the root) or an array of the root's shape and dtype whose values are ignored.
-        Returns a new array on every rank, or `out`."""
-        if _foreign(array, out):
-            return _arrays.call(self.broadcast, array, out, "broadcast", root, timeout=timeout)
-        if type(root) is int and 0 <= root < self.size and self._idle():
-            got = self._quick_broadcast(array, root, out, timeout)
-            if got is not None:
-                return got[0]
-        return self._now(self._prep_broadcast(array, root, out, timeout))
-
-    def ibroadcast(self, array, root=0, *, out=None, timeout=None):
-        """broadcast, nonblocking: a Request."""
-        array, out = _numpy_args(array, out, "ibroadcast")
-        return self._post(self._prep_broadcast(array, root, out, timeout, posted=True),
-                          "ibroadcast")
-
-    def _prep_broadcast(self, array, root, out, timeout, posted=False):
-        P = self.size
-        if type(root) is not int or not 0 <= root < P:
-            root = _root(root, P)
-        deadline = _deadline(timeout)
-        try:
-            return self._prep_broadcast_args(array, root, out, deadline)
-        except TypeError as exc:          # (a dtype holding Python objects: said to the
-            raise self._local_error(exc, KIND_BROADCAST + KIND_ROOT_STEP * root, timeout,
-                                    posted) from None         # other ranks in the round)
-
-    def _prep_broadcast_args(self, array, root, out, deadline):
-        me = self.rank
-        if array is None:
-            if me == root:
-                raise ValueError("shmtree: broadcast: the root must pass the array")
-            a = None
-            if out is not None:               # its dtype and shape are this rank's claim
-                if not isinstance(out, np.ndarray):
-                    raise ValueError(f"shmtree: broadcast: out must be a numpy array, got "
-                                     f"{type(out).__name__}")
-                if not out.flags.writeable:
-                    raise ValueError("shmtree: broadcast: out is read-only")
-                a = _movable(out, "broadcast")
-        else:
-            a = array if type(array) is np.ndarray and not array.dtype.hasobject \
-                else _movable(array, "broadcast")
-            if out is not None:
-                _out_for(out, a.shape, a.dtype, "broadcast")          # (checks out)
-        return lambda: self._broadcast(a, root, out, deadline)
 
     def _broadcast(self, a, root, out, deadline):
         """broadcast (the general path): a is what this rank passed (on a rank that passed None
@@ -315,66 +196,10 @@ class Collectives:
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise
         or), in place: on allreduce's fast path when the engine takes it."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if self._quick(buf, "bor", buf, left, kind, limit=limit) is None:
+        if self._fast_allreduce(buf, "bor", buf, left, kind, limit=limit) is None:
             self._collective(kind, _BOR, _U1, buf, buf, buf.shape, deadline, limit=limit)
 
-    # ---- reduce ----
-
-    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
-        """The root gets what allreduce would give (a new array, or `out`); the other ranks get
-        None."""
-        if _foreign(array, out):
-            return _arrays.call(self.reduce, array, out, "reduce", op, root, timeout=timeout)
-        root = _root(root, self.size)
-        kind = KIND_REDUCE + KIND_ROOT_STEP * root
-        mine = out if self.rank == root else None
-        if type(array) is np.ndarray and self._idle():
-            if array.nbytes <= self._small_bytes:
-                result = self._quick(array, op, mine, timeout, kind)     # the allreduce
-            else:
-                result = self._quick_reduce(array, op, mine, root, kind, timeout)     # (in C)
-            if result is not None:
-                return result if self.rank == root else None
-        return self._now(self._prep_reducing(array, op, mine, timeout, kind, root=root))
-
-    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
-        """reduce, nonblocking: a Request (its result None on ranks other than the root)."""
-        array, out = _numpy_args(array, out, "ireduce")
-        root = _root(root, self.size)
-        kind = KIND_REDUCE + KIND_ROOT_STEP * root
-        return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
-                                              timeout, kind, root=root, posted=True), "ireduce")
-
     # ---- allgather ----
-
-    def allgather(self, array, *, axis=None, out=None, timeout=None):
-        """axis=None: the arrays stacked, shape (size, *array.shape), result[r] rank r's array;
-        axis=0: concatenated along axis 0 (the other dimensions agree, lengths may differ)."""
-        if _foreign(array, out):
-            return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
-                                timeout=timeout)
-        if axis is None and type(array) is np.ndarray and self._idle():
-            got = self._quick(array, None, out, timeout, KIND_ALLGATHER,
-                              digest=_dtype_digest(array.dtype))     # (in C:
-            if got is not None:                  # inline, the blocks or the single copy)
-                return got
-        return self._now(self._prep_allgather(array, axis, out, timeout))
-
-    def iallgather(self, array, *, axis=None, out=None, timeout=None):
-        """allgather, nonblocking: a Request."""
-        array, out = _numpy_args(array, out, "iallgather")
-        return self._post(self._prep_allgather(array, axis, out, timeout), "iallgather")
-
-    def _prep_allgather(self, array, axis, out, timeout):
-        if axis is not None and axis != 0:
-            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
-        deadline = _deadline(timeout)
-        a = _movable(array, "allgather")
-        if axis is None:
-            _out_for(out, (self.size,) + a.shape, a.dtype, "allgather")    # (checks out)
-        elif a.ndim == 0:
-            raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
-        return lambda: self._allgather(a, axis, out, deadline)
 
     def _allgather(self, a, axis, out, deadline):
         P, me = self.size, self.rank
@@ -442,44 +267,23 @@ class Collectives:
 
     # ---- reduce_scatter ----
 
-    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
-        """Rank r gets np.array_split(the full reduction, size, axis=0)[r]."""
-        if _foreign(array, out):
-            return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
-                                timeout=timeout)
-        if type(array) is np.ndarray and self._idle():
-            got = self._quick_reduce_scatter(array, op, out, timeout)     # (in C)
-            if got is not None:
-                return got
-        return self._now(self._prep_reduce_scatter(array, op, out, timeout))
-
-    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
-        """reduce_scatter, nonblocking: a Request."""
-        array, out = _numpy_args(array, out, "ireduce_scatter")
-        return self._post(self._prep_reduce_scatter(array, op, out, timeout), "ireduce_scatter")
-
-    def _prep_reduce_scatter(self, array, op, out, timeout):
-        if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
-            raise TypeError("shmtree: masked arrays are not supported (the mask would be "
-                            "dropped); reduce array.filled(...) or the mask separately")
-        a = array if isinstance(array, np.ndarray) else np.asarray(array)
-        if a.ndim == 0:
-            raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
-        n, P = a.shape[0], self.size
-        lo, hi, shape = _scatter_block(a, out, P, self.rank)
-        opc, dtc = reduction_codes(op, a.dtype)
-        deadline = _deadline(timeout)
+    def _prep_reduce_scatter_spec(self, spec):
+        a, opc, dtc, out, deadline = spec.array, spec.opc, spec.dtc, spec.out, spec.deadline
+        n = a.shape[0]
+        lo, hi, shape = calls.scatter_shape(a, out, self.size, self.rank)
         if self._own_algorithm("reduce_scatter", a.nbytes):
             return lambda: self._reduce_scatter_ring(a, opc, dtc, out, deadline, n, shape)
-        run = self._prep_reducing(a, op, None, timeout, KIND_REDUCE_SCATTER)   # inline: the
-        return lambda: _keep(run()[lo:hi], out)                               # allreduce
+        run = self._prep_reducing_spec(calls.CallSpec(         # inline: the allreduce
+            "reduce_scatter", calls.ALLREDUCE, KIND_REDUCE_SCATTER, a, None, spec.op, opc, dtc,
+            deadline=deadline))
+        return lambda: _keep(run()[lo:hi], out)
 
     def _reduce_scatter_ring(self, a, opc, dtc, out, deadline, n, shape):
         """The ring schedule's first half: each rank ends with its own block reduced."""
         src = a if (a.flags.c_contiguous and a.flags.aligned) else np.ascontiguousarray(a)
         row = src.nbytes // n                      # bytes per row (n > 0: the message is large)
         P = self.size
-        offsets = tuple((r * (n // P) + min(r, n % P)) * row for r in range(P + 1))
+        offsets = tuple(b * row for b in calls.split_bounds(n, P))
         result, copy_back = _out_for(out, shape, a.dtype, "reduce_scatter")
         # (out overlapping the input: the engine's begin_coll copies it, the overlap rule)
         self._collective(KIND_REDUCE_SCATTER, opc, dtc, src, result, a.shape, deadline,
@@ -488,32 +292,9 @@ class Collectives:
         return _finish(result, copy_back)
 
 
-def _scatter_block(a, out, P, me):
-    """reduce_scatter: rank me's rows [lo, hi) of `a` (np.array_split's blocks) and its result
-    shape, after checking `out` against it."""
-    n = a.shape[0]
-    lo = me * (n // P) + min(me, n % P)
-    hi = lo + n // P + (1 if me < n % P else 0)
-    shape = (hi - lo,) + a.shape[1:]
-    if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
-                            or out.dtype != a.dtype or not out.flags.writeable):
-        raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
-                         f"{shape} and dtype {a.dtype}")
-    return lo, hi, shape
-
-
 def _keep(block, out):
     """reduce_scatter of an inline message: this rank's block of the allreduce's result."""
     if out is None:
         return np.ascontiguousarray(block)
     out[...] = block
     return out
-
-
-def _deadline(timeout):
-    """The monotonic time at which a call posted now times out (None: never)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
-    return time.monotonic() + timeout

@@ -26,19 +26,21 @@ import time
 import warnings
 
 import numpy as np
-from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _engine, _kernels, _moving, arrays as _arrays, plan as _plan
+from . import _engine, _kernels, _moving, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
-from .collectives import Collectives, _deadline, _dtype_text
+from . import calls
+from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
+                    _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
+from .collectives import Collectives
+from .front import DECLINED, Front
 from .group import Group
-from .ops import OP_NAMES, OPS, dtype_name, reduction_codes
+from .ops import OP_NAMES, OPS, dtype_name
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
 
@@ -58,7 +60,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Collectives):
+class Communicator(Front, Collectives):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     def __init__(self, group: Group, rank: int):
@@ -101,35 +103,80 @@ class Communicator(Collectives):
                         "rank's membership); send the Group instead and call group.join(rank) "
                         "in the worker, or use shmtree.run / shmtree.Pool")
 
-    # ---- public calls ----
+    # ---- the front end's hooks (front.py): every public collective comes through them ----
 
-    def allreduce(self, array, op="sum", *, out=None, timeout=None):
-        """Reduce `array` over all ranks with `op`; a new array, or `out` when given."""
-        if _foreign(array, out):
-            return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
-        if self._idle():                      # (shared arrays too: the engine's single copy)
-            result = self._quick(array, op, out, timeout, KIND_ALLREDUCE)
-            if result is not None:
-                return result
-        return self._now(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE))
+    def _quick(self, coll, array, op, out, root, timeout):
+        """The engine's C twin of the parse, for a blocking call of a plain ndarray when no
+        nonblocking call is outstanding: the result, or DECLINED (nothing has run: the call is
+        parsed and run by _run)."""
+        progress = self._progress
+        if progress is not None and (progress.outstanding or progress.is_current_thread()):
+            return DECLINED
+        if coll == ALLREDUCE:
+            got = self._fast_allreduce(array, op, out, timeout, KIND_ALLREDUCE)
+        elif coll == BROADCAST:
+            if type(root) is not int or not 0 <= root < self.size:
+                return DECLINED
+            got = self._quick_broadcast(array, root, out, timeout)
+            return DECLINED if got is None else got[0]
+        elif type(array) is not np.ndarray:
+            return DECLINED
+        elif coll == REDUCE:
+            if type(root) is not int or not 0 <= root < self.size:
+                return DECLINED
+            kind = KIND_REDUCE + KIND_ROOT_STEP * root
+            mine = out if self.rank == root else None
+            if array.nbytes <= self._small_bytes:
+                got = self._fast_allreduce(array, op, mine, timeout, kind)    # the allreduce
+            else:
+                got = self._quick_reduce(array, op, mine, root, kind, timeout)     # (in C)
+            if got is None:
+                return DECLINED
+            return got if self.rank == root else None
+        elif coll == ALLGATHER:                  # (in C: inline, the blocks or the single copy)
+            got = self._fast_allreduce(array, None, out, timeout, KIND_ALLGATHER,
+                                       digest=_dtype_digest(array.dtype))
+        elif coll == REDUCE_SCATTER:
+            got = self._quick_reduce_scatter(array, op, out, timeout)     # (in C)
+        else:
+            return DECLINED
+        return DECLINED if got is None else got
 
-    def iallreduce(self, array, op="sum", *, out=None, timeout=None):
-        """allreduce, nonblocking: a Request (docs/design.md, "Nonblocking calls")."""
-        array, out = _numpy_args(array, out, "iallreduce")
-        return self._post(self._prep_reducing(array, op, out, timeout, KIND_ALLREDUCE),
-                          "iallreduce")
+    def _run(self, spec):
+        """A parsed call, blocking: run at once, or behind the outstanding nonblocking ones."""
+        return self._now(self._prepared(spec))
 
-    def barrier(self, timeout=None):
-        """Return once every rank has entered the barrier."""
-        return self._now(self._prep_barrier(timeout))
+    def _post(self, spec):
+        """A parsed call, nonblocking: a Request."""
+        return self._enqueue(self._prepared(spec), spec.request_name)
 
-    def ibarrier(self, timeout=None):
-        """barrier, nonblocking: a Request whose result is None."""
-        return self._post(self._prep_barrier(timeout), "ibarrier")
+    def run(self, spec):
+        """Run a parsed call (calls.py) in this thread, which must already be running a call
+        of this rank (it holds the executor: a step of a call across nodes, nodes.py)."""
+        return self._prepared(spec)()
 
-    def _prep_barrier(self, timeout):
-        deadline = _deadline(timeout)
+    def _prepared(self, spec):
+        """The function that runs a parsed call's rounds, in order with the rank's other calls,
+        and returns its result."""
+        if spec.error is not None:
+            raise spec.error
+        coll = spec.coll
+        if coll == ALLREDUCE or coll == REDUCE:
+            return self._prep_reducing_spec(spec)
+        if coll == BROADCAST:
+            return lambda: self._broadcast(spec.array, spec.root, spec.out, spec.deadline)
+        if coll == ALLGATHER:
+            return lambda: self._allgather(spec.array, spec.axis, spec.out, spec.deadline)
+        if coll == REDUCE_SCATTER:
+            return self._prep_reduce_scatter_spec(spec)
+        deadline = spec.deadline
         return lambda: self._collective(KIND_BARRIER, OPS["max"], _U1, None, None, (), deadline)
+
+    def _shared_array(self, shape, dtype, order, how):
+        """empty / zeros (shared.py)."""
+        if self._shared is None:
+            self._shared = SharedArrays(self)
+        return self._shared.allocate(shape, dtype, order, how)
 
     # ---- running a prepared call: at once, or posted to the progress thread ----
 
@@ -150,7 +197,7 @@ class Communicator(Collectives):
                 return run()
             finally:
                 self._exec.release()
-        request = self._post(run, "call")
+        request = self._enqueue(run, "call")
         try:
             return request.result()
         except BaseException:
@@ -160,7 +207,7 @@ class Communicator(Collectives):
                                       "behind nonblocking ones")
             raise
 
-    def _post(self, run, name):
+    def _enqueue(self, run, name):
         """Hand a prepared call to the progress thread (started on first use): a Request."""
         if self._closed or self._gen != _fork_gen or self.group._closed:
             self._check_usable()
@@ -172,7 +219,8 @@ class Communicator(Collectives):
         n = self._posted = self._posted + 1
         return progress.post(Request(name, n, progress), run)
 
-    def _quick(self, array, op, out, timeout, kind, dims=None, limit=None, digest=None):
+    def _fast_allreduce(self, array, op, out, timeout, kind, dims=None, limit=None,
+                        digest=None):
         """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
         of inline messages), with descriptor kind `kind`: the result, or None when the general
         path must take the call (engine.quick also declines a call while another thread of this
@@ -284,28 +332,26 @@ class Communicator(Collectives):
             self._interrupted(eng)
             raise
 
-    def _local_error(self, exc, kind, timeout, posted=False):
-        """A local error of a rooted collective (broadcast, reduce, of descriptor kind `kind`)
-        that the other ranks cannot see: this rank's array's dtype holds Python objects, or is
-        not reducible (a TypeError).  It is said in the call's round before it is raised here
-        (DESIGN section 6): every other rank's call then raises CollectiveMismatchError naming
-        this rank (the root) and its error, and every rank is through the same call (the group
-        stays in step; ranks that all made the error each raise their own).  Other local errors
-        (root, out=, timeout, op) stay local: every rank sees its own.  posted: a nonblocking
-        call, whose round is posted behind the outstanding ones (the posting call raises at
-        once).  Returns exc, for the caller to raise."""
+    def _local_error(self, spec):
+        """A local error of a rooted collective (broadcast, reduce) that the other ranks cannot
+        see (spec.error): this rank's array's dtype holds Python objects, or is not reducible
+        (a TypeError).  It is said in the call's round before it is raised here (DESIGN
+        section 6): every other rank's call then raises CollectiveMismatchError naming this
+        rank (the root) and its error, and every rank is through the same call (the group stays
+        in step; ranks that all made the error each raise their own).  Other local errors
+        (root, out=, timeout, op) stay local: every rank sees its own.  A nonblocking call's
+        round is posted behind the outstanding ones (the posting call raises at once).
+        Returns the error, for the caller to raise."""
+        exc = spec.error
         text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
             "utf-8", "replace")
         if len(text) > _engine.ERROR_TEXT:    # (what the round's descriptor carries)
             text = text[:_engine.ERROR_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
-        try:
-            deadline = _deadline(timeout)
-        except ValueError:
-            deadline = None
+        kind, deadline = spec.kind, spec.deadline
         run = lambda: self._error_round(kind, text, deadline)     # noqa: E731
         try:
-            if posted:
-                self._post(run, "call")
+            if spec.posted:
+                self._enqueue(run, "call")
             else:
                 self._now(run)
         except ShmtreeError:              # (the group cannot take the round: the error stands)
@@ -323,24 +369,15 @@ class Communicator(Collectives):
             self._interrupted(eng)
             raise
 
-    def _prep_reducing(self, array, op, out, timeout, kind, root=None, posted=False):
-        """A reducing collective (allreduce, reduce; reduce_scatter of inline messages) checked
-        and prepared (the result is allocated when the call runs).  With a root
-        (reduce) a large message runs the engine's pipelined chain to the root, ranks other
-        than the root write nothing and get None."""
-        if type(array) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
-            if isinstance(array, MaskedArray) or isinstance(out, MaskedArray):
-                raise TypeError("shmtree: masked arrays are not supported (the mask would be "
-                                "dropped); reduce array.filled(...) or the mask separately")
-        a = array if type(array) is np.ndarray else np.asarray(array)
-        try:
-            opc, dtc = reduction_codes(op, a.dtype)
-        except TypeError as exc:          # (its dtype is not reducible: a reduce says so in
-            if root is None:              # the call's round, DESIGN section 6)
-                raise
-            raise self._local_error(exc, kind, timeout, posted) from None
-        dest = None if out is None else _destination(a, out)     # (out is checked now)
-        deadline = None if timeout is None else _deadline(timeout)
+    def _prep_reducing_spec(self, spec):
+        """A reducing collective (allreduce, reduce; reduce_scatter of inline messages),
+        prepared (the result is allocated when the call runs).  With a root (reduce) a large
+        message runs the engine's pipelined chain to the root; ranks other than the root write
+        nothing and get None."""
+        a, opc, dtc, kind, root, deadline = (spec.array, spec.opc, spec.dtc, spec.kind,
+                                             spec.root, spec.deadline)
+        out = spec.out
+        dest = None if out is None else _destination(a, out)     # (checked by the parse)
         mine = root is None or root == self.rank
 
         def run():
@@ -359,22 +396,21 @@ class Communicator(Collectives):
             return result if mine else None
         return run
 
-    # ---- shared arrays (shared.py) ----
+    # ---- the old entries of the multi-node steps (nodes.py), on the parse ----
 
-    def empty(self, shape, dtype=float, order="C"):
-        """A collective: a writable array every member can read, on every rank (each rank its
-        own), with the same shape and dtype everywhere.  Collectives of such arrays (input and
-        out=) run single-copy, reading and writing them in place.  The memory lives while this
-        rank holds a reference, and is unshared when the communicator closes."""
-        if self._shared is None:
-            self._shared = SharedArrays(self)
-        return self._shared.allocate(shape, dtype, order, "empty")
+    def _prep_reducing(self, array, op, out, timeout, kind, root=None, posted=False):
+        if root is None:
+            return self._prepared(calls.allreduce(self, array, op, out, timeout))
+        return self._prepared(calls.reduce(self, array, op, root, out, timeout))
 
-    def zeros(self, shape, dtype=float, order="C"):
-        """empty, filled with zeros (fresh shared memory is zero)."""
-        if self._shared is None:
-            self._shared = SharedArrays(self)
-        return self._shared.allocate(shape, dtype, order, "zeros")
+    def _prep_broadcast(self, array, root, out, timeout, posted=False):
+        return self._prepared(calls.broadcast(self, array, root, out, timeout))
+
+    def _prep_allgather(self, array, axis, out, timeout):
+        return self._prepared(calls.allgather(self, array, axis, out, timeout))
+
+    def _prep_reduce_scatter(self, array, op, out, timeout):
+        return self._prepared(calls.reduce_scatter(self, array, op, out, timeout))
 
     def _own_algorithm(self, collective, nbytes) -> bool:
         """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than
@@ -659,39 +695,6 @@ def _moved_text(kind, shape, nbytes):
     return f"{name}({nbytes} bytes)"
 
 
-def _destination(a, out):
-    """(result to return, aligned C-contiguous array the engine writes, array to copy it back
-    into or None)."""
-    if out is None:
-        result = np.empty(a.shape, dtype=a.dtype)
-        return result, result, None
-    o = out if isinstance(out, np.ndarray) else _as_flat_buffer(out)
-    if o.dtype != a.dtype:
-        raise ValueError(f"shmtree: out has dtype {o.dtype}, the input has {a.dtype}")
-    if isinstance(out, np.ndarray):
-        if o.shape != a.shape:
-            raise ValueError(f"shmtree: out has shape {o.shape}, the input has {a.shape}")
-    elif o.size != a.size:
-        raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
-    if not o.flags.writeable:
-        raise ValueError("shmtree: out is read-only")
-    if o.flags.c_contiguous and o.flags.aligned:
-        return out, o, None
-    tmp = np.empty(a.shape, dtype=a.dtype)
-    return out, tmp, o
-
-
-def _as_flat_buffer(out):
-    try:
-        view = memoryview(out)
-    except TypeError:
-        raise ValueError(f"shmtree: out must be a numpy array or a writable buffer, got "
-                         f"{type(out).__name__}") from None
-    if view.readonly:
-        raise ValueError("shmtree: out is read-only")
-    return np.asarray(view).reshape(-1)
-
-
 def _overlaps(a, b) -> bool:
     """Do two arrays share memory without being the very same elements (then an input read
     while the other is written must be copied first)?  The overlap rule, decided in one place:
@@ -784,60 +787,9 @@ def current() -> Communicator:
                        "shmtree.Pool or Group.join)")
 
 
-def allreduce(array, op="sum", *, out=None, timeout=None):
-    return current().allreduce(array, op, out=out, timeout=timeout)
-
-
-def broadcast(array, root=0, *, out=None, timeout=None):
-    return current().broadcast(array, root, out=out, timeout=timeout)
-
-
-def reduce(array, op="sum", root=0, *, out=None, timeout=None):
-    return current().reduce(array, op, root, out=out, timeout=timeout)
-
-
-def allgather(array, *, axis=None, out=None, timeout=None):
-    return current().allgather(array, axis=axis, out=out, timeout=timeout)
-
-
-def reduce_scatter(array, op="sum", *, out=None, timeout=None):
-    return current().reduce_scatter(array, op, out=out, timeout=timeout)
-
-
-def barrier(timeout=None):
-    return current().barrier(timeout=timeout)
-
-
-def iallreduce(array, op="sum", *, out=None, timeout=None):
-    return current().iallreduce(array, op, out=out, timeout=timeout)
-
-
-def ibroadcast(array, root=0, *, out=None, timeout=None):
-    return current().ibroadcast(array, root, out=out, timeout=timeout)
-
-
-def ireduce(array, op="sum", root=0, *, out=None, timeout=None):
-    return current().ireduce(array, op, root, out=out, timeout=timeout)
-
-
-def iallgather(array, *, axis=None, out=None, timeout=None):
-    return current().iallgather(array, axis=axis, out=out, timeout=timeout)
-
-
-def ireduce_scatter(array, op="sum", *, out=None, timeout=None):
-    return current().ireduce_scatter(array, op, out=out, timeout=timeout)
-
-
-def ibarrier(timeout=None):
-    return current().ibarrier(timeout=timeout)
-
-
-def empty(shape, dtype=float, order="C"):
-    return current().empty(shape, dtype, order)
-
-
-def zeros(shape, dtype=float, order="C"):
-    return current().zeros(shape, dtype, order)
+# allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
+from .front import module_functions as _module_functions  # noqa: E402
+globals().update(_module_functions(current))
 
 
 def rank() -> int:

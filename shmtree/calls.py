@@ -1,0 +1,329 @@
+"""One description of every collective call (docs/design.md, "One call"): CallSpec, and the
+one parser per collective that checks a call's arguments and builds it.
+
+Every way into a collective - the blocking and nonblocking methods of a communicator on one
+machine or across nodes, the module-level functions, the torch backend - builds the same
+CallSpec with the same functions here, so a rule about the arguments (which dtypes, which out=,
+which roots and axes, the timeout) is written once.  A local error (an argument this rank can
+see is wrong) is raised by the parser, before any communication, and leaves the group usable.
+The engine has a C twin of the common case (Engine.call parses a plain ndarray call itself, the
+hot path); a call it cannot take as it is comes here first.
+
+Also here, the helpers every executor uses to lay out a call's buffers: the one np.array_split
+block formula (split_bounds), out= made into the array the engine writes (destination,
+out_for), the dtype digest the descriptors carry.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import pickle
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
+
+from .codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_REDUCE,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
+from .ops import reduction_codes
+
+__all__ = ["CallSpec", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
+           "barrier", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
+
+ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, BARRIER = range(6)
+COLLECTIVE_NAMES = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather",
+                    "barrier")
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """A checked collective call, the same for every kind of communicator.
+
+    name: the collective ("allreduce", ...); coll: its number (ALLREDUCE ...); kind: the
+    descriptor kind every rank compares (KIND_* + KIND_ROOT_STEP * root for rooted calls);
+    array: the input as a numpy array (not made contiguous: the executor does what its
+    transport needs), None for barrier and for a broadcast rank that passed None; out: out= as
+    given (checked against the input); op, opc, dtc: the reduction's op as given and its codes
+    (-1 when the call does not reduce); root: the root rank (broadcast, reduce; else None);
+    axis: allgather's (None or 0); timeout: as given (checked), deadline: the monotonic time it
+    ends (None: never), counted from when the call was made; posted: a nonblocking call;
+    error: a local error of a rooted call that only this rank can see (its dtype holds Python
+    objects, or has no kernel): the executor says it in the call's round so that every other
+    rank raises too, then raises it (DESIGN section 6)."""
+    name: str
+    coll: int
+    kind: int
+    array: object = None
+    out: object = None
+    op: object = None
+    opc: int = -1
+    dtc: int = -1
+    root: object = None
+    axis: object = None
+    timeout: object = None
+    deadline: object = None
+    posted: bool = False
+    error: object = None
+
+    @property
+    def request_name(self) -> str:
+        """The name of its Request ("iallreduce"), or of the blocking call."""
+        return ("i" if self.posted else "") + self.name
+
+
+
+# ---- the parsers: one per collective ----
+
+
+def allreduce(comm, array, op="sum", out=None, timeout=None, posted=False):
+    return _reducing(comm, "allreduce", ALLREDUCE, KIND_ALLREDUCE, array, op, out, timeout,
+                     None, posted)
+
+
+def reduce(comm, array, op="sum", root=0, out=None, timeout=None, posted=False):
+    root = check_root(root, comm.size)
+    if comm.rank != root:
+        out = None                    # (ignored away from the root, which alone gets a result)
+    return _reducing(comm, "reduce", REDUCE, KIND_REDUCE + KIND_ROOT_STEP * root, array, op,
+                     out, timeout, root, posted)
+
+
+def reduce_scatter(comm, array, op="sum", out=None, timeout=None, posted=False):
+    a = _not_masked(array)
+    if a.ndim == 0:
+        raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
+    scatter_shape(a, out, comm.size, comm.rank)          # (checks out)
+    opc, dtc = reduction_codes(op, a.dtype)
+    return CallSpec("reduce_scatter", REDUCE_SCATTER, KIND_REDUCE_SCATTER, a, out, op, opc, dtc,
+                    timeout=timeout, deadline=deadline_of(timeout), posted=posted)
+
+
+def _reducing(comm, name, coll, kind, array, op, out, timeout, root, posted):
+    a = _not_masked(array)
+    error = None
+    try:
+        opc, dtc = reduction_codes(op, a.dtype)
+    except TypeError as exc:          # (its dtype is not reducible: a reduce says so in the
+        if root is None:              # call's round, DESIGN section 6)
+            raise
+        error, opc, dtc = exc, -1, -1
+    if out is not None and error is None:
+        destination(a, out)           # (checks out now)
+    return CallSpec(name, coll, kind, a, out, op, opc, dtc, root, None, timeout,
+                    _checked_deadline(timeout, error), posted, error)
+
+
+def broadcast(comm, array, root=0, out=None, timeout=None, posted=False):
+    root = check_root(root, comm.size)
+    kind = KIND_BROADCAST + KIND_ROOT_STEP * root
+    dl = _checked_deadline(timeout, None)
+    a = None
+    try:
+        if array is None:
+            if comm.rank == root:
+                raise ValueError("shmtree: broadcast: the root must pass the array")
+            if out is not None:               # its dtype and shape are this rank's claim
+                if not isinstance(out, np.ndarray):
+                    raise ValueError(f"shmtree: broadcast: out must be a numpy array, got "
+                                     f"{type(out).__name__}")
+                if not out.flags.writeable:
+                    raise ValueError("shmtree: broadcast: out is read-only")
+                a = movable(out, "broadcast")
+        else:
+            a = array if type(array) is np.ndarray and not array.dtype.hasobject \
+                else movable(array, "broadcast")
+            if out is not None:
+                out_for(out, a.shape, a.dtype, "broadcast")          # (checks out)
+    except TypeError as exc:          # (a dtype holding Python objects: said to the other
+        return CallSpec("broadcast", BROADCAST, kind, None, out, root=root,  # ranks in the
+                        timeout=timeout, deadline=dl, posted=posted, error=exc)   # round)
+    return CallSpec("broadcast", BROADCAST, kind, a, out, root=root, timeout=timeout,
+                    deadline=dl, posted=posted)
+
+
+def allgather(comm, array, axis=None, out=None, timeout=None, posted=False):
+    if axis is not None and axis != 0:
+        raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
+    dl = deadline_of(timeout)
+    a = movable(array, "allgather")
+    if axis is None:
+        out_for(out, (comm.size,) + a.shape, a.dtype, "allgather")    # (checks out)
+    elif a.ndim == 0:
+        raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
+    return CallSpec("allgather", ALLGATHER, KIND_ALLGATHER, a, out, axis=axis, timeout=timeout,
+                    deadline=dl, posted=posted)
+
+
+def barrier(comm, timeout=None, posted=False):
+    return CallSpec("barrier", BARRIER, KIND_BARRIER, timeout=timeout,
+                    deadline=deadline_of(timeout), posted=posted)
+
+
+# ---- the rules the parsers apply ----
+
+
+def check_root(root, size):
+    if type(root) is int and 0 <= root < size:
+        return root
+    if isinstance(root, bool) or not hasattr(root, "__index__") \
+            or not 0 <= root.__index__() < size:
+        raise ValueError(f"shmtree: root must be an int in [0, {size}), got {root!r}")
+    return root.__index__()
+
+
+def _not_masked(array):
+    if isinstance(array, MaskedArray):
+        raise TypeError("shmtree: masked arrays are not supported (the mask would be "
+                        "dropped); reduce array.filled(...) or the mask separately")
+    return array if type(array) is np.ndarray else np.asarray(array)
+
+
+def movable(a, what):
+    """`a` as an array whose bytes can be moved: not masked, no Python objects (a TypeError)."""
+    if not isinstance(a, np.ndarray):
+        a = np.asarray(a)
+    if isinstance(a, MaskedArray):
+        raise TypeError(f"shmtree: {what}: masked arrays are not supported (the mask would be "
+                        "dropped)")
+    if a.dtype.hasobject:
+        raise TypeError(f"shmtree: {what}: dtype {a.dtype} holds Python objects, which cannot "
+                        "be sent as bytes; use a numeric, string or structured dtype")
+    return a
+
+
+def deadline_of(timeout):
+    """The monotonic time at which a call made now times out (None: never)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"shmtree: timeout must be None or a number >= 0, got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _checked_deadline(timeout, error):
+    """deadline_of; with a local error to say in the round, a bad timeout is no second error
+    (the round then has no deadline)."""
+    if error is None:
+        return deadline_of(timeout)
+    try:
+        return deadline_of(timeout)
+    except ValueError:
+        return None
+
+
+def split_bounds(n, parts):
+    """np.array_split's bounds of n items in `parts` pieces: [0, ..., n] (piece j is
+    [b[j], b[j+1])): the first n % parts pieces hold one item more.  The one block formula (the
+    engine's C twin: block_lo in engine/msg.pxi)."""
+    q, r = divmod(n, parts)
+    return [j * q + min(j, r) for j in range(parts + 1)]
+
+
+def scatter_shape(a, out, P, me):
+    """reduce_scatter: rank me's rows [lo, hi) of `a` (split_bounds) and its result shape,
+    after checking `out` against it."""
+    b = split_bounds(a.shape[0], P)
+    lo, hi = b[me], b[me + 1]
+    shape = (hi - lo,) + a.shape[1:]
+    if out is not None and (not isinstance(out, np.ndarray) or out.shape != shape
+                            or out.dtype != a.dtype or not out.flags.writeable):
+        raise ValueError(f"shmtree: reduce_scatter: out must be a writable array of shape "
+                         f"{shape} and dtype {a.dtype}")
+    return lo, hi, shape
+
+
+def destination(a, out):
+    """A reduction's output for input `a`: (result to return, aligned C-contiguous array the
+    engine writes, array to copy it back into or None).  out may be an ndarray of a's shape
+    and dtype, or a writable buffer of a's size."""
+    if out is None:
+        result = np.empty(a.shape, dtype=a.dtype)
+        return result, result, None
+    o = out if isinstance(out, np.ndarray) else _as_flat_buffer(out)
+    if o.dtype != a.dtype:
+        raise ValueError(f"shmtree: out has dtype {o.dtype}, the input has {a.dtype}")
+    if isinstance(out, np.ndarray):
+        if o.shape != a.shape:
+            raise ValueError(f"shmtree: out has shape {o.shape}, the input has {a.shape}")
+    elif o.size != a.size:
+        raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
+    if not o.flags.writeable:
+        raise ValueError("shmtree: out is read-only")
+    if o.flags.c_contiguous and o.flags.aligned:
+        return out, o, None
+    tmp = np.empty(a.shape, dtype=a.dtype)
+    return out, tmp, o
+
+
+def _as_flat_buffer(out):
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise ValueError(f"shmtree: out must be a numpy array or a writable buffer, got "
+                         f"{type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("shmtree: out is read-only")
+    return np.asarray(view).reshape(-1)
+
+
+def out_for(out, shape, dtype, what):
+    """A writable C-contiguous array of (shape, dtype): `out` itself when it is one, else a new
+    array (None) - and the array to copy the result into afterwards, if any."""
+    if out is None:
+        return np.empty(shape, dtype), None
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"shmtree: {what}: out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != dtype or out.shape != tuple(shape):
+        raise ValueError(f"shmtree: {what}: out has shape {out.shape} and dtype {out.dtype}; the "
+                         f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}")
+    if not out.flags.writeable:
+        raise ValueError(f"shmtree: {what}: out is read-only")
+    if out.flags.c_contiguous and out.flags.aligned:
+        return out, None
+    return np.empty(shape, dtype), out
+
+
+def finish(result, copy_back):
+    if copy_back is None:
+        return result
+    copy_back[...] = result
+    return copy_back
+
+
+def bytes_of(a):
+    """A C-contiguous, aligned uint8 view of a's bytes (a copy when a is not laid out so)."""
+    if not (a.flags.c_contiguous and a.flags.aligned):
+        a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
+
+
+# ---- dtypes as the descriptors carry them ----
+
+_NAMED = 1 << 62                # a digest that is the dtype's str itself (see dtype_digest)
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_digest(dtype) -> int:
+    """A dtype as a number, byte order and fields included: its str (at most 7 bytes, such as
+    '<f8' or '|S5') with bit 62 set, when the str names it (mismatch messages then say the
+    dtype in words: dtype_text), else a 32-bit digest of its pickle."""
+    dt = np.dtype(dtype)
+    key = dt.str.encode()
+    if (len(key) <= 7 and dt.fields is None and dt.subdtype is None
+            and np.dtype(dt.str) == dt):
+        return int.from_bytes(key, "little") | _NAMED
+    return int.from_bytes(hashlib.sha256(pickle.dumps(dt)).digest()[:4], "little")
+
+
+def dtype_text(digest) -> str:
+    """The dtype a dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'); a
+    dtype without such a name (structured, ml_dtypes' bfloat16) is known by its digest."""
+    if digest & _NAMED:
+        try:
+            dt = np.dtype(int(digest & (_NAMED - 1)).to_bytes(7, "little").rstrip(b"\0")
+                          .decode())
+            return str(dt)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            pass
+    return f"#{digest:08x} (structured, or of an extension such as ml_dtypes)"
