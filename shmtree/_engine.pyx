@@ -28,7 +28,7 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR
+from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR, OP_MAX
 from shmtree._moving cimport bcast_fill, bcast_read, next_room, fits
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -308,8 +308,15 @@ _register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_
 _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
 _register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
-BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER = (COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER,
-                                                 COLL_ALLGATHER)
+cdef enum:
+    COLL_BARRIER = 5        # (Engine.call: an allreduce of nothing)
+    COLL_ERROR = 6          # (Engine.call: a local error said in the call's round)
+    BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
+# the collectives by number, for the Python layer (calls.py numbers them alike)
+ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, BARRIER, ERROR = (
+    COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
+    COLL_BARRIER, COLL_ERROR)
+DATA_ONLY = BC_DATA_ONLY
 
 
 cdef int drive(Eng *e, const Alg *alg) noexcept nogil:
@@ -544,18 +551,27 @@ cdef class Engine:
     cdef Eng e                        # all the nogil code sees (types.pxi)
     cdef int nchan
     cdef int busy
-    # the message of the call in progress (begin): both phases read it
-    cdef object src_ref, dst_ref, offs_ref
+    # the call in progress (call): what both phases read, and what it holds until it ends here
+    cdef object src_ref, dst_ref, offs_ref, fin_ref
+    cdef object result                # the output, for the caller (call, take_result)
     cdef const char *src_p
     cdef char *dst_p
-    cdef uint64_t msg_nbytes, small_bytes
-    cdef int msg_itemsize, msg_op, msg_dtype, phase, coll
+    cdef char *fin_from               # copied to fin_to (fin_n bytes) when the call ends
+    cdef char *fin_to
+    cdef uint64_t fin_n
+    cdef uint64_t msg_nbytes
+    cdef int msg_itemsize, msg_op, msg_dtype, phase, coll, alg
     cdef uint64_t ncalls
     cdef uint64_t next_seq            # seq of the next call (the engine numbers the calls)
     cdef uint64_t cur_seq             # seq of the call begun last
     cdef unsigned long owner          # the thread that began the call in progress
     cdef public uint64_t nt_bytes     # messages of at least this size write their output with
                                       # streaming stores (e.nt: for the call in progress)
+    cdef int64_t slice_ns             # a call's time slice (the caller's checks come between)
+    # the selection (Plan.selection, given once): by collective, the largest message that
+    # travels inline, and the algorithm of a larger one
+    cdef uint64_t sel_limit[N_COLL]
+    cdef int sel_alg[N_COLL]
     # shared arrays (shared.py registers them): per allocation its id, this rank's own stretch
     # [start, start + nbytes) and every rank's mapping of it
     cdef uint64_t *share_id
@@ -566,29 +582,28 @@ cdef class Engine:
     cdef list share_keep              # [nshares]: what holds the peers' mappings (shared.py's)
     cdef object place_keep, place_keep_out    # those of the allocations (input, output) the
                                       # call in progress may use single-copy: its raw pointers
-                                      # (Direct.ins, outs) stay
-                                      # valid until the call has ended here, whatever another
-                                      # thread unshares or drops meanwhile (Communicator.close,
-                                      # an array's finalizer, interpreter exit)
+                                      # (Direct.ins, outs) stay valid until the call has ended
+                                      # here, whatever another thread unshares or drops
+                                      # meanwhile (Communicator.close, an array's finalizer,
+                                      # interpreter exit)
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
-    # a broadcast's first round that carries its data on, in the same call (quick_bcast)
-    cdef int bc_pending               # the round runs; its result says whether data follows
-    cdef int bc_need                  # the data follows and waits for this rank's output
-    cdef int bc_root, bc_root_pos
-    cdef uint64_t bc_small, bc_nbytes
-    cdef char *bc_dst                 # this rank's output for the data (NULL: none yet)
-    cdef object bc_ref
-    cdef public int bc_ran            # the last quick_bcast call carried the data
+    cdef Bcast bc                     # a broadcast's call (engine/bcast.pxi)
+    cdef object bc_result, bc_out     # its output (given before the round, or made after it)
+                                      # and the caller's out=
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
+        memset(&self.bc, 0, sizeof(Bcast))
+        self.bc.root = -1
+        self.bc.room = 64
         self.share_keep = []
 
-    def __init__(self, Segment seg, int rank, list channels, int64_t spin_ns=20000,
-                 int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0):
+    def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
+                 int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0,
+                 int64_t slice_ns=20000000):
         """channels: per channel a transport.ChannelSpec (parent, index, children, up, down,
         child_up, parent_down: segment offsets, -1 for none; nslots, stride, payload; ring,
-        ring_pos)."""
+        ring_pos).  selection: Plan.selection(), by collective (inline limit, algorithm)."""
         self.seg = seg
         self.e.base = seg.base
         self.e.rank = rank
@@ -601,11 +616,13 @@ cdef class Engine:
         self.e.yield_ns = yield_ns
         self.e.sleep_ns = sleep_ns
         self.nt_bytes = nt_bytes
+        self.slice_ns = slice_ns
         maxchild = 0
         for i, spec in enumerate(channels):
             self._setup(&self.e.chans[i], spec)
             maxchild = max(maxchild, len(spec.children))
         self.e.chans[0].pair = self.e.nranks == 2 and not self.e.chans[0].ring
+        self._select(selection)
         # the operands of one fused reduction: own input and every child's chunk (ring: 2)
         self.e.call.srcs = <const void **>calloc(maxchild + 2, sizeof(void *))
         cdef Direct *d = &self.e.dir
@@ -887,124 +904,86 @@ cdef class Engine:
             d.outs[r] += theirs[3]
         return True
 
-    # ---- the call ----
+    # ---- the call: one entry (Engine.call), then progress, give_output, cancel ----
 
-    def begin(self, src, dst, int itemsize, int op, int dtype, int kind, tuple shape,
-              uint64_t small_bytes):
-        """Begin a collective: src and dst are C-contiguous numpy arrays of the same size (dst
-        writable; they may be the same array), or None for a call that carries no data.
+    def call(self, int coll, array, out, op, int root, int kind, timeout, uint64_t tag=0,
+             dims=None, offs=None):
+        """Start a collective and run its first time slice; the one way into a call.
 
-        Phase 0 is one round on channel 0 that carries this rank's call descriptor, which every
-        parent compares with its children's (MISMATCH on any difference), and the data itself
-        when it is at most small_bytes; phase 1 pipelines larger messages through channel 1.
-        The call gets the engine's next seq (`seq` tells it).  Returns DONE when started, ABORTED
-        if the group is already aborted (no seq is used then)."""
-        if self.busy:
-            raise RuntimeError("shmtree: a call is already in progress on this engine")
-        if src is not None and cnp.PyArray_NBYTES(dst) != cnp.PyArray_NBYTES(src):
-            raise ValueError("shmtree: source and destination sizes differ")
-        if get_kernel(op, dtype) == NULL:
-            raise TypeError("shmtree: no kernel for this op and dtype")
-        if aborted(&self.e):
-            return RC_ABORTED
-        cdef int64_t dims[MAX_NDIM]
-        cdef int i, nd = len(shape)
-        if nd > MAX_NDIM:
-            raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
-        for i in range(nd):
-            dims[i] = shape[i]
-        if src is not None and _clash(src, dst):
-            src = src.copy()                  # (the overlap rule: see _clash_c)
-        self._begin_c(src, dst, itemsize, op, dtype, kind, nd, dims, small_bytes)
-        return RC_DONE
+        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST or
+        ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
+        KIND_ROOT_STEP * root, which every rank compares); timeout: the first slice's limit
+        (None or seconds, a float or int >= 0: the slice is the engine's slice_ns or less).
+        array, out, op: the call's, as the collective takes them (engine/msg.pxi): a plain
+        ndarray call of a supported dtype is taken as it is (the hot path: one C call);
+        op is an op name or ufunc, or (op code, dtype code) already checked by the parse;
+        tag: ALLGATHER's dtype digest, BROADCAST's BC_DATA_ONLY; dims: the descriptor's
+        shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
+        (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
+        (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
+        array when it is known from the start (None: take_result() once the call is DONE) - or
+        None when the call cannot be taken as it is (the caller normalises it first:
+        collectives.py) or another call is in progress (nothing has run then)."""
+        cdef int64_t budget = _budget(self.slice_ns, timeout)
+        cdef int rc
+        if self.busy or budget < 0:
+            return None
+        self.result = None
+        if coll == COLL_ALLREDUCE or coll == COLL_BARRIER:
+            rc = msg_allreduce(self, array, out, op, kind, dims)
+        elif coll == COLL_REDUCE:
+            rc = msg_reduce(self, array, out, op, root, kind)
+        elif coll == COLL_REDUCE_SCATTER:
+            rc = msg_reduce_scatter(self, array, out, op, kind)
+        elif coll == COLL_ALLGATHER:
+            rc = msg_allgather(self, array, out, kind, tag, dims, offs)
+        elif coll == COLL_BROADCAST:
+            rc = msg_broadcast(self, array, out, root, kind, tag)
+        elif coll == COLL_ERROR:
+            rc = msg_error(self, kind, array)
+        else:
+            raise ValueError(f"shmtree: Engine.call: no collective {coll}")
+        if rc < 0:
+            self.result = None
+            return None
+        if rc == RC_DONE:
+            rc = self._progress(budget)
+        got = self.result                 # (the output known from the start, or the result of
+        self.result = None                # a broadcast done in this slice; else take_result)
+        return rc, got
+
+    def take_result(self):
+        """The result of the call that ended last, when call() could not give it (a broadcast
+        whose shape comes from the root): the output array, or a tuple saying what the caller
+        must do next (engine/bcast.pxi, bcast_read)."""
+        got = self.result
+        self.result = None
+        return got
 
     @property
     def seq(self):
         """The seq of the call begun last (calls are numbered 0, 1, ... by the engine)."""
         return self.cur_seq
 
-    def begin_error(self, int kind, bytes text):
-        """Begin a call that tells the other ranks this rank raised a local error in its
-        collective of descriptor kind `kind` (DESIGN section 6: an error only the root can see
-        must not leave the others behind): its descriptor has op and dtype ERROR_CODE, no data,
-        and the error's text (at most ERROR_TEXT bytes) as its dims.  It differs from the
-        descriptor of every rank that made the call, so every rank's call ends in MISMATCH
-        (DONE where every rank said the same error).  Returns DONE when started, ABORTED if
-        the group is already aborted."""
+    cdef int may_begin(self) except -2:
+        """Just before a call begins (its arguments are parsed): -1 when another thread began
+        a call meanwhile (a collector run by an allocation may have let it in: the caller's
+        call is declined), RC_ABORTED when the group is aborted (nothing begins), else
+        RC_DONE."""
         if self.busy:
-            raise RuntimeError("shmtree: a call is already in progress on this engine")
+            return -1
         if aborted(&self.e):
             return RC_ABORTED
-        cdef int64_t dims[SHM_MAX_DIMS]
-        memset(dims, 0, sizeof(dims))
-        memcpy(dims, <char *>text, min(len(text), <Py_ssize_t>sizeof(dims)))
-        self._begin_call(None, None, NULL, NULL, 0, 1, ERR_CODE, ERR_CODE, kind, SHM_MAX_DIMS,
-                         dims, 0, COLL_ALLREDUCE)
         return RC_DONE
 
-    def begin_coll(self, int coll, src, dst, uint64_t nbytes, int itemsize, int op, int dtype,
-                   int kind, tuple shape, int root=0, offs=None):
-        """Begin a collective other than allreduce on its ring-schedule algorithm (channel 1
-        must run the ring schedule, with more than one rank): BROADCAST (src: the root's input,
-        dst: every rank's output, the root's already holding the data), REDUCE (src: input, dst:
-        the root's output, None elsewhere), REDUCE_SCATTER (src: the whole input, dst: this
-        rank's block), ALLGATHER (dst: the whole output, this rank's block already in place).
-        nbytes: the whole message; root: the root's ring position; offs: uint64 [lo, hi) of
-        each ring position's block (REDUCE_SCATTER, ALLGATHER).  The channel-0 round carries the
-        descriptor only.  Returns DONE when started, ABORTED if the group is already aborted."""
-        cdef int ch = self._ring_channel()
-        cdef cnp.ndarray o
-        if self.busy:
-            raise RuntimeError("shmtree: a call is already in progress on this engine")
-        if not (0 < coll < N_COLL) or ch < 0:
-            raise ValueError("shmtree: begin_coll needs a collective and a ring-schedule channel")
-        if not 0 <= root < self.e.nranks or nbytes == 0 or get_kernel(op, dtype) == NULL:
-            raise ValueError("shmtree: begin_coll: bad root, size, op or dtype")
-        if coll == COLL_REDUCE_SCATTER or coll == COLL_ALLGATHER:
-            o = offs
-            if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT64 or cnp.PyArray_SIZE(o) != 2 * self.e.nranks
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(o)):
-                raise ValueError("shmtree: begin_coll: offs must be 2P contiguous uint64")
-            self.e.call.offs = <const uint64_t *>cnp.PyArray_DATA(o)
-        if aborted(&self.e):
-            return RC_ABORTED
-        cdef int64_t dims[MAX_NDIM]
-        cdef int i, nd = len(shape)
-        if nd > MAX_NDIM:
-            raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
-        for i in range(nd):
-            dims[i] = shape[i]
-        if src is not None and dst is not None and _clash(src, dst):
-            src = src.copy()                  # (the overlap rule: see _clash_c)
-        self.offs_ref = offs
-        self.e.call.root = root
-        self.e.call.coll_kind = CHAIN_BCAST if coll == COLL_BROADCAST else CHAIN_REDUCE
-        self._begin_call(src, dst,
-                         NULL if src is None else <const char *>cnp.PyArray_DATA(src),
-                         NULL if dst is None else <char *>cnp.PyArray_DATA(dst), nbytes,
-                         itemsize, op, dtype, kind, nd, dims, 0, coll)
-        return RC_DONE
-
-    cdef void _begin_c(self, src, dst, int itemsize, int op, int dtype, int kind,
-                       int ndim, int64_t *dims, uint64_t small_bytes):
-        """Set up an allreduce whose arguments are checked (see begin and quick)."""
-        cdef uint64_t nbytes = 0
-        cdef const char *src_p = NULL
-        cdef char *dst_p = NULL
-        if src is not None:
-            nbytes = cnp.PyArray_NBYTES(src)
-            if nbytes:
-                src_p = <const char *>cnp.PyArray_DATA(src)
-                dst_p = <char *>cnp.PyArray_DATA(dst)
-        self._begin_call(src, dst, src_p, dst_p, nbytes, itemsize, op, dtype, kind, ndim, dims,
-                         small_bytes, COLL_ALLREDUCE)
-
-    cdef void _begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
-                          int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
-                          uint64_t small_bytes, int coll):
-        """Set up a call: it takes the next seq, and says so in the rank block (call) for peers
-        that explain a stall.  An allreduce of at most small_bytes travels in the channel-0
-        round; everything else runs on channel 1 after it."""
+    cdef void begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
+                         int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
+                         int coll, int alg) noexcept:
+        """Set up a call (its arguments checked): it takes the next seq, and says so in the
+        rank block (call) for peers that explain a stall; the call holds src and dst (and
+        whatever msg_* made it hold) until it ends here.  alg: the selection's (ALG_INLINE:
+        the message travels in the channel-0 round; else it runs on a channel of its own
+        after that round, which then carries the descriptor alone)."""
         cdef uint64_t seq = self.next_seq
         self.next_seq = seq + 1
         self.cur_seq = seq
@@ -1019,15 +998,12 @@ cdef class Engine:
         self.msg_itemsize = itemsize if itemsize > 0 else 1
         self.msg_op = op
         self.msg_dtype = dtype
-        self.small_bytes = small_bytes
         self.coll = coll
-        self._write_desc(seq, nbytes, kind, op, dtype, ndim, dims)
+        self.alg = alg
+        write_desc(self, seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
-        self.bc_pending = 0
-        self.bc_need = 0
-        self.bc_ran = 0
         if coll == COLL_ALLREDUCE:
-            self._place(seq, src_p, dst_p, nbytes, nbytes > small_bytes)
+            self._place(seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
             self._place(seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
         elif coll == COLL_REDUCE_SCATTER or dst_p == NULL:
@@ -1036,11 +1012,34 @@ cdef class Engine:
             self._place(seq, src_p, dst_p, nbytes, True)     # (reduce: the root's output must
                                                              # lie in the inputs' allocation)
         self.phase = 0
-        if nbytes <= small_bytes:
+        if alg == ALG_INLINE:
             self._start_phase(0, ALG_INLINE, self.src_p, self.dst_p, nbytes)
         else:
             self._start_phase(0, ALG_INLINE, NULL, NULL, 0)
         self.busy = 1
+
+    cdef void _begin_reduction(self, cnp.ndarray a, cnp.ndarray res, int opc, int dtc, int kind,
+                               int nd, int64_t *dims, int coll) noexcept:
+        """begin_call for a reduction whose arguments msg_* checked (res None: reduce away from
+        the root); the overlap rule: the fast paths declined a clashing out=."""
+        cdef uint64_t nbytes = cnp.PyArray_NBYTES(a)
+        self.begin_call(a, res, <const char *>cnp.PyArray_DATA(a) if nbytes else NULL,
+                        NULL if res is None or not nbytes else <char *>cnp.PyArray_DATA(res),
+                        nbytes, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dims, coll,
+                        select(self, coll, nbytes) if coll == COLL_ALLREDUCE else ALG_RING)
+
+    def _select(self, dict selection):
+        """Take the Plan's selection: {collective number: (inline limit, algorithm name)}."""
+        cdef int coll
+        names = {"tree": ALG_TREE, "ring": ALG_TREE, "chain": ALG_RING, "blocks": ALG_RING,
+                 "copy": ALG_TREE}
+        for coll in range(N_COLL):
+            limit, alg = selection[coll]
+            self.sel_limit[coll] = limit
+            self.sel_alg[coll] = names[alg]
+            if self.sel_alg[coll] == ALG_RING and self._ring_channel() < 0:
+                raise ValueError("shmtree: the selection names a ring algorithm, and no "
+                                 "channel runs the ring schedule")
 
     cdef void _start_phase(self, int ch, int alg, const char *src, char *dst,
                            uint64_t nbytes) noexcept nogil:
@@ -1097,14 +1096,14 @@ cdef class Engine:
         return &_ALGS[self.coll][self._phase1(&ch)]
 
     cdef int _run_call(self) noexcept nogil:
-        """Run the phases of the call in progress (see begin)."""
+        """Run the phases of the call in progress (see call)."""
         cdef int rc = drive(&self.e, self._alg())
         cdef int ch, alg
         cdef const char *src
         cdef uint64_t lo
-        if rc == RC_DONE and self.phase == 0 and self.bc_pending:
-            return self._bcast_on()
-        if rc == RC_DONE and self.phase == 0 and self.msg_nbytes > self.small_bytes:
+        if rc == RC_DONE and self.phase == 0 and self.bc.pending:
+            return self._bcast_handover()
+        if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = self._direct_agreed()
             self.e.dir.mode = self.coll
@@ -1123,191 +1122,49 @@ cdef class Engine:
             rc = drive(&self.e, self._alg())
         return rc
 
-    cdef int _bcast_on(self) noexcept nogil:
-        """After a broadcast's first round (quick_bcast): when its result says the data follows
-        (every claim agrees with the root's, the description is not long, and the data is
-        larger than both the round's room and small_bytes), run it in the same call on the ring
-        channel: the chain from the root, or the single copy when every rank's output lies in
-        one shared allocation (the round was the agreement).  Every rank reads the same round,
-        so every rank decides alike.  RC_NEED_OUT when this rank has no output yet."""
+    cdef int _bcast_handover(self) noexcept nogil:
+        """After a broadcast's first round: when its result says the data follows (every claim
+        agrees with the root's, the description is not long, and the data is larger than both
+        the round's room and the inline limit), run it in the same call on the ring channel:
+        the chain from the root, or the single copy when every rank's output lies in one shared
+        allocation (the round was the agreement).  Every rank reads the same round, so every
+        rank decides alike.  RC_NEED_OUT when this rank has no output yet (bcast_need_out)."""
         cdef int P = self.e.nranks, r, ch
         cdef const uint8_t *p = <const uint8_t *>self.dst_p
         cdef const uint64_t *claims = <const uint64_t *>p
         cdef const uint8_t *m = p + BC_CLAIM * P
         cdef uint64_t want, n, head = BC_CLAIM * P + BC_META
-        self.bc_pending = 0
+        self.bc.pending = 0
         ch = self._ring_channel()
         if ch < 0 or self.msg_nbytes < head:
             return RC_DONE
-        want = claims[self.bc_root]
+        want = claims[self.bc.root]
         if want == 0 or m[0] != 1 or m[1] != 0:
             return RC_DONE
         for r in range(P):
             if claims[r] != 0 and claims[r] != want:
                 return RC_DONE                # (a mismatch: the caller says it)
         memcpy(&n, m + 8, 8)
-        if n <= self.msg_nbytes - head or n <= self.bc_small:
+        if n <= self.msg_nbytes - head or n <= self.sel_limit[COLL_BROADCAST]:
             return RC_DONE                    # (the data came inline, or takes a round of its
-        self.bc_ran = 1                       # own: the caller's)
+        self.bc.ran = 1                       # own: the caller's)
         self.phase = 1
         self.direct = self._direct_agreed()   # (zero places where an output is missing)
         self.coll = COLL_BROADCAST
         self.msg_nbytes = n
         self.src_p = NULL
-        self.e.call.root = self.bc_root_pos
+        self.e.call.root = self.bc.root_pos
         self.e.call.coll_kind = CHAIN_BCAST
         self.e.dir.mode = COLL_BROADCAST
         self.e.dir.pairwise = 0
         self.e.nt = not self.direct and self.nt_bytes > 0 and n >= self.nt_bytes
-        if self.bc_dst == NULL:
-            self.bc_need = 1
+        if self.bc.dst == NULL:
+            self.bc.need = 1
             return RC_NEED_OUT
-        self.dst_p = self.bc_dst
+        self.dst_p = self.bc.dst
         self._start_phase(1 if self.direct else ch, ALG_DIRECT if self.direct else ALG_RING,
                           NULL, self.dst_p, n)
         return drive(&self.e, self._alg())
-
-    def quick_broadcast(self, array, out, int root, int root_pos, int kind, Py_ssize_t room,
-                        uint64_t limit, uint64_t small_bytes, int64_t slice_ns, timeout):
-        """broadcast's fast path (Communicator._quick_broadcast) for the common case: this rank
-        passed an ndarray (the root: C-contiguous and aligned), or None with an ndarray out=
-        that is, and out= is None or fits what it passed as is (_moving.fits).  Builds the
-        first round (_moving.bcast_fill, with data room `room`), gives the output to a large
-        message's data before the round (the root's holding its data), and runs quick_bcast's
-        call for one time slice (see quick).  Returns None when the general path must take the
-        call (nothing has run); ("done", result, the next room) when the call is complete; or
-        ("on", rc, first, what this rank passed (or its out), (result, None) or None) when the
-        caller goes on with it (collectives.py, _broadcast_after)."""
-        if self.busy:
-            return None
-        cdef int me = self.e.rank, P = self.e.nranks
-        cdef bint is_root = me == root
-        claim = array
-        if array is None:
-            if is_root or out is None:
-                return None
-            claim = out
-        if type(claim) is not np.ndarray or (out is not None and (type(out) is not np.ndarray
-                                                                 or not fits(out, claim))):
-            return None
-        cdef cnp.ndarray c = <cnp.ndarray>claim
-        cdef uint64_t n = cnp.PyArray_NBYTES(c)
-        if n > <uint64_t>room and n <= small_bytes:
-            return None                       # (a round of its own follows: the general path's)
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            return None
-        first = bcast_fill(claim, is_root, me, P, room)
-        if first is None:
-            return None
-        cdef cnp.ndarray res
-        result = out
-        if n > small_bytes:
-            if result is None:
-                result = np.empty((<object>c).shape, c.dtype)
-            res = <cnp.ndarray>result
-            if is_root and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(c):
-                memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(c), n)
-        if self.busy:                 # (another thread began a call meanwhile: a collector run
-            return None               # by an allocation above may have let it in)
-        rc = self._bcast_begin(first, result if n > small_bytes else None, root, root_pos, kind,
-                               limit, small_bytes)
-        if rc == RC_DONE:
-            rc = self._progress(budget_ns)
-        if rc == RC_DONE:
-            if self.bc_ran or (P == 1 and n > small_bytes):     # (one rank: result holds the
-                return "done", result, next_room(first, P, small_bytes)      # data)
-            if n <= <uint64_t>room:
-                got = bcast_read(first, out, P, room)
-                if type(got) is not tuple:
-                    return "done", got, next_room(first, P, small_bytes)
-        return "on", rc, first, claim, (result, None) if n > small_bytes else None
-
-    def quick_bcast(self, first, dst, int root, int root_pos, int kind, uint64_t limit,
-                    uint64_t small_bytes, int64_t slice_ns, timeout):
-        """Broadcast in one call (collectives.py): its first round - `first`, this rank's uint8
-        contribution, or-ed in place with every rank's (kind, the shape (len(first),), carried
-        inline up to limit bytes) - and, when that round's result says the data follows, the
-        data itself from the root, in the same call (root: a rank, root_pos: its ring
-        position).  dst: this rank's output, a C-contiguous writable array (the root's holding
-        the data; its bytes are what moves), when it knows it before the round, else None (the
-        call then stops with NEED_OUT after the round: resume_bcast).  Runs one time slice (see
-        quick); returns the rc, or None when another call is in progress.  bc_ran says whether
-        the data came."""
-        if self.busy:
-            return None
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            budget_ns = slice_ns
-        cdef int rc = self._bcast_begin(first, dst, root, root_pos, kind, limit, small_bytes)
-        return self._progress(budget_ns) if rc == RC_DONE else rc
-
-    cdef int _bcast_begin(self, first, dst, int root, int root_pos, int kind, uint64_t limit,
-                          uint64_t small_bytes) except -1:
-        """Begin quick_bcast's call (RC_DONE), or say that the group is aborted (RC_ABORTED)."""
-        cdef cnp.ndarray f = first
-        cdef cnp.ndarray o
-        if (cnp.PyArray_TYPE(f) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(f)
-                or not cnp.PyArray_ISWRITEABLE(f) or not 0 <= root < self.e.nranks):
-            raise ValueError("shmtree: quick_bcast: bad first round or root")
-        if dst is not None:
-            o = dst
-            if not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o):
-                raise ValueError("shmtree: quick_bcast: dst must be C-contiguous and writable")
-        if aborted(&self.e):
-            return RC_ABORTED
-        cdef int64_t dims[1]
-        dims[0] = cnp.PyArray_SIZE(f)
-        self._begin_c(f, f, 1, OP_BOR, DT_U1, kind, 1, dims, limit)     # (clears bc_need and
-        self.bc_pending = 1                                                # bc_ran)
-        self.bc_root = root
-        self.bc_root_pos = root_pos
-        self.bc_small = small_bytes
-        self.bc_ref = dst
-        self.bc_dst = NULL
-        if dst is not None:
-            self.bc_dst = <char *>cnp.PyArray_DATA(o)
-            self.bc_nbytes = cnp.PyArray_NBYTES(o)
-            self._place(self.cur_seq, self.bc_dst, self.bc_dst, self.bc_nbytes, True)
-        return RC_DONE
-
-    def resume_bcast(self, dst):
-        """Give the broadcast that stopped with NEED_OUT this rank's output (a C-contiguous
-        writable array of the data's size in bytes); progress() then runs the data."""
-        cdef cnp.ndarray o = dst
-        if not self.busy or not self.bc_need:
-            raise RuntimeError("shmtree: resume_bcast: no broadcast waits for its output")
-        if (not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o)
-                or <uint64_t>cnp.PyArray_NBYTES(o) != self.msg_nbytes):
-            raise ValueError("shmtree: resume_bcast: dst must be C-contiguous, writable, of the "
-                             "data's size")
-        self.bc_need = 0
-        self.bc_ref = dst
-        self.dst_p = <char *>cnp.PyArray_DATA(o)
-        self._start_phase(self._ring_channel(), ALG_RING, NULL, self.dst_p, self.msg_nbytes)
-
-    cdef void _write_desc(self, uint64_t seq, uint64_t nbytes, int kind, int op, int dtype,
-                          int ndim, int64_t *dims) noexcept:
-        """This rank's call descriptor, in its rank block (read by others to explain a
-        mismatch) and in the call state (stamped on every slot of the call)."""
-        cdef shm_desc *d = &self.seg.block(self.e.rank).desc[seq & 1]
-        cdef int i
-        cdef int nkept = ndim if ndim < SHM_MAX_DIMS else SHM_MAX_DIMS
-        cdef uint64_t h = 1469598103934665603ULL        # FNV-1a over all the dims
-        for i in range(ndim):
-            h = (h ^ <uint64_t>dims[i]) * 1099511628211ULL
-        h = (h ^ <uint64_t>ndim) * 1099511628211ULL
-        memset(d, 0, sizeof(shm_desc))
-        d.head.seq = seq
-        d.head.nbytes = nbytes
-        d.head.shape = h
-        d.head.kind = kind
-        d.head.op = op
-        d.head.dtype = dtype
-        d.head.ndim = ndim
-        for i in range(nkept):
-            d.dims[i] = dims[i]
-        self.e.call.desc = d.head
 
     def progress(self, int64_t budget_ns):
         """Run the call until DONE, ABORTED, MISMATCH or CORRUPT, or STALLED when the time slice
@@ -1317,286 +1174,48 @@ cdef class Engine:
             raise RuntimeError("shmtree: no call in progress")
         return self._progress(budget_ns)
 
-    cdef int _progress(self, int64_t budget_ns):
+    cdef int _progress(self, int64_t budget_ns) except -1:
         cdef int rc
         cdef shm_rank_block *me = self.seg.block(self.e.rank)
-        if self.bc_need:
-            return RC_NEED_OUT
         with nogil:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
+        while rc == RC_NEED_OUT:              # (the data of a broadcast follows: its output)
+            bcast_need_out(self)
+            with nogil:
+                rc = drive(&self.e, self._alg())
+        with nogil:
+            if rc != RC_STALLED and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
-        if rc == RC_NEED_OUT:
-            return rc
         if rc != RC_STALLED:
-            self.bc_ref = None
-            self.busy = 0
-            self.src_ref = None
-            self.dst_ref = None
-            self.place_keep = self.place_keep_out = None    # (the call has ended: its
-                                                            # peers' mappings may go)
             if rc == RC_DONE:
                 self.ncalls += 1
+                if self.fin_n:
+                    memcpy(self.fin_to, self.fin_from, self.fin_n)
+                if self.bc.root >= 0:
+                    self.result = bcast_ended(self)
+            self._end_call()
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
                 shm_store_release64(&me.done, self.cur_seq + 1)
             shm_store_release64(&me.call, 0)
         return rc
 
-    cdef cnp.ndarray _fast_input(self, array, op, int64_t slice_ns, timeout, int64_t *budget_ns,
-                                 int *opc, int *dtc):
-        """Where the reductions' fast paths (quick, quick_reduce, quick_reduce_scatter) begin:
-        no call in progress, an ndarray that reduces under op as it is (_reducible: sets the
-        codes), and a time slice that timeout allows (_budget: sets budget_ns).  The array, or
-        None when the general path must take the call."""
-        if self.busy or type(array) is not np.ndarray:
-            return None
-        budget_ns[0] = _budget(slice_ns, timeout)
-        if budget_ns[0] < 0 or not _reducible(<cnp.ndarray>array, op, opc, dtc):
-            return None
-        return <cnp.ndarray>array
-
-    def quick(self, array, op, out, uint64_t small_bytes, int kind, tuple dims, int64_t slice_ns,
-              timeout):
-        """The allreduce fast path, for the common case: `array` a C-contiguous, aligned,
-        native-endian ndarray of a supported dtype, `op` a known op for it, `out` None or such
-        an ndarray of the same dtype and shape that is the input itself or does not overlap it.
-        Begins the call and runs it for one time slice: slice_ns, or less when timeout (None or
-        seconds, a float or int >= 0) is shorter.  kind: the descriptor's (reduce and
-        reduce_scatter run small messages as this allreduce); dims: the descriptor's shape when
-        it is not the array's (allgather's bytes).  Returns (rc, result), or None when the
-        general path must handle the call (validation, copies, error messages)."""
-        cdef int64_t budget_ns
-        cdef int opc, dtc
-        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
-        if a is None:
-            return None
-        cdef cnp.ndarray res
-        cdef int num = cnp.PyArray_TYPE(a)
-        cdef int nd = cnp.PyArray_NDIM(a)
-        got = _output(a, out, nd, cnp.PyArray_DIMS(a), num, True)
-        if got is None:
-            return None
-        res = <cnp.ndarray>got
-        cdef int64_t given[MAX_NDIM]
-        cdef int i
-        cdef int64_t *dp = <int64_t *>cnp.PyArray_DIMS(a)
-        if dims is not None:
-            if len(dims) > MAX_NDIM:
-                return None
-            nd = len(dims)
-            for i in range(nd):
-                given[i] = dims[i]
-            dp = given
-        if self.busy:                 # (another thread began a call meanwhile: a collector
-            return None               # run by the allocation above may have let it in)
-        if aborted(&self.e):
-            return RC_ABORTED, res
-        self._begin_c(a, res, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dp, small_bytes)
-        return self._progress(budget_ns), res
-
-    def quick_allgather(self, array, out, uint64_t digest, int kind, uint64_t small_bytes,
-                        int64_t slice_ns, timeout):
-        """The fast path of allgather(array, out=out) (axis None): array a C-contiguous,
-        aligned ndarray without Python objects; out None (a new array) or a writable
-        C-contiguous, aligned ndarray of the same dtype and shape (P, *array.shape), which
-        array is row `rank` of or does not overlap.  Begins the very call of the general path
-        (kind, the shape array.shape + (itemsize, digest), bytes, bitwise or): up to small_bytes (or with one rank), as an allreduce of out with
-        zeros outside this rank's row (array copied in); larger, the blocks algorithm (array
-        copied into out[rank] when it starts) or the single copy, when every rank's out is
-        shared (array written into every out, its own included); and runs it for one time
-        slice (see quick).  Returns (rc, out), or None when the general path must take the
-        call."""
-        if self.busy or type(array) is not np.ndarray or (out is not None
-                                                          and type(out) is not np.ndarray):
-            return None
-        cdef int P = self.e.nranks
-        cdef int ch = self._ring_channel()
-        cdef int64_t budget_ns = _budget(slice_ns, timeout)
-        if budget_ns < 0:
-            return None
-        cdef cnp.ndarray a = <cnp.ndarray>array
-        cdef int nd = cnp.PyArray_NDIM(a)
-        cdef uint64_t block = cnp.PyArray_NBYTES(a)
-        cdef uint64_t nbytes = block * P
-        cdef bint inline = nbytes <= small_bytes or P == 1     # (one rank: the allreduce)
-        if (nd + 2 > MAX_NDIM or not cnp.PyArray_IS_C_CONTIGUOUS(a)
-                or not cnp.PyArray_ISALIGNED(a)
-                or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1
-                or (not inline and (ch < 0 or block == 0))):
-            return None
-        cdef cnp.ndarray o
-        if out is None:
-            out = np.empty((P,) + (<object>a).shape, a.dtype)
-            o = <cnp.ndarray>out
-        else:
-            o = <cnp.ndarray>out
-            if (cnp.PyArray_NDIM(o) != nd + 1 or cnp.PyArray_DIMS(o)[0] != P
-                    or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
-                              nd * sizeof(cnp.npy_intp)) != 0
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
-                    or not cnp.PyArray_ISWRITEABLE(o)
-                    or not cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(a),
-                                                  <cnp.dtype>cnp.PyArray_DESCR(o))):
-                return None
-        cdef char *own = <char *>cnp.PyArray_DATA(o) + <uint64_t>self.e.rank * block
-        cdef const char *mine = <const char *>cnp.PyArray_DATA(a)
-        if mine != own:
-            if block and _ranges_overlap(a, o):
-                return None
-            if inline and nbytes:
-                memset(cnp.PyArray_DATA(o), 0, nbytes)
-            if inline:
-                memcpy(own, mine, block)      # (else the engine copies it, or the single copy
-        elif inline and nbytes:               # writes it with the others')
-            # (in place: zeros around this rank's row)
-            memset(cnp.PyArray_DATA(o), 0, own - <char *>cnp.PyArray_DATA(o))
-            memset(own + block, 0, nbytes - block * (self.e.rank + 1))
-        cdef int64_t dims[MAX_NDIM]
-        cdef int q, i
-        for i in range(nd):
-            dims[i] = cnp.PyArray_DIMS(a)[i]
-        dims[nd] = cnp.PyArray_ITEMSIZE(a)
-        dims[nd + 1] = digest
-        if self.busy:                 # (another thread began a call meanwhile: a collector
-            return None               # run above may have let it in)
-        if aborted(&self.e):
-            return RC_ABORTED, out
-        if inline:
-            self._begin_c(o, o, 1, OP_BOR, DT_U1, kind, nd + 2, dims, small_bytes)
-            return self._progress(budget_ns), out
-        cdef cnp.ndarray offs = np.empty(2 * P, np.uint64)
-        cdef uint64_t *op = <uint64_t *>cnp.PyArray_DATA(offs)
-        for q in range(P):
-            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
-            op[2 * q + 1] = op[2 * q] + block
-        self.offs_ref = offs
-        self.e.call.offs = op
-        self.e.call.root = 0
-        self._begin_call(a, o, NULL if mine == own else mine, <char *>cnp.PyArray_DATA(o),
-                         nbytes, 1, OP_BOR, DT_U1, kind, nd + 2, dims, 0, COLL_ALLGATHER)
-        return self._progress(budget_ns), out
-
-    def quick_reduce(self, array, op, out, int root, int root_pos, int kind, int64_t slice_ns,
-                     timeout):
-        """The fast path of reduce(array, op, root, out=out) for a message that does not
-        travel inline (the caller checks), in a group of more than one rank: array as for
-        quick; on the root out None (a new array) or such an ndarray of the same dtype and
-        shape that is the input itself or does not overlap it (elsewhere out is ignored).
-        Begins the general path's very call (the chain towards the root's ring position
-        root_pos, or the single copy) and runs it for one time slice (see quick).  Returns
-        (rc, result: None away from the root), or None when the general path must take it."""
-        cdef int64_t budget_ns
-        cdef int opc, dtc
-        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
-        if a is None or self._ring_channel() < 0:
-            return None
-        cdef int num = cnp.PyArray_TYPE(a)
-        cdef int nd = cnp.PyArray_NDIM(a)
-        if nd > MAX_NDIM or cnp.PyArray_NBYTES(a) == 0 or not 0 <= root < self.e.nranks:
-            return None
-        res = None
-        if root == self.e.rank:
-            res = _output(a, out, nd, cnp.PyArray_DIMS(a), num, True)
-            if res is None:
-                return None
-        if self.busy:                 # (another thread began a call meanwhile: a collector
-            return None               # run by the allocation above may have let it in)
-        if aborted(&self.e):
-            return RC_ABORTED, res
-        self.offs_ref = None
-        self.e.call.root = root_pos
-        self.e.call.coll_kind = CHAIN_REDUCE
-        self._begin_call(a, res, <const char *>cnp.PyArray_DATA(a),
-                         NULL if res is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>res),
-                         cnp.PyArray_NBYTES(a), cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd,
-                         <int64_t *>cnp.PyArray_DIMS(a), 0, COLL_REDUCE)
-        return self._progress(budget_ns), res
-
-    def quick_reduce_scatter(self, array, op, out, uint64_t small_bytes, int kind,
-                             int64_t slice_ns, timeout):
-        """The fast path of reduce_scatter(array, op, out=out): array a C-contiguous, aligned,
-        native-endian ndarray of at least one dimension, of a dtype and op with a kernel; out
-        None (a new array) or a writable C-contiguous, aligned ndarray of its dtype and of this
-        rank's block's shape (np.array_split's rows), clear of array.  Begins the general path's
-        very call - up to small_bytes the allreduce of the whole array (kind, its shape), into
-        a scratch array whose block is then copied out; larger, the blocks algorithm's
-        reduce-scatter (or the single copy) - and runs it for one time slice (see quick).
-        Returns (rc, result, None) or, when an inline call is not done yet, (rc, result,
-        (scratch, lo, hi)): the caller copies bytes [lo, hi) of scratch into result once it
-        is; None when the general path must take the call."""
-        cdef int64_t budget_ns
-        cdef int opc, dtc
-        cdef cnp.ndarray a = self._fast_input(array, op, slice_ns, timeout, &budget_ns, &opc, &dtc)
-        if a is None:
-            return None
-        cdef int num = cnp.PyArray_TYPE(a)
-        cdef int nd = cnp.PyArray_NDIM(a)
-        if nd < 1 or nd > MAX_NDIM:
-            return None
-        cdef int P = self.e.nranks, me = self.e.rank, q, r
-        cdef uint64_t nbytes = cnp.PyArray_NBYTES(a)
-        cdef bint inline = nbytes <= small_bytes
-        cdef int ch = self._ring_channel()
-        cdef int64_t n = cnp.PyArray_DIMS(a)[0]
-        if not inline and (ch < 0 or n == 0):
-            return None
-        cdef uint64_t row = nbytes // n if n else 0
-        cdef int64_t rlo = me * (n // P) + (me if me < n % P else n % P)
-        cdef int64_t rhi = rlo + n // P + (1 if me < n % P else 0)
-        cdef cnp.npy_intp dims[MAX_NDIM]
-        cdef cnp.ndarray res
-        memcpy(dims, cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
-        dims[0] = rhi - rlo
-        got = _output(a, out, nd, dims, num, False)
-        if got is None:
-            return None
-        res = <cnp.ndarray>got
-        cdef cnp.ndarray full, offs
-        cdef uint64_t *o
-        cdef int64_t *given = <int64_t *>cnp.PyArray_DIMS(a)
-        if inline:
-            full = cnp.PyArray_EMPTY(nd, cnp.PyArray_DIMS(a), num, 0)
-        else:
-            offs = np.empty(2 * P, np.uint64)
-            o = <uint64_t *>cnp.PyArray_DATA(offs)
-            for q in range(P):
-                r = self.e.dir.order[q]
-                o[2 * q] = (r * (n // P) + (r if r < n % P else n % P)) * row
-                o[2 * q + 1] = o[2 * q] + (n // P + (1 if r < n % P else 0)) * row
-        if self.busy:                 # (another thread began a call meanwhile: a collector
-            return None               # run by an allocation above may have let it in)
-        if aborted(&self.e):
-            return RC_ABORTED, res, None
-        if inline:
-            self._begin_c(a, full, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, given,
-                          small_bytes)
-            rc = self._progress(budget_ns)
-            if rc != RC_DONE:
-                return rc, res, (full, rlo * row, rhi * row)
-            if rhi > rlo:
-                memcpy(cnp.PyArray_DATA(res), <char *>cnp.PyArray_DATA(full) + rlo * row,
-                       (rhi - rlo) * row)
-            return rc, res, None
-        self.offs_ref = offs
-        self.e.call.offs = o
-        self.e.call.root = 0
-        self.e.call.coll_kind = CHAIN_REDUCE
-        self._begin_call(a, res, <const char *>cnp.PyArray_DATA(a),
-                         <char *>cnp.PyArray_DATA(res), nbytes, cnp.PyArray_ITEMSIZE(a), opc,
-                         dtc, kind, nd, given, 0, COLL_REDUCE_SCATTER)
-        return self._progress(budget_ns), res, None
+    cdef void _end_call(self) noexcept:
+        """The call has ended here (or is forgotten): it lets go of what it held, the peers'
+        mappings included."""
+        self.busy = 0
+        self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
+        self.bc_result = self.bc_out = None
+        self.place_keep = self.place_keep_out = None
+        self.fin_n = 0
+        self.bc.root = -1
+        self.bc.pending = self.bc.need = self.bc.ran = 0
 
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""
-        self.busy = 0
-        self.bc_pending = 0
-        self.bc_need = 0
-        self.bc_ref = None
-        self.src_ref = None
-        self.dst_ref = None
-        self.place_keep = self.place_keep_out = None
+        self._end_call()
+        self.result = None
         shm_store_release64(&self.seg.block(self.e.rank).call, 0)
 
     def stats(self):
@@ -1614,3 +1233,7 @@ cdef class Engine:
         """Is a call in progress that the calling thread began?  (Only that thread may cancel
         it: another thread's call must not be torn down by a concurrency error.)"""
         return bool(self.busy) and self.owner == PyThread_get_thread_ident()
+
+
+include "engine/msg.pxi"
+include "engine/bcast.pxi"

@@ -76,14 +76,9 @@ class Communicator(Front, Collectives):
         self._closed = False
         specs = [group.layout.engine_spec(ch, rank) for ch in range(len(group.layout.channels))]
         self._seg = group._seg
-        self._engine = _engine.Engine(group._seg, rank, specs, spin_ns=group.plan.spin_ns,
-                                      nt_bytes=group.plan.nt_bytes)
-        self._small_bytes = group.plan.small_bytes
-        # broadcast's first round: claims and the root's description, then room for this much
-        # data (agreed by all ranks: the size of the previous broadcast); channel 0 has room
-        # for the header beside small_bytes of data
-        self._bcast_room = 64
-        self._round_limit = max(self._small_bytes, 64) + _moving.round_bytes(self.size, 0)
+        self._engine = _engine.Engine(group._seg, rank, specs, group.plan.selection(),
+                                      spin_ns=group.plan.spin_ns, nt_bytes=group.plan.nt_bytes,
+                                      slice_ns=SLICE_NS)
         # the ranks this one waits for (tree parent and children; ring predecessor, successor)
         self._neighbours = sorted({r for spec in specs for r in [spec.parent, *spec.children]
                                    if r >= 0})
@@ -92,7 +87,6 @@ class Communicator(Front, Collectives):
         # the ring schedule's order (the engine's other collectives run around it)
         plan = group.plan
         self._plan = plan
-        self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}
         tree = plan.large_tree                # the single copy folds in the schedule's order
         self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
                                   [list(c) for c in tree.children], tree.root)
@@ -106,41 +100,66 @@ class Communicator(Front, Collectives):
     # ---- the front end's hooks (front.py): every public collective comes through them ----
 
     def _quick(self, coll, array, op, out, root, timeout):
-        """The engine's C twin of the parse, for a blocking call of a plain ndarray when no
+        """The engine's C twin of the parse (Engine.call), for a blocking call when no
         nonblocking call is outstanding: the result, or DECLINED (nothing has run: the call is
-        parsed and run by _run)."""
+        parsed and run by _run).  The deadline is only computed when the call outlasts its
+        first time slice (a clock read less on the hot path)."""
+        eng = self._engine
+        if self._gen != _fork_gen or self._closed or self.group._closed:
+            return DECLINED
         progress = self._progress
         if progress is not None and (progress.outstanding or progress.is_current_thread()):
             return DECLINED
-        if coll == ALLREDUCE:
-            got = self._fast_allreduce(array, op, out, timeout, KIND_ALLREDUCE)
-        elif coll == BROADCAST:
+        tag = 0
+        if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
-            got = self._quick_broadcast(array, root, out, timeout)
-            return DECLINED if got is None else got[0]
-        elif type(array) is not np.ndarray:
-            return DECLINED
-        elif coll == REDUCE:
-            if type(root) is not int or not 0 <= root < self.size:
+        elif coll == ALLGATHER:
+            if type(array) is not np.ndarray:
                 return DECLINED
-            kind = KIND_REDUCE + KIND_ROOT_STEP * root
-            mine = out if self.rank == root else None
-            if array.nbytes <= self._small_bytes:
-                got = self._fast_allreduce(array, op, mine, timeout, kind)    # the allreduce
-            else:
-                got = self._quick_reduce(array, op, mine, root, kind, timeout)     # (in C)
+            tag = _dtype_digest(array.dtype)
+        try:
+            start = None if timeout is None else time.monotonic()
+            got = eng.call(coll, array, out, op, root, _KINDS[coll] + KIND_ROOT_STEP * root,
+                           timeout, tag)
             if got is None:
                 return DECLINED
-            return got if self.rank == root else None
-        elif coll == ALLGATHER:                  # (in C: inline, the blocks or the single copy)
-            got = self._fast_allreduce(array, None, out, timeout, KIND_ALLGATHER,
-                                       digest=_dtype_digest(array.dtype))
-        elif coll == REDUCE_SCATTER:
-            got = self._quick_reduce_scatter(array, op, out, timeout)     # (in C)
-        else:
-            return DECLINED
-        return DECLINED if got is None else got
+            rc, result = got
+            if rc != _engine.DONE:
+                self._drive(eng.seq, None if start is None else start + timeout, rc)
+                if result is None:
+                    result = eng.take_result()
+        except BaseException:
+            self._interrupted(eng)
+            raise
+        if coll == BROADCAST and type(result) is tuple:
+            claim = out if array is None else array
+            return self._broadcast_rest(result, claim, root, out,
+                                        _KINDS[coll] + KIND_ROOT_STEP * root,
+                                        None if start is None else start + timeout)
+        return result
+
+    def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
+        """One engine call of a normalised message (collectives.py), by the thread that holds
+        the executor, driven to its end: its result."""
+        eng = self._idle_engine()
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = eng.call(coll, array, out, op, root, kind, left, tag, dims, offs)
+            if got is None:
+                if eng.in_call:               # another thread's fast path got in first
+                    raise ShmtreeError(_CONCURRENT)
+                raise RuntimeError(f"shmtree: internal error: the engine declined a normalised "
+                                   f"{_engine_name(coll)} call")
+            rc, result = got
+            if rc != _engine.DONE:
+                self._drive(eng.seq, deadline, rc)
+                if result is None:
+                    result = eng.take_result()
+            return result
+        except BaseException:
+            self._interrupted(eng)           # (only a call this thread began)
+            raise
 
     def _run(self, spec):
         """A parsed call, blocking: run at once, or behind the outstanding nonblocking ones."""
@@ -154,23 +173,6 @@ class Communicator(Front, Collectives):
         """Run a parsed call (calls.py) in this thread, which must already be running a call
         of this rank (it holds the executor: a step of a call across nodes, nodes.py)."""
         return self._prepared(spec)()
-
-    def _prepared(self, spec):
-        """The function that runs a parsed call's rounds, in order with the rank's other calls,
-        and returns its result."""
-        if spec.error is not None:
-            raise spec.error
-        coll = spec.coll
-        if coll == ALLREDUCE or coll == REDUCE:
-            return self._prep_reducing_spec(spec)
-        if coll == BROADCAST:
-            return lambda: self._broadcast(spec.array, spec.root, spec.out, spec.deadline)
-        if coll == ALLGATHER:
-            return lambda: self._allgather(spec.array, spec.axis, spec.out, spec.deadline)
-        if coll == REDUCE_SCATTER:
-            return self._prep_reduce_scatter_spec(spec)
-        deadline = spec.deadline
-        return lambda: self._collective(KIND_BARRIER, OPS["max"], _U1, None, None, (), deadline)
 
     def _shared_array(self, shape, dtype, order, how):
         """empty / zeros (shared.py)."""
@@ -219,119 +221,6 @@ class Communicator(Front, Collectives):
         n = self._posted = self._posted + 1
         return progress.post(Request(name, n, progress), run)
 
-    def _fast_allreduce(self, array, op, out, timeout, kind, dims=None, limit=None,
-                        digest=None):
-        """The fast path of allreduce and of the collectives built on it (reduce, reduce_scatter
-        of inline messages), with descriptor kind `kind`: the result, or None when the general
-        path must take the call (engine.quick also declines a call while another thread of this
-        rank is inside one: that call then fails on the general path).  timeout: the call's,
-        None or seconds (the engine declines one that is not a float or int >= 0: the general
-        path then raises); its deadline is only computed when the call outlasts its first time
-        slice (a clock read less on the hot path); dims: the descriptor's shape, when it is not
-        the array's;
-        limit: the largest message that travels inline (small_bytes unless said); digest (of the
-        dtype): allgather(array, out=...) on its own fast path (engine.quick_allgather)."""
-        eng = self._engine                    # (_fast's steps written out: the hot path)
-        if self._gen != _fork_gen or self._closed or self.group._closed:
-            return None
-        try:
-            start = None if timeout is None else time.monotonic()
-            if digest is None:
-                r = eng.quick(array, op, out, limit or self._small_bytes, kind, dims, SLICE_NS,
-                              timeout)
-            else:
-                r = eng.quick_allgather(array, out, digest, kind, self._small_bytes, SLICE_NS,
-                                        timeout)
-            if r is None:
-                return None
-            if r[0] != _engine.DONE:
-                self._drive(eng.seq, None if start is None else start + timeout, r[0])
-            return r[1]
-        except BaseException:
-            self._interrupted(eng)
-            raise
-
-    def _fast(self, timeout, begin, *args):
-        """Run one of the engine's fast paths: begin(*args, timeout) checks and begins the call
-        and runs its first time slice; then drive it to its end (timeout as for _quick).  What
-        begin returned ((rc, result, ...)), or None when it declined the call (the general path
-        must take it: nothing has run)."""
-        eng = self._engine
-        if self._gen != _fork_gen or self._closed or self.group._closed:
-            return None
-        try:
-            start = None if timeout is None else time.monotonic()
-            got = begin(*args, timeout)
-            if got is not None and got[0] != _engine.DONE:
-                self._drive(eng.seq, None if start is None else start + timeout, got[0])
-            return got
-        except BaseException:
-            self._interrupted(eng)
-            raise
-
-    def _quick_broadcast(self, array, root, out, timeout):
-        """broadcast's fast path (Engine.quick_broadcast: the general path's very call without
-        its layers, which in a loop of small broadcasts cost more than the round): (result,),
-        or None when the general path must take the call (nothing has run then)."""
-        if self._gen != _fork_gen or self._closed or self.group._closed:
-            return None
-        start = None if timeout is None else time.monotonic()
-        eng = self._engine
-        try:                                  # (declined while another thread is in a call)
-            got = eng.quick_broadcast(array, out, root, self._pos[root],
-                                      KIND_BROADCAST + KIND_ROOT_STEP * root, self._bcast_room,
-                                      self._round_limit, self._small_bytes, SLICE_NS, timeout)
-        except BaseException:
-            self._interrupted(eng)
-            raise
-        if got is None:
-            return None
-        if got[0] == "done":
-            self._bcast_room = got[2]
-            return got[1:2]
-        deadline = None if start is None else start + timeout     # (the engine checked it)
-        return (self._broadcast_after(got[1], got[3], root, out, deadline, got[2],
-                                      self._bcast_room, got[4]),)
-
-    def _quick_reduce(self, array, op, out, root, kind, timeout):
-        """reduce's fast path for a message that does not travel inline (Engine.quick_reduce,
-        the general path's very call): the result (False away from the root), or None when the
-        general path must take the call."""
-        got = self._fast(timeout, self._engine.quick_reduce, array, op, out, root,
-                         self._pos[root], kind, SLICE_NS)
-        return None if got is None else (False if got[1] is None else got[1])
-
-    def _quick_reduce_scatter(self, array, op, out, timeout):
-        """reduce_scatter's fast path (Engine.quick_reduce_scatter, the general path's very
-        call): the result, or None when the general path must take the call."""
-        got = self._fast(timeout, self._engine.quick_reduce_scatter, array, op, out,
-                         self._small_bytes, KIND_REDUCE_SCATTER, SLICE_NS)
-        if got is None:
-            return None
-        if got[2] is not None:                # (inline, done in a later slice: its block)
-            full, lo, hi = got[2]
-            got[1].reshape(-1).view(np.uint8)[...] = full.reshape(-1).view(np.uint8)[lo:hi]
-        return got[1]
-
-    def _bcast_call(self, first, dst, root, kind, deadline):
-        """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this
-        rank must give its output): that rc."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
-            self._check_usable()
-        eng = self._engine
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            rc = eng.quick_bcast(first, dst, root, self._pos[root], kind, self._round_limit,
-                                 self._small_bytes, SLICE_NS, left)
-            if rc is None:
-                raise ShmtreeError(_CONCURRENT)
-            if rc != _engine.DONE:
-                rc = self._drive(eng.seq, deadline, rc)
-            return rc
-        except BaseException:
-            self._interrupted(eng)
-            raise
-
     def _local_error(self, spec):
         """A local error of a rooted collective (broadcast, reduce) that the other ranks cannot
         see (spec.error): this rank's array's dtype holds Python objects, or is not reducible
@@ -359,42 +248,10 @@ class Communicator(Front, Collectives):
         return exc
 
     def _error_round(self, kind, text, deadline):
-        eng = self._idle_engine()
         try:
-            rc = eng.begin_error(kind, text)
-            self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)
+            self._call(_engine.ERROR, text, None, None, 0, kind, deadline)
         except CollectiveMismatchError:
             pass                          # (the others made the call: they raise it too)
-        except BaseException:
-            self._interrupted(eng)
-            raise
-
-    def _prep_reducing_spec(self, spec):
-        """A reducing collective (allreduce, reduce; reduce_scatter of inline messages),
-        prepared (the result is allocated when the call runs).  With a root (reduce) a large
-        message runs the engine's pipelined chain to the root; ranks other than the root write
-        nothing and get None."""
-        a, opc, dtc, kind, root, deadline = (spec.array, spec.opc, spec.dtc, spec.kind,
-                                             spec.root, spec.deadline)
-        out = spec.out
-        dest = None if out is None else _destination(a, out)     # (checked by the parse)
-        mine = root is None or root == self.rank
-
-        def run():
-            result, dst, copy_back = dest or _destination(a, None)
-            flags = a.flags
-            src = a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
-            # (out overlapping the input without being it: the engine's begin copies the input,
-            # the overlap rule's one place, _engine.clash)
-            if root is not None and self._own_algorithm("reduce", src.nbytes):
-                self._collective(kind, opc, dtc, src, dst if mine else None, a.shape, deadline,
-                                 coll=(_engine.REDUCE, src.nbytes, self._pos[root], None))
-            else:                             # (reduce of an inline message: the allreduce)
-                self._collective(kind, opc, dtc, src, dst, a.shape, deadline)
-            if copy_back is not None and mine:
-                copy_back[...] = dst.reshape(copy_back.shape)
-            return result if mine else None
-        return run
 
     # ---- the old entries of the multi-node steps (nodes.py), on the parse ----
 
@@ -411,12 +268,6 @@ class Communicator(Front, Collectives):
 
     def _prep_reduce_scatter(self, array, op, out, timeout):
         return self._prepared(calls.reduce_scatter(self, array, op, out, timeout))
-
-    def _own_algorithm(self, collective, nbytes) -> bool:
-        """Does one of the engine's own algorithms (chain, blocks) serve this call, rather than
-        the allreduce?  The plan says (Plan.algorithm): more than one rank, and the message does
-        not travel inline."""
-        return self._plan.algorithm(collective, nbytes) in ("chain", "blocks")
 
     def stats(self) -> dict:
         """Counters of this rank's engine since it joined: calls (collectives completed), yields
@@ -481,27 +332,6 @@ class Communicator(Front, Collectives):
         if eng.in_call:
             raise ShmtreeError(_CONCURRENT)
         return eng
-
-    def _collective(self, kind, opc, dtc, src, dst, shape, deadline, coll=None, limit=None):
-        """One call of the engine (by the thread that holds the executor lock): an allreduce of
-        src into dst, or with coll = (collective, nbytes, root position, block offsets) one of
-        the engine's other collectives; deadline and limit as for _quick."""
-        eng = self._idle_engine()
-        try:
-            itemsize = src.itemsize if src is not None else 1
-            try:
-                if coll is None:
-                    rc = eng.begin(src, dst, itemsize, opc, dtc, kind, shape,
-                                   limit or self._small_bytes)
-                else:
-                    rc = eng.begin_coll(coll[0], src, dst, coll[1], itemsize, opc, dtc, kind,
-                                        tuple(shape), coll[2], coll[3])
-            except RuntimeError as exc:      # another thread's fast path got in first
-                raise ShmtreeError(_CONCURRENT) from exc
-            self._drive(eng.seq, deadline, rc if rc == _engine.ABORTED else None)
-        except BaseException:
-            self._interrupted(eng)           # (only a call this thread began)
-            raise
 
     def _interrupted(self, eng):
         """An exception (an interrupt, an error) left this thread's call half-done: forget it and
@@ -676,6 +506,12 @@ class Communicator(Front, Collectives):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
+_KINDS = {ALLREDUCE: KIND_ALLREDUCE, BROADCAST: KIND_BROADCAST, REDUCE: KIND_REDUCE,
+          REDUCE_SCATTER: KIND_REDUCE_SCATTER, ALLGATHER: KIND_ALLGATHER}
+
+
+def _engine_name(coll):
+    return calls.COLLECTIVE_NAMES[coll] if 0 <= coll < len(calls.COLLECTIVE_NAMES) else "error"
 _REDUCING_KINDS = (KIND_ALLREDUCE,) + tuple(k for k, n in KIND_NAMES.items()
                                             if n in ("reduce", "reduce_scatter"))
 

@@ -220,7 +220,7 @@ class Spanning:
 
     def _post(self, run, name):
         self._check_open()
-        return self.local._post(self._guarded(run), name)
+        return self.local._enqueue(self._guarded(run), name)
 
     def _check_open(self):
         if self._closed:

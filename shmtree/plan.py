@@ -55,6 +55,8 @@ DEFAULT_STALL_TIMEOUT = 10.0
 NUMA_POLICIES = ("auto", "consumer", "producer", "interleave", None)
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+# the collectives by number, as the engine and calls.py number them
+ENGINE_ORDER = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather")
 
 OPTIONS = ("topology", "tree", "chunk_bytes", "pin", "slots", "placement", "numa", "small_bytes",
            "spin_us", "nt_bytes", "stall_timeout")
@@ -98,6 +100,15 @@ class Plan:
         if collective == "allreduce":
             return self.large_schedule
         return "chain" if collective in ("broadcast", "reduce") else "blocks"
+
+    def selection(self) -> dict:
+        """The selection table the engine runs (Engine(selection=...)): by collective number
+        (calls.ALLREDUCE ...), the largest message that travels inline and the algorithm of a
+        larger one - algorithm() for a large message.  The one place a call's size is compared
+        with small_bytes."""
+        big = self.small_bytes + 1
+        return {n: (self.small_bytes, self.algorithm(name, big))
+                for n, name in enumerate(ENGINE_ORDER)}
 
     @property
     def ring_channel(self) -> bool:

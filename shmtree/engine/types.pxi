@@ -199,3 +199,16 @@ cdef struct Alg:
 
 cdef inline shm_rank_block *rank_block(char *base, int r) noexcept nogil:
     return <shm_rank_block *>(base + sizeof(shm_seg_hdr) + <uint64_t>r * sizeof(shm_rank_block))
+
+
+cdef struct Bcast:
+    # A broadcast's call (engine/bcast.pxi): its first round, and the data that may follow it in
+    # the same call.  root -1: the call in progress is no broadcast.
+    int root, root_pos    # the root's rank and ring position
+    int pending           # the round runs; its result says whether data follows
+    int need              # the data follows and waits for this rank's output (RC_NEED_OUT)
+    int ran               # the data came in this call
+    uint64_t given        # the bytes of what this rank passed (its claim)
+    char *dst             # this rank's output for the data (NULL: none yet)
+    Py_ssize_t room       # the data room of the next first round (next_room: every rank agrees)
+    Py_ssize_t used_room  # the room of the round in progress
