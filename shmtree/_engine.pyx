@@ -15,10 +15,16 @@ and the primitives inline into the algorithms):
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
     other collectives), alg_direct (the single copies of shared arrays, no rings).
+  * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
+    selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
+    call whole (its first round's layout, building and reading it, the hand-over to the data);
+    engine/setup.pxi: channels and scratch; engine/shares.pxi: the shared arrays' registry and
+    where a call's buffers lie in them.
   * here: the table of algorithms [collective][algorithm], the one loop driver, Engine (one rank's
-    view of the group, one resumable call at a time; progress() drives the call with the GIL
-    released until it is done, the group is aborted, or the time slice ends - the Python layer
-    then checks its peers and signals and calls again) and Segment (the mapping of the group's
+    view of the group, one resumable call at a time: call() parses a call and runs its first
+    time slice, progress() drives it with the GIL released until it is done, the group is
+    aborted, or the time slice ends - the Python layer then checks its peers and signals and
+    calls again - cancel() forgets it after an abort) and Segment (the mapping of the group's
     memfd, and the header fields the Python layer reads and writes: abort word, rank claims, join
     records, call descriptors).
 """
@@ -29,7 +35,7 @@ from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR, OP_MAX
-from shmtree._moving cimport bcast_fill, bcast_read, next_room, fits
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -82,8 +88,10 @@ include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 
+import pickle
+
 import numpy as np
-from shmtree import _kernels, _moving
+from shmtree import _kernels
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
 cdef int _TYPENUM_CODE[N_TYPENUMS]
@@ -166,9 +174,9 @@ cdef bint _ranges_overlap(cnp.ndarray a, cnp.ndarray b):
 # they are; any other overlap goes through a copy of the input first: the engine's algorithms
 # read the input while they write the output, piece by piece (the kernels' 16 KiB pieces, the
 # two-rank exchange, chunks of the pipeline), so a partly overlapping input would be read after
-# it was overwritten.  The fast paths decline such calls (_output, quick_allgather); begin and
-# begin_coll, which every other call goes through, copy the input; the Python layers ask
-# clash() where they build their own buffers (collectives.py, nodes.py).
+# it was overwritten.  Engine.call's parser declines such calls (_output, msg_allgather); the
+# Python layer, which then normalises the call, copies the input (asking clash(): collectives.py,
+# nodes.py) and enters Engine.call again.
 
 cdef inline bint _clash_c(const char *pa, uint64_t na, const char *pb, uint64_t nb) noexcept nogil:
     """Do [pa, pa + na) and [pb, pb + nb) share a byte without being the very same bytes?"""
@@ -242,15 +250,7 @@ ABORTED = RC_ABORTED
 MISMATCH = RC_MISMATCH
 CORRUPT = RC_CORRUPT
 NEED_OUT = RC_NEED_OUT
-# broadcast's first round (its layout is _moving.pyx's, which checks these): what the engine
-# reads of it
-cdef enum:
-    BC_CLAIM = 8                      # rank r's claim at BC_CLAIM * r, zero when it passed None
-    BC_META = 96                      # then the root's description: +0 present, +1 long, +8
-                                      # nbytes; then the data room
-BCAST_CLAIM = BC_CLAIM
-BCAST_META = BC_META
-# a local error said in a call's round (begin_error): its descriptor's op and dtype, and how many
+# a local error said in a call's round (Engine.call, ERROR): its descriptor's op and dtype, and how many
 # bytes of its text the descriptor carries
 cdef enum:
     ERR_CODE = 255
@@ -260,12 +260,12 @@ ERROR_TEXT = SHM_MAX_DIMS * 8
 # ---------------------------------------------------------------------------------------------
 # the algorithms, by collective and algorithm (as _kernels' _TABLE[op][dtype]): a new collective
 # or algorithm is a new engine/alg_*.pxi and an entry here.  Every call begins with ALG_INLINE on
-# channel 0; a message larger than small_bytes then runs on channel 1 with ALG_TREE or ALG_RING
-# (the channel's plan says which), or, when every rank's input and output lie in the group's
-# shared arrays, with ALG_DIRECT (on channel 1's slot, without its rings; every collective).  A
-# barrier is an allreduce of nothing.  The other collectives
-# have ring-schedule algorithms (Engine.begin_coll; their channel-0 round is the allreduce's,
-# without data); on a tree channel the Python layer runs them on the allreduce.
+# channel 0; a message the selection (engine/msg.pxi, select: the Plan's table) does not keep
+# inline then runs on channel 1 with ALG_TREE or ALG_RING (the channel's plan says which), or,
+# when every rank's input and output lie in the group's shared arrays, with ALG_DIRECT (on
+# channel 1's slot, without its rings; every collective).  A barrier is an allreduce of nothing.
+# The other collectives have ring-schedule algorithms (their channel-0 round is the allreduce's,
+# without data), or run on the allreduce where the selection says so.
 
 cdef enum:
     COLL_ALLREDUCE = 0
@@ -619,28 +619,11 @@ cdef class Engine:
         self.slice_ns = slice_ns
         maxchild = 0
         for i, spec in enumerate(channels):
-            self._setup(&self.e.chans[i], spec)
+            chan_setup(self, &self.e.chans[i], spec)
             maxchild = max(maxchild, len(spec.children))
         self.e.chans[0].pair = self.e.nranks == 2 and not self.e.chans[0].ring
         self._select(selection)
-        # the operands of one fused reduction: own input and every child's chunk (ring: 2)
-        self.e.call.srcs = <const void **>calloc(maxchild + 2, sizeof(void *))
-        cdef Direct *d = &self.e.dir
-        d.order = <int *>calloc(self.e.nranks, sizeof(int))
-        d.post = <int *>calloc(self.e.nranks, sizeof(int))
-        d.kid_start = <int *>calloc(self.e.nranks + 1, sizeof(int))
-        d.kids = <int *>calloc(self.e.nranks, sizeof(int))
-        d.srcs = <const void **>calloc(self.e.nranks + 1, sizeof(void *))
-        d.ins = <const char **>calloc(self.e.nranks, sizeof(char *))
-        d.outs = <char **>calloc(self.e.nranks, sizeof(char *))
-        d.tmp = <char *>malloc(DIRECT_PIECE)
-        if (self.e.call.srcs == NULL or d.order == NULL or d.post == NULL or d.kid_start == NULL
-                or d.kids == NULL or d.srcs == NULL or d.ins == NULL or d.outs == NULL
-                or d.tmp == NULL):
-            raise MemoryError()
-        d.ring = 1
-        for i in range(self.e.nranks):
-            d.order[i] = i
+        scratch_setup(self, maxchild)
 
     # the waiting policy (wait.pxi), in ns
     @property
@@ -667,125 +650,17 @@ cdef class Engine:
     def sleep_ns(self, int64_t v):
         self.e.sleep_ns = v
 
-    cdef char *_ptr(self, int64_t off, uint64_t need) except? NULL:
-        if off < 0:
-            return NULL
-        if <uint64_t>off + need > self.seg.size:
-            raise ValueError("shmtree: ring offset outside the segment")
-        return self.seg.base + off
-
-    cdef _conn(self, Conn *r, int64_t off, int ntails, uint64_t span):
-        """A ring end at segment offset off (-1: none) with ntails consumers."""
-        r.hdr = ring_hdr_bytes(ntails)
-        r.ring = self._ptr(off, r.hdr + span)
-        r.ntails = ntails
-
-    cdef _setup(self, Chan *c, spec):
-        cdef int i
-        cdef list children = list(spec.children)
-        c.ring = 1 if spec.ring else 0
-        c.ring_pos = spec.ring_pos
-        c.parent = spec.parent
-        c.index = spec.index
-        c.nchild = len(children)
-        c.nslots = spec.nslots
-        c.stride = spec.stride
-        c.payload = spec.payload
-        if c.nslots < 1 or c.stride < c.payload + sizeof(shm_slot_hdr):
-            raise ValueError("shmtree: bad ring geometry")
-        cdef uint64_t span = c.nslots * c.stride
-        c.children = <int *>calloc(c.nchild + 1, sizeof(int))
-        c.cup = <Conn *>calloc(c.nchild + 1, sizeof(Conn))
-        if c.children == NULL or c.cup == NULL:
-            raise MemoryError()
-        for i in range(c.nchild):
-            c.children[i] = children[i]
-        self._conn(&c.up, spec.up, 1, span)
-        c.up.peers = &c.parent                    # the parent (ring: the successor) consumes it
-        self._conn(&c.down, spec.down, c.nchild, span)
-        c.down.peers = c.children
-        self._conn(&c.pdown, spec.parent_down, spec.parent_nchild, span)
-        c.pdown.tail = c.index
-        c.pdown.peer = c.parent
-        for i in range(c.nchild):
-            self._conn(&c.cup[i], spec.child_up[i], 1, span)
-            c.cup[i].tail = 0
-            c.cup[i].peer = c.children[i]
-        if c.ring:
-            if (c.parent >= 0) != (c.up.ring != NULL) or c.nchild > 1 or c.down.ring != NULL:
-                raise ValueError("shmtree: inconsistent ring schedule")
-            return
-        if (c.parent >= 0) != (c.up.ring != NULL) or (c.parent >= 0) != (c.pdown.ring != NULL):
-            raise ValueError("shmtree: inconsistent parent rings")
-        if (c.nchild > 0) != (c.down.ring != NULL):
-            raise ValueError("shmtree: inconsistent child rings")
-
     def __dealloc__(self):
-        cdef int i
-        for i in range(3):
-            free(self.e.chans[i].children)
-            free(self.e.chans[i].cup)
-        free(self.e.call.srcs)
-        cdef Direct *d = &self.e.dir
-        free(d.order)
-        free(d.post)
-        free(d.kid_start)
-        free(d.kids)
-        free(d.scratch)
-        free(d.tmp)
-        free(d.srcs)
-        free(d.ins)
-        free(d.outs)
-        free(self.share_id)
-        free(self.share_start)
-        free(self.share_len)
-        free(self.share_bases)
+        engine_free(self)
 
-    # ---- shared arrays: the single-copy collectives (alg_direct.pxi) ----
+    # ---- shared arrays: the single-copy collectives (alg_direct.pxi, engine/shares.pxi) ----
 
     def direct_order(self, list ring, list children=None, int root=0):
         """The fold orders of the single copies: the ring order (the ranks by ring position:
         reduce_scatter's and reduce's, and allreduce's under the ring schedule, children None),
         or allreduce's pipelined tree (children[v]: v's children, left to right, under root).
         The same orders as the private paths', hence their bits."""
-        cdef Direct *d = &self.e.dir
-        cdef int P = self.e.nranks, i, j, n
-        if sorted(ring) != list(range(P)):
-            raise ValueError("shmtree: direct_order: ring must hold every rank once")
-        for i in range(P):
-            d.order[i] = ring[i]
-            if ring[i] == self.e.rank:
-                d.pos = i
-        d.ring = children is None
-        if d.ring:
-            return
-        if len(children) != P or sum(len(c) for c in children) != P - 1:
-            raise ValueError("shmtree: direct_order: children must describe a tree of every rank")
-        post = []
-
-        def visit(v):
-            for c in children[v]:
-                visit(c)
-            if children[v]:
-                post.append(v)
-        visit(root)
-        if len(post) != sum(1 for c in children if c):
-            raise ValueError("shmtree: direct_order: children must describe a tree under root")
-        d.root = root
-        n = 0
-        for i in range(P):
-            d.kid_start[i] = n
-            for j in children[i]:
-                d.kids[n] = j
-                n += 1
-        d.kid_start[P] = n
-        d.npost = len(post)
-        for i in range(d.npost):
-            d.post[i] = post[i]
-        free(d.scratch)
-        d.scratch = <char *>malloc(<uint64_t>P * DIRECT_PIECE)
-        if d.scratch == NULL:
-            raise MemoryError()
+        direct_order_set(self, ring, children, root)
 
     def share(self, uint64_t ident, uint64_t start, uint64_t nbytes, bases, keep=None):
         """Register a shared allocation: this rank's own stretch of it, and every rank's mapping
@@ -793,116 +668,13 @@ cdef class Engine:
         holds it while registered, and a call that may run single-copy on the allocation holds
         it to its end (unshare does not end that).  This rank's own stretch is held by the
         call's own arrays (which lie in it)."""
-        cdef int P = self.e.nranks, i
-        if len(bases) != P or ident == 0:
-            raise ValueError("shmtree: share: one base per rank, and an id")
-        if self.nshares == self.share_cap:
-            cap = self.share_cap * 2 + 4
-            ids = <uint64_t *>realloc(self.share_id, cap * sizeof(uint64_t))
-            if ids != NULL:
-                self.share_id = ids
-            starts = <uint64_t *>realloc(self.share_start, cap * sizeof(uint64_t))
-            if starts != NULL:
-                self.share_start = starts
-            lens = <uint64_t *>realloc(self.share_len, cap * sizeof(uint64_t))
-            if lens != NULL:
-                self.share_len = lens
-            bs = <char **>realloc(self.share_bases, cap * P * sizeof(char *))
-            if bs != NULL:
-                self.share_bases = bs
-            if ids == NULL or starts == NULL or lens == NULL or bs == NULL:
-                raise MemoryError()
-            self.share_cap = cap
-        i = self.nshares
-        self.share_id[i] = ident
-        self.share_start[i] = start
-        self.share_len[i] = nbytes
-        for r in range(P):
-            self.share_bases[i * P + r] = <char *><uintptr_t>bases[r]
-        self.share_keep.append(keep)
-        self.nshares = i + 1
+        share_add(self, ident, start, nbytes, bases, keep)
 
     def unshare(self, uint64_t ident):
         """Forget an allocation: later calls do not find it.  A call in progress that may use
         it single-copy keeps its mappings (place_keep) until it has ended."""
-        cdef int P = self.e.nranks, i, last
-        for i in range(self.nshares):
-            if self.share_id[i] == ident:
-                last = self.nshares - 1
-                self.share_id[i] = self.share_id[last]
-                self.share_start[i] = self.share_start[last]
-                self.share_len[i] = self.share_len[last]
-                memcpy(&self.share_bases[i * P], &self.share_bases[last * P], P * sizeof(char *))
-                self.share_keep[i] = self.share_keep[last]
-                del self.share_keep[last]
-                self.nshares = last
-                return
+        share_remove(self, ident)
 
-    cdef int _find(self, const char *p, uint64_t n, uint64_t *off) noexcept:
-        """The index of the registered allocation that holds [p, p + n) (off: where), or -1."""
-        cdef int i
-        cdef uint64_t a = <uint64_t><uintptr_t>p
-        for i in range(self.nshares):
-            if self.share_start[i] <= a and a + n <= self.share_start[i] + self.share_len[i]:
-                off[0] = a - self.share_start[i]
-                return i
-        return -1
-
-    cdef void _place(self, uint64_t seq, const char *src_p, char *dst_p, uint64_t nbytes,
-                     bint eligible) noexcept:
-        """Say where this call's input and output lie (the rank block's place: allocation and
-        offset of each; zeros when the call cannot run single-copy here: not eligible, not both
-        in registered allocations, or partly overlapping), and keep every rank's mapping of
-        both allocations (the offsets are added once every rank has said its own), held
-        (place_keep) until the call has ended."""
-        cdef uint64_t *place = self.seg.block(self.e.rank).place[seq & 1]
-        cdef uint64_t soff = 0, doff = 0
-        cdef int si = -1, di = -1, r, P = self.e.nranks
-        cdef Direct *d = &self.e.dir
-        cdef uintptr_t align = self.msg_itemsize if self.msg_itemsize < 8 else 8
-        if (<uintptr_t>src_p | <uintptr_t>dst_p) % align:
-            eligible = False          # (the kernels take items at their alignment; moves
-                                      # are bytes)
-        if eligible and self.nshares and src_p != NULL and dst_p != NULL and P > 1 and nbytes:
-            si = self._find(src_p, nbytes, &soff)
-            if si >= 0:
-                di = self._find(dst_p, nbytes, &doff)
-        if di >= 0 and (self.share_id[si] != self.share_id[di] or soff == doff
-                        or soff + nbytes <= doff or doff + nbytes <= soff):
-            place[0] = self.share_id[si]
-            place[1] = soff
-            place[2] = self.share_id[di]
-            place[3] = doff
-            for r in range(P):
-                d.ins[r] = self.share_bases[si * P + r]
-                d.outs[r] = self.share_bases[di * P + r]
-            self.place_keep = self.share_keep[si]       # (no allocation: cannot fail)
-            self.place_keep_out = self.share_keep[di]
-        else:
-            memset(place, 0, 4 * sizeof(uint64_t))
-            self.place_keep = self.place_keep_out = None
-
-    cdef bint _direct_agreed(self) noexcept nogil:
-        """After the channel-0 round (every rank has written its place): did every rank say
-        that its input lies in one and the same allocation, and its output in one and the same
-        (each at an offset of its own)?  The same answer on every rank; if so, aim the single
-        copy's pointers at every rank's input and output."""
-        cdef int par = self.cur_seq & 1
-        cdef const uint64_t *mine = self.seg.block(self.e.rank).place[par]
-        cdef const uint64_t *theirs
-        cdef int r
-        cdef Direct *d = &self.e.dir
-        if mine[0] == 0:
-            return False
-        for r in range(self.e.nranks):
-            theirs = self.seg.block(r).place[par]
-            if theirs[0] != mine[0] or theirs[2] != mine[2]:
-                return False
-        for r in range(self.e.nranks):
-            theirs = self.seg.block(r).place[par]
-            d.ins[r] += theirs[1]
-            d.outs[r] += theirs[3]
-        return True
 
     # ---- the call: one entry (Engine.call), then progress, give_output, cancel ----
 
@@ -1003,13 +775,13 @@ cdef class Engine:
         write_desc(self, seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
         if coll == COLL_ALLREDUCE:
-            self._place(seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
+            place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
-            self._place(seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
+            place(self, seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
         elif coll == COLL_REDUCE_SCATTER or dst_p == NULL:
-            self._place(seq, src_p, src_p, nbytes, True)     # (every rank's input alone; reduce
+            place(self, seq, src_p, src_p, nbytes, True)     # (every rank's input alone; reduce
         else:                                                # away from the root)
-            self._place(seq, src_p, dst_p, nbytes, True)     # (reduce: the root's output must
+            place(self, seq, src_p, dst_p, nbytes, True)     # (reduce: the root's output must
                                                              # lie in the inputs' allocation)
         self.phase = 0
         if alg == ALG_INLINE:
@@ -1102,10 +874,10 @@ cdef class Engine:
         cdef const char *src
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
-            return self._bcast_handover()
+            return bcast_handover(self)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
-            self.direct = self._direct_agreed()
+            self.direct = direct_agreed(self)
             self.e.dir.mode = self.coll
             if self.direct:
                 self.e.nt = False     # (measured: streaming stores slow the single copy down,
@@ -1121,50 +893,6 @@ cdef class Engine:
             self._start_phase(ch, alg, src, self.dst_p, self.msg_nbytes)
             rc = drive(&self.e, self._alg())
         return rc
-
-    cdef int _bcast_handover(self) noexcept nogil:
-        """After a broadcast's first round: when its result says the data follows (every claim
-        agrees with the root's, the description is not long, and the data is larger than both
-        the round's room and the inline limit), run it in the same call on the ring channel:
-        the chain from the root, or the single copy when every rank's output lies in one shared
-        allocation (the round was the agreement).  Every rank reads the same round, so every
-        rank decides alike.  RC_NEED_OUT when this rank has no output yet (bcast_need_out)."""
-        cdef int P = self.e.nranks, r, ch
-        cdef const uint8_t *p = <const uint8_t *>self.dst_p
-        cdef const uint64_t *claims = <const uint64_t *>p
-        cdef const uint8_t *m = p + BC_CLAIM * P
-        cdef uint64_t want, n, head = BC_CLAIM * P + BC_META
-        self.bc.pending = 0
-        ch = self._ring_channel()
-        if ch < 0 or self.msg_nbytes < head:
-            return RC_DONE
-        want = claims[self.bc.root]
-        if want == 0 or m[0] != 1 or m[1] != 0:
-            return RC_DONE
-        for r in range(P):
-            if claims[r] != 0 and claims[r] != want:
-                return RC_DONE                # (a mismatch: the caller says it)
-        memcpy(&n, m + 8, 8)
-        if n <= self.msg_nbytes - head or n <= self.sel_limit[COLL_BROADCAST]:
-            return RC_DONE                    # (the data came inline, or takes a round of its
-        self.bc.ran = 1                       # own: the caller's)
-        self.phase = 1
-        self.direct = self._direct_agreed()   # (zero places where an output is missing)
-        self.coll = COLL_BROADCAST
-        self.msg_nbytes = n
-        self.src_p = NULL
-        self.e.call.root = self.bc.root_pos
-        self.e.call.coll_kind = CHAIN_BCAST
-        self.e.dir.mode = COLL_BROADCAST
-        self.e.dir.pairwise = 0
-        self.e.nt = not self.direct and self.nt_bytes > 0 and n >= self.nt_bytes
-        if self.bc.dst == NULL:
-            self.bc.need = 1
-            return RC_NEED_OUT
-        self.dst_p = self.bc.dst
-        self._start_phase(1 if self.direct else ch, ALG_DIRECT if self.direct else ALG_RING,
-                          NULL, self.dst_p, n)
-        return drive(&self.e, self._alg())
 
     def progress(self, int64_t budget_ns):
         """Run the call until DONE, ABORTED, MISMATCH or CORRUPT, or STALLED when the time slice
@@ -1235,5 +963,7 @@ cdef class Engine:
         return bool(self.busy) and self.owner == PyThread_get_thread_ident()
 
 
+include "engine/setup.pxi"
+include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"

@@ -149,7 +149,7 @@ class Collectives:
         dimensions and the dtype agree (a mismatch raises on every rank)."""
         P, me = self.size, self.rank
         table = np.zeros((P, 2), np.uint64)
-        table[me] = (a.shape[0] + 1, _moving.claim(a.dtype, a.shape[1:]))
+        table[me] = (a.shape[0] + 1, _engine.claim(a.dtype, a.shape[1:]))
         raw = table.view(np.uint8).reshape(-1)
         self._call(ALLREDUCE, raw, raw, "bor", 0, KIND_ALLGATHER_LENGTHS, deadline, 0, (P, 2))
         if (table[:, 1] != table[0, 1]).any():      # (every rank has the same table)
@@ -171,7 +171,7 @@ class Collectives:
         if me == root:
             a = _plain(a)
         copy_back = None
-        if out is not None and not _moving.fits(out, out if a is None else a):
+        if out is not None and not _engine.fits(out, out if a is None else a):
             copy_back, out = out, np.empty(out.shape if a is None else a.shape,
                                            out.dtype if a is None else a.dtype)
         claim = out if a is None else a
@@ -189,10 +189,10 @@ class Collectives:
         if said[0] == "long":                 # the root's dtype and shape follow, pickled
             meta = np.zeros(said[1], np.uint8)
             if me == root:
-                meta[:] = np.frombuffer(_moving.long_meta(a), np.uint8)
+                meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
             self._bytes_round(meta, kind, deadline)
             dtype, shape = _unmeta(meta.tobytes())
-            wrong = _moving.wrong_claims(first, P, _moving.claim(dtype, shape))
+            wrong = _engine.wrong_claims(first, P, _engine.claim(dtype, shape))
             said = ("mismatch", dtype, shape, wrong) if wrong else ("data", dtype, shape)
         tag, dtype, shape = said[:3]
         if tag == "mismatch":               # (every rank read the same claims: all are here)
@@ -213,7 +213,7 @@ class Collectives:
             return calls.finish(result, copy_back)
         view = calls.bytes_of(result)
         if tag == "inline":
-            at = _moving.CLAIM_BYTES * P + _moving.META_BYTES
+            at = _engine.CLAIM_BYTES * P + _engine.META_BYTES
             view[...] = first[at:at + nbytes]
             return calls.finish(result, copy_back)
         if me == root and _moving.address(result) != _moving.address(a):

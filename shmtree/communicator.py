@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from . import _engine, _kernels, _moving, plan as _plan
+from . import _engine, _kernels, plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,

@@ -23,7 +23,6 @@ from .codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT
 from .errors import PeerLostError, ShmtreeError
 from .liveness import how_gone, identity
 from .plan import SMALL_SLOTS, Plan, plan_group
-from . import _moving
 from .transport import ChannelPlan, Layout, create_memfd, new_nonce
 
 __all__ = ["Group"]
@@ -95,7 +94,7 @@ class Group:
         self.size = plan.size
         # channel 0 also carries broadcast's first round: claims and description + the data
         channels = [ChannelPlan(plan.small_tree, SMALL_SLOTS,
-                                max(plan.small_bytes, 64) + _moving.round_bytes(plan.size, 0)),
+                                max(plan.small_bytes, 64) + _engine.round_bytes(plan.size, 0)),
                     ChannelPlan(plan.large_tree, plan.slots, plan.chunk_bytes,
                                 ring=plan.large_schedule == "ring")]
         if plan.ring_channel:

@@ -29,7 +29,7 @@ import weakref
 
 import numpy as np
 
-from . import _moving, transport
+from . import _engine, _moving, transport
 from .codes import grouped, ranks_text
 from .errors import CollectiveMismatchError, ShmtreeError
 from .ops import dtype_words
@@ -59,7 +59,7 @@ class SharedArrays:
             # no peer (nor anyone) can shrink or grow it: no reader of it can take a SIGBUS
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            claim = _moving.claim(dtype, shape) ^ (2 if order == "F" else 0)
+            claim = _engine.claim(dtype, shape) ^ (2 if order == "F" else 0)
             mine = np.array([os.getpid(), fd, size, claim, available], np.uint64)
             table = comm.allgather(mine.view(np.int64)).view(np.uint64)
             claims = table[:, 3]

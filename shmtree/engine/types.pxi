@@ -85,7 +85,7 @@ cdef enum:
     RC_MISMATCH = 3
     RC_CORRUPT = 4
     RC_NEED_OUT = 5         # a broadcast's data follows and this rank has no output yet
-                            # (Engine.quick_bcast, resume_bcast)
+                            # (engine/bcast.pxi: bcast_handover, bcast_need_out)
 
 
 cdef struct Conn:
