@@ -196,11 +196,13 @@ def report(cells, collectives, rounds):
                   key=lambda k: (collectives.index(k[0]), k[1], k[2]))
     for label in TREES:
         print(f"\n# {label}: time per call (us), each round and the best of them")
+        lines = []
+        for c, s, a in keys:
+            got = cells[(c, s, a)].get(label, [])
+            lines.append([c, size_text(s), a] + [fmt(v) for v in (got + [None] * rounds)[:rounds]]
+                         + [fmt(best(got))])
         print(table(["collective", "size", "arrays"]
-                    + [f"round {r + 1}" for r in range(rounds)] + ["best"],
-                    [[c, size_text(s), a]
-                     + [fmt(v) for v in (cells[(c, s, a)].get(label, []) + [None] * rounds)[:rounds]]
-                     + [fmt(best(cells[(c, s, a)].get(label, [])))] for c, s, a in keys]))
+                    + [f"round {r + 1}" for r in range(rounds)] + ["best"], lines))
     print("\n# after/before per cell (< 1: the working tree is faster); copy: the memory copy "
           "in the same workers, after/before (how much the machine drifted)")
     lines, logs = [], {"private": [], "shared": []}

@@ -14,11 +14,11 @@ with its place in the hierarchy machine > socket > NUMA node > L3 group > core >
   id); input ids need only be unique within a socket.
 - `smt` is the thread's index within its core, counting only the CPUs the topology holds.
 
-A topology comes from four places: `Topology.detect()` reads sysfs (`shmtree.sysfs`, which
-also reads the cgroup CPU quota; honouring the CPUs this process may run on), `Topology.from_spec("2x2x4:2")` builds a synthetic one, `Topology.load()`
-reads the JSON that `dump()` writes, and `Topology.fixture(name)` loads one of the checked-in
-machines under shmtree/fixtures/. `Topology.resolve()` accepts any of these (the API's
-`topology=` argument).
+A topology comes from four places: `Topology.detect()` reads sysfs (honouring the CPUs this
+process may run on; the reading itself is `shmtree.sysfs`'s, as is the cgroup CPU quota),
+`Topology.from_spec("2x2x4:2")` builds a synthetic one, `Topology.load()` reads the JSON that
+`dump()` writes, and `Topology.fixture(name)` loads one of the checked-in machines under
+shmtree/fixtures/. `Topology.resolve()` accepts any of these (the API's `topology=` argument).
 
 `placement(nranks, policy)` maps ranks to slots: one rank per physical core before any SMT
 sibling is used; "compact" fills socket 0 first, "spread" deals ranks round-robin across

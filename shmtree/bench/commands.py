@@ -226,7 +226,8 @@ def cmd_numa(args):
         {"group": "knob", "variant": "its value", "size": "message bytes",
          "time_us": "allreduce time", "busbw_gbs": "bus bandwidth", "error": "why it failed"},
         rows, matrix=mat, note=note)
-    write_outputs(args, doc, ["group", "variant", "size", "count", "time_us", "busbw_gbs", "error"], rows)
+    write_outputs(args, doc, ["group", "variant", "size", "count", "time_us", "busbw_gbs", "error"],
+                  rows)
     if args.plot:
         series = {}
         for r in rows:

@@ -48,6 +48,8 @@ COLUMNS = {
     "mpi_us": "MPI: the same, same layouts (None: not measured)",
     "mpi_vs_shmtree": "mpi_us / shmtree_us (> 1: shmtree is faster)",
     "copy_us": "concurrent np.copyto of the whole buffer in shmtree's workers",
+    "shmtree_status": "ok, or why shmtree_us is missing",
+    "mpi_status": "ok, or why mpi_us is missing",
 }
 
 
