@@ -2,7 +2,9 @@
 
 Layout (one job per module):
 
-- ``cli``: the command line (parsing, the four commands, printing);
+- ``cli``: the command line (parsing, dispatch);
+- ``commands``: the commands' bodies (``cmd_<name>``) and the helpers they share;
+- ``scaling``: shmtree beside MPI over P, collectives, sizes, private and shared arrays;
 - ``measure``: the timing protocol every column uses, buffers (warm or cache-cold), checks;
 - ``sweep``: shmtree's allreduce measured in ``shmtree.run`` workers;
 - ``copylimit``: the concurrent memory-copy floor;
