@@ -325,7 +325,7 @@ cdef int msg_broadcast(Engine self, array, out, int root, int kind, uint64_t tag
     if claim is not None and n > self.sel_limit[COLL_BROADCAST]:
         self.bc_result = result
         self.bc.dst = <char *>cnp.PyArray_DATA(res)
-        self._place(self.cur_seq, self.bc.dst, self.bc.dst, n, True)
+        place(self, self.cur_seq, self.bc.dst, self.bc.dst, n, True)
     return RC_DONE
 
 
