@@ -720,6 +720,8 @@ cdef class Engine:
             return None
         if rc == RC_DONE:
             rc = self._progress(budget)
+            if rc == RC_NEED_OUT:
+                return rc, None           # (what the round said: take_result)
         got = self.result                 # (the output known from the start, or the result of
         self.result = None                # a broadcast done in this slice; else take_result)
         return rc, got
@@ -905,17 +907,17 @@ cdef class Engine:
     cdef int _progress(self, int64_t budget_ns) except -1:
         cdef int rc
         cdef shm_rank_block *me = self.seg.block(self.e.rank)
+        if self.bc.need:
+            return RC_NEED_OUT
         with nogil:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-        while rc == RC_NEED_OUT:              # (the data of a broadcast follows: its output)
-            bcast_need_out(self)
-            with nogil:
-                rc = drive(&self.e, self._alg())
-        with nogil:
-            if rc != RC_STALLED and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+        if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
+            self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
+            return rc
         if rc != RC_STALLED:
             if rc == RC_DONE:
                 self.ncalls += 1
@@ -939,6 +941,12 @@ cdef class Engine:
         self.fin_n = 0
         self.bc.root = -1
         self.bc.pending = self.bc.need = self.bc.ran = 0
+
+    def give_output(self, dst):
+        """Give the broadcast that stopped with NEED_OUT this rank's output: a C-contiguous
+        writable array of the root's dtype and shape (take_result() said them: ("data", dtype,
+        shape)); progress() then runs the data."""
+        bcast_need_out(self, dst)
 
     def cancel(self):
         """Forget the call in progress (after an abort: the rings are not reused)."""

@@ -30,7 +30,7 @@ from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER,
 from .errors import CollectiveMismatchError
 from .ops import dtype_words as _dtype_words
 
-__all__ = ["Collectives"]
+__all__ = ["Executors"]
 
 # (the parse's rules, calls.py; by these names for the multi-node steps, nodes.py)
 _root = calls.check_root
@@ -55,7 +55,7 @@ def _plain(a):
     return a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
 
 
-class Collectives:
+class Executors:
     """The executors of Communicator (which provides rank, size, _call: one engine call made
     and driven to its end, and _drive / _interrupted / _call_name)."""
 
@@ -221,6 +221,11 @@ class Collectives:
         self._call(BROADCAST, None, view, None, root, kind, deadline,   # copy minds overlap)
                    _engine.DATA_ONLY)
         return calls.finish(result, copy_back)
+
+    def _bcast_output(self, said):
+        """The output of a rank that passed neither an array nor out=, when the data follows
+        the round in the same call: ("data", dtype, shape) is what the round said."""
+        return _out_for(None, said[2], said[1], "broadcast")[0]
 
     # ---- rounds of bytes and words ----
 

@@ -37,7 +37,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Collectives
+from .collectives import Executors
 from .front import DECLINED, Front
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name
@@ -60,7 +60,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Front, Collectives):
+class Communicator(Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     def __init__(self, group: Group, rank: int):
@@ -126,11 +126,10 @@ class Communicator(Front, Collectives):
                 return DECLINED
             rc, result = got
             if rc != _engine.DONE:
-                self._drive(eng.seq, None if start is None else start + timeout, rc)
-                if result is None:
-                    result = eng.take_result()
-        except BaseException:
-            self._interrupted(eng)
+                result = self._finish(eng, rc, None if start is None else start + timeout,
+                                      result)
+        except BaseException as exc:
+            self._interrupted(eng, exc)
             raise
         if coll == BROADCAST and type(result) is tuple:
             claim = out if array is None else array
@@ -153,13 +152,21 @@ class Communicator(Front, Collectives):
                                    f"{_engine_name(coll)} call")
             rc, result = got
             if rc != _engine.DONE:
-                self._drive(eng.seq, deadline, rc)
-                if result is None:
-                    result = eng.take_result()
+                result = self._finish(eng, rc, deadline, result)
             return result
-        except BaseException:
-            self._interrupted(eng)           # (only a call this thread began)
+        except BaseException as exc:
+            self._interrupted(eng, exc)      # (only a call this thread began)
             raise
+
+    def _finish(self, eng, rc, deadline, result):
+        """Drive a begun call to its end (rc: its first slice's): its result (None: the
+        engine's, take_result).  A broadcast that stops for this rank's output (NEED_OUT) gets
+        it here (made from the round's description: Executors._bcast_output)."""
+        rc = self._drive(eng.seq, deadline, rc)
+        while rc == _engine.NEED_OUT:
+            eng.give_output(self._bcast_output(eng.take_result()))
+            rc = self._drive(eng.seq, deadline)
+        return result if result is not None else eng.take_result()
 
     def _run(self, spec):
         """A parsed call, blocking: run at once, or behind the outstanding nonblocking ones."""
@@ -333,13 +340,16 @@ class Communicator(Front, Collectives):
             raise ShmtreeError(_CONCURRENT)
         return eng
 
-    def _interrupted(self, eng):
-        """An exception (an interrupt, an error) left this thread's call half-done: forget it and
-        abort the group, which is the only clean way out of a half-done collective."""
+    def _interrupted(self, eng, exc=None):
+        """An exception (an interrupt, an error such as a failed allocation of a broadcast's
+        output) left this thread's call half-done: forget it and abort the group, which is the
+        only clean way out of a half-done collective; the note says which."""
         if eng is not None and eng.owns_call():
             eng.cancel()
-            self.group.abort(ABORT_FAILED, self.rank,
-                             note=f"interrupted inside {self._call_name(eng.seq)}")
+            call = self._call_name(eng.seq)
+            note = (f"{type(exc).__name__} inside {call}: {exc}" if isinstance(exc, Exception)
+                    else f"interrupted inside {call}")
+            self.group.abort(ABORT_FAILED, self.rank, note=note)
 
     def _drive(self, seq, deadline, rc=None):
         """Run the engine to the end of call `seq` (rc: the result of a slice already run), and

@@ -425,13 +425,19 @@ cdef int bcast_handover(Engine self) noexcept nogil:
     return drive(&self.e, self._alg())
 
 
-cdef int bcast_need_out(Engine self) except -1:
-    """The data follows and this rank passed neither an array nor out=: its output, of the
-    root's dtype and shape (from the round), is made now; the data then runs on."""
-    got = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
-    result = np.empty(got[2], got[1])
-    self.bc_result = result
+cdef int bcast_need_out(Engine self, dst) except -1:
+    """The data follows and this rank passed neither an array nor out=: its output `dst` (made
+    by the caller from the round's description), which the data then runs into."""
+    cdef cnp.ndarray o = dst
+    if not self.busy or not self.bc.need:
+        raise RuntimeError("shmtree: give_output: no broadcast waits for its output")
+    if (not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o)
+            or <uint64_t>cnp.PyArray_NBYTES(o) != self.msg_nbytes):
+        raise ValueError("shmtree: give_output: the output must be C-contiguous, writable, of "
+                         "the data's size")
+    self.bc_result = dst
     self.bc.need = 0
-    self.dst_p = <char *>cnp.PyArray_DATA(<cnp.ndarray>result)
+    self.result = None
+    self.dst_p = <char *>cnp.PyArray_DATA(o)
     self._start_phase(self._ring_channel(), ALG_RING, NULL, self.dst_p, self.msg_nbytes)
     return 0
