@@ -19,7 +19,7 @@ import functools
 import hashlib
 import pickle
 import time
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
@@ -36,9 +36,9 @@ COLLECTIVE_NAMES = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allga
                     "barrier")
 
 
-@dataclass(frozen=True, slots=True)
-class CallSpec:
-    """A checked collective call, the same for every kind of communicator.
+class CallSpec(NamedTuple):
+    """A checked collective call, the same for every kind of communicator (immutable: a
+    named tuple, cheap to make on every call).
 
     name: the collective ("allreduce", ...); coll: its number (ALLREDUCE ...); kind: the
     descriptor kind every rank compares (KIND_* + KIND_ROOT_STEP * root for rooted calls);
@@ -54,17 +54,17 @@ class CallSpec:
     name: str
     coll: int
     kind: int
-    array: object = None
-    out: object = None
-    op: object = None
+    array: Any = None
+    out: Any = None
+    op: Any = None
     opc: int = -1
     dtc: int = -1
-    root: object = None
-    axis: object = None
-    timeout: object = None
-    deadline: object = None
+    root: Any = None
+    axis: Any = None
+    timeout: Any = None
+    deadline: Any = None
     posted: bool = False
-    error: object = None
+    error: Any = None
 
     @property
     def request_name(self) -> str:

@@ -91,6 +91,7 @@ class Communicator(Front, Executors):
         self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
                                   [list(c) for c in tree.children], tree.root)
         self._positions = {}                 # block offsets by ring position, per call shape
+        self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -117,7 +118,10 @@ class Communicator(Front, Executors):
         elif coll == ALLGATHER:
             if type(array) is not np.ndarray:
                 return DECLINED
-            tag = _dtype_digest(array.dtype)
+            dt = array.dtype
+            if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
+                self._digest_of = (dt, _dtype_digest(dt))
+            tag = self._digest_of[1]
         try:
             start = None if timeout is None else time.monotonic()
             got = eng.call(coll, array, out, op, root, _KINDS[coll] + KIND_ROOT_STEP * root,
@@ -516,8 +520,8 @@ class Communicator(Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
-_KINDS = {ALLREDUCE: KIND_ALLREDUCE, BROADCAST: KIND_BROADCAST, REDUCE: KIND_REDUCE,
-          REDUCE_SCATTER: KIND_REDUCE_SCATTER, ALLGATHER: KIND_ALLGATHER}
+_KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
+          KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)
 
 
 def _engine_name(coll):

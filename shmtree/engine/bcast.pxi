@@ -309,6 +309,9 @@ cdef int msg_broadcast(Engine self, array, out, int root, int kind, uint64_t tag
         res = <cnp.ndarray>result
         if is_root and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(c):
             memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(c), n)
+    if out is None and claim is not None and n <= <uint64_t>self.bc.room:
+        out = empty_like(c, -1)           # (the data comes in the round: its output, made
+                                          # here in C, which bcast_read checks and fills)
     rc = self.may_begin()
     if rc != RC_DONE:
         return rc

@@ -19,6 +19,22 @@ cdef int select(Engine self, int coll, uint64_t nbytes) noexcept:
     return self.sel_alg[coll]
 
 
+cdef object empty_like(cnp.ndarray a, cnp.npy_intp lead):
+    """A new C-contiguous array of a's dtype and shape, with a first dimension `lead` put in
+    front when lead >= 0: made in C for numpy's plain numeric types (the hot path), by
+    np.empty for any other dtype."""
+    cdef int nd = cnp.PyArray_NDIM(a), num = cnp.PyArray_TYPE(a)
+    cdef cnp.npy_intp dims[MAX_NDIM + 1]
+    cdef int first = 1 if lead >= 0 else 0
+    if nd + first > MAX_NDIM:
+        raise ValueError(f"shmtree: at most {MAX_NDIM} dimensions")
+    dims[0] = lead
+    memcpy(dims + first, cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
+    if (num < cnp.NPY_OBJECT or num == cnp.NPY_FLOAT16) and cnp.PyArray_ISNOTSWAPPED(a):
+        return cnp.PyArray_EMPTY(nd + first, dims, num, 0)
+    return np.empty(tuple([dims[i] for i in range(nd + first)]), a.dtype)
+
+
 cdef inline bint _codes(cnp.ndarray a, op, int *opc, int *dtc):
     """The op and dtype codes of a reduction of `a` (op: a name or ufunc, parsed here, or the
     parse's (op code, dtype code)); False when it has no kernel or a is not laid out so that
@@ -187,7 +203,7 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
     into every out)."""
     cdef int P = self.e.nranks, me = self.e.rank, q, i, nd, rc
     cdef cnp.ndarray a = None, o
-    cdef cnp.ndarray bounds
+    cdef cnp.ndarray bounds = None
     cdef uint64_t block, nbytes, lo, hi
     cdef uint64_t *op
     cdef int64_t given[MAX_NDIM]
@@ -204,7 +220,7 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
         block = cnp.PyArray_NBYTES(a)
         nbytes = block * P
         if out is None:
-            out = np.empty((P,) + (<object>a).shape, a.dtype)
+            out = empty_like(a, P)
         o = <cnp.ndarray>out
         if (cnp.PyArray_NDIM(o) != nd + 1 or cnp.PyArray_DIMS(o)[0] != P
                 or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
@@ -219,11 +235,9 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
         given[nd] = cnp.PyArray_ITEMSIZE(a)
         given[nd + 1] = digest
         nd += 2
-        bounds = np.empty(2 * P, np.uint64)
-        op = <uint64_t *>cnp.PyArray_DATA(bounds)
-        for q in range(P):
-            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
-            op[2 * q + 1] = op[2 * q] + block
+        lo = <uint64_t>me * block
+        hi = lo + block
+        bounds = None                     # (made below, for the blocks algorithm only)
     else:
         o = out
         bounds = offs
@@ -237,8 +251,8 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
             given[i] = dims[i]
         nbytes = cnp.PyArray_NBYTES(o)
         block = cnp.PyArray_NBYTES(a)
-    lo = op[2 * self.e.dir.pos]
-    hi = op[2 * self.e.dir.pos + 1]
+        lo = op[2 * self.e.dir.pos]
+        hi = op[2 * self.e.dir.pos + 1]
     if hi - lo != block or hi > <uint64_t>cnp.PyArray_NBYTES(o):
         return -1
     cdef char *own = <char *>cnp.PyArray_DATA(o) + lo
@@ -261,6 +275,12 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
                         nbytes, 1, OP_BOR, DT_U1, kind, nd, given, COLL_ALLREDUCE,
                         select(self, COLL_ALLREDUCE, nbytes) if nbytes else ALG_INLINE)
         return RC_DONE
+    if bounds is None:                    # (equal blocks: rank r's at r * block)
+        bounds = np.empty(2 * P, np.uint64)
+        op = <uint64_t *>cnp.PyArray_DATA(bounds)
+        for q in range(P):
+            op[2 * q] = <uint64_t>self.e.dir.order[q] * block
+            op[2 * q + 1] = op[2 * q] + block
     self.offs_ref = bounds
     self.e.call.offs = op
     self.e.call.root = 0
