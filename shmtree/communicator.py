@@ -87,6 +87,7 @@ class Communicator(Front, Executors):
         # the ring schedule's order (the engine's other collectives run around it)
         plan = group.plan
         self._plan = plan
+        self._pos = {r: q for q, r in enumerate(plan.large_tree.ring)}    # ring positions
         tree = plan.large_tree                # the single copy folds in the schedule's order
         self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
                                   [list(c) for c in tree.children], tree.root)
