@@ -705,87 +705,15 @@ def _overlaps(a, b) -> bool:
 # ---------------------------------------------------------------------------------------------
 # module-level calls, in a process that joined a group
 
-import weakref as _weakref                  # (here: the rest of the module does not need it)
-
-_current: Communicator | None = None
-_joined: list = []      # weak references to the communicators this process joined, oldest first
-_pool_group = None      # (group, fork generation) in a Pool worker, even one without a rank
-_fork_gen = 0           # incremented in every forked child: communicators are not inherited
+# the texts of misuse the Communicator class raises
 _IN_CALLBACK = ("shmtree: a collective cannot be made inside a completion callback: callbacks "
                 "run in the progress thread, where the order of the rank's calls could no "
                 "longer be the same on every rank; make the call after waiting instead")
 _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on the same "
                "communicator; collectives of one rank must not overlap")
 
-
-def _after_fork_in_child():
-    global _fork_gen
-    _fork_gen += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _warn_if_member_elsewhere(group, rank):
-    """Group.join: warn when this process is already a live member of another group (the
-    module-level calls move to the new one)."""
-    other = _current if (_current is not None and not _current._closed
-                         and _current._gen == _fork_gen) else None
-    if other is not None and other.group is not group:
-        warnings.warn(f"shmtree: this process is rank {other.rank} of another group and now "
-                      f"joins a second one as rank {rank}; shmtree.current() and the "
-                      f"module-level calls use the new group from here on (and this one "
-                      f"again once the new one is closed)", RuntimeWarning,
-                      stacklevel=3)
-
-
-def _set_current(comm):
-    """Make `comm` this process's communicator (None: the one that was is closing).  Every
-    communicator set here is remembered: once the current one is closed, current() falls back
-    to the latest one still open (a second group closed, the first one still joined)."""
-    global _current
-    _current = comm
-    if comm is not None:
-        _joined[:] = [ref for ref in _joined if ref() is not None and ref() is not comm
-                      and ref()._gen == _fork_gen] + [_weakref.ref(comm)]
-
-
-def _usable(comm) -> bool:
-    return (comm is not None and not comm._closed and comm._gen == _fork_gen
-            and not comm.group._closed)
-
-
-def _set_pool_group(group):
-    """In a Pool worker: the pool's group, for current() to explain a worker without a rank."""
-    global _pool_group
-    _pool_group = (group, _fork_gen)
-
-
-def current() -> Communicator:
-    """This process's communicator (set by Group.join, Pool and run): the one it joined last,
-    or once that one is closed, the latest one still open."""
-    comm = _current
-    if _usable(comm):
-        return comm
-    mine = [c for c in (ref() for ref in _joined) if c is not None and c._gen == _fork_gen]
-    for c in reversed(mine):
-        if _usable(c):
-            _set_current(c)             # the group still joined (a later one was closed)
-            return c
-    if _pool_group is not None and _pool_group[1] == _fork_gen:
-        group = _pool_group[0]
-        raise PeerLostError("shmtree.Pool: this worker has no rank in the pool's group ("
-                            + (group.describe_abort() if not group.closed else
-                               "the pool is closed") + ")")
-    if mine:
-        last = mine[-1]
-        how = "its group was closed" if last.group.closed else "it was closed"
-        raise ShmtreeError(f"shmtree: this process is no longer in any group: it was rank "
-                           f"{last.rank} of {last.size} in {last.group!r}, and {how} (join a "
-                           f"group again with shmtree.run, shmtree.Pool or Group.join)")
-    raise ShmtreeError("shmtree: this process has not joined a group (use shmtree.run, "
-                       "shmtree.Pool or Group.join)")
-
+# this process's communicator lives in shmtree.session (a leaf: the membership state)
+from .session import current  # noqa: E402
 
 # allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
 from .front import module_functions as _module_functions  # noqa: E402
@@ -798,5 +726,3 @@ def rank() -> int:
 
 def size() -> int:
     return current().size
-
-
