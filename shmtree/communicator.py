@@ -13,21 +13,18 @@ collective has the same three steps:
      abort the group: a half-done collective cannot be resumed).  An interrupt at any point of a
      call either lets it finish or aborts the group: never a call left half-begun.
 
-This module also owns the process's membership state, read through it (never copied by
-`from ... import`): `_current` (this process's communicator), `_fork_gen` (the fork generation:
-a forked child sees another one, and does not inherit communicators) and `_pool_group` (set in a
-Pool worker).
+The process's membership state (this process's communicator, the fork generation) is
+shmtree.session's, read through that module.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-import warnings
 
 import numpy as np
 
-from . import _engine, _kernels, _moving, plan as _plan
+from . import _engine, _kernels, _moving, plan as _plan, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,
@@ -68,7 +65,7 @@ class Communicator(Front, Collectives):
         self.rank = int(rank)
         self.size = int(group.size)
         self._pid = os.getpid()
-        self._gen = _fork_gen                 # a forked child sees another generation
+        self._gen = session._fork_gen                 # a forked child sees another generation
         self._exec = threading.Lock()         # held by whoever runs a call (requests.py)
         self._progress = None                 # the progress thread, from the first i-call
         self._posted = 0                      # calls posted to it so far
@@ -209,7 +206,7 @@ class Communicator(Front, Collectives):
 
     def _enqueue(self, run, name):
         """Hand a prepared call to the progress thread (started on first use): a Request."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
+        if self._closed or self._gen != session._fork_gen or self.group._closed:
             self._check_usable()
         progress = self._progress
         if progress is not None and progress.is_current_thread():
@@ -232,7 +229,7 @@ class Communicator(Front, Collectives):
         limit: the largest message that travels inline (small_bytes unless said); digest (of the
         dtype): allgather(array, out=...) on its own fast path (engine.quick_allgather)."""
         eng = self._engine                    # (_fast's steps written out: the hot path)
-        if self._gen != _fork_gen or self._closed or self.group._closed:
+        if self._gen != session._fork_gen or self._closed or self.group._closed:
             return None
         try:
             start = None if timeout is None else time.monotonic()
@@ -257,7 +254,7 @@ class Communicator(Front, Collectives):
         begin returned ((rc, result, ...)), or None when it declined the call (the general path
         must take it: nothing has run)."""
         eng = self._engine
-        if self._gen != _fork_gen or self._closed or self.group._closed:
+        if self._gen != session._fork_gen or self._closed or self.group._closed:
             return None
         try:
             start = None if timeout is None else time.monotonic()
@@ -273,7 +270,7 @@ class Communicator(Front, Collectives):
         """broadcast's fast path (Engine.quick_broadcast: the general path's very call without
         its layers, which in a loop of small broadcasts cost more than the round): (result,),
         or None when the general path must take the call (nothing has run then)."""
-        if self._gen != _fork_gen or self._closed or self.group._closed:
+        if self._gen != session._fork_gen or self._closed or self.group._closed:
             return None
         start = None if timeout is None else time.monotonic()
         eng = self._engine
@@ -316,7 +313,7 @@ class Communicator(Front, Collectives):
     def _bcast_call(self, first, dst, root, kind, deadline):
         """Run broadcast's engine call (Engine.quick_bcast) to its end, or to NEED_OUT (this
         rank must give its output): that rc."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
+        if self._closed or self._gen != session._fork_gen or self.group._closed:
             self._check_usable()
         eng = self._engine
         try:
@@ -438,13 +435,13 @@ class Communicator(Front, Collectives):
         if self._closed:
             return
         if self._progress is not None and self._pid == os.getpid() \
-                and self._gen == _fork_gen:
+                and self._gen == session._fork_gen:
             if self._progress.is_current_thread():
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
         self._closed = True
-        if self._pid == os.getpid() and self._gen == _fork_gen:
+        if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
                 if not self.group._closed:
                     self._seg.set_state(self.rank, ST_LEFT)
@@ -457,9 +454,8 @@ class Communicator(Front, Collectives):
         if eng is not None and not (eng.in_call and not eng.owns_call()):
             self._engine = None       # (else another thread's call runs on it: the engine stays
                                       # to that call's end, and goes with the communicator)
-        global _current
-        if _current is self:
-            _current = None
+        if session._current is self:
+            session._set_current(None)
 
     def __enter__(self):
         return self
@@ -475,7 +471,7 @@ class Communicator(Front, Collectives):
     def _idle_engine(self):
         """The engine, for a call the caller (holding the executor lock) begins: the
         communicator must be usable and no other call in progress on the engine."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
+        if self._closed or self._gen != session._fork_gen or self.group._closed:
             self._check_usable()
         eng = self._engine
         if eng.in_call:
@@ -618,7 +614,7 @@ class Communicator(Front, Collectives):
     def _check_usable(self):
         if self._closed:
             raise ShmtreeError("shmtree: this communicator is closed")
-        if self._gen != _fork_gen or os.getpid() != self._pid:
+        if self._gen != session._fork_gen or os.getpid() != self._pid:
             raise ShmtreeError(f"shmtree: this communicator belongs to process {self._pid} (rank "
                                f"{self.rank}); a forked child cannot use it")
         if self.group.closed:
