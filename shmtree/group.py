@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from multiprocessing import reduction
 
 from . import _engine, plan as _plan

@@ -1,17 +1,12 @@
 """Collectives across nodes: a node's shared-memory group plus MPI between the nodes' leaders.
 
-Spanning (docs/design.md, "Across nodes (MPI)") is the communicator that spans every node: the
-processes that share a node form a shmtree group of their own, local rank 0 of each node is its
-leader and owns the inter-node Link (shmtree.inter), and
-
-    rank, size          global
-    node, nodes         this node's index (nodes ordered by their smallest global rank), count
-    node_rank, node_size
-
-It is a Front (front.py): its public calls are parsed by calls.py like a Communicator's, and
-each CallSpec runs here on an executor of its collective (the _exec_* methods below), as one
-function on the node's communicator's executor.  How it is formed (from_mpi; a launcher per
-node, Group(..., inter=)) is shmtree.multinode's.
+Spanning (docs/design.md, "Across nodes (MPI)") spans every node: the processes that share a
+node form a shmtree group of their own, whose local rank 0 is the node's leader and owns the
+inter-node Link (shmtree.inter).  rank and size are global; node, nodes: this node's index
+(nodes ordered by their smallest global rank) and their count; node_rank, node_size.  It is a
+Front (front.py): its calls are parsed by calls.py, and each CallSpec runs on an executor here
+(_exec_*), as one function on the node's communicator's executor.  shmtree.multinode forms it
+(from_mpi; a launcher per node, Group(..., inter=)).
 
 Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
   1. agreement: every rank's description of the call (kind, root, op, dtype, shape) is gathered
@@ -91,6 +86,9 @@ class Spanning(Front):
         for link in {link, lane} - {None}:
             if isinstance(link, Link):   # (a from_mpi link: this node's failure in global ranks)
                 link.interrupt = self._node_failed
+        if self.nodes == 1:          # one node: its own communicator makes every call
+            self._run, self._post = local._run, local._post
+            self._quick, self._local_error = local._quick, local._local_error
         _ALIVE.add(self)
 
     # the module-level calls see this object through shmtree.current()
@@ -105,31 +103,16 @@ class Spanning(Front):
     # ---- the front end's hooks (front.py) ----
 
     def _run(self, spec):
-        """A parsed call, blocking: its executor, guarded, on the node's executor (one node:
-        the node's communicator runs the call itself)."""
-        if self.nodes == 1:
-            return self.local._run(spec)
+        """A parsed call, blocking: its executor, guarded, on the node's executor."""
         self._check_open()
         return self.local._now(self._guarded(self._executor(spec)))
 
     def _post(self, spec):
         """A parsed call, nonblocking: a Request of the node's progress thread."""
-        if self.nodes == 1:
-            return self.local._post(spec)
         self._check_open()
         return self.local._enqueue(self._guarded(self._executor(spec)), spec.request_name)
 
-    def _quick(self, coll, array, op, out, root, timeout):
-        if self.nodes == 1:
-            return self.local._quick(coll, array, op, out, root, timeout)
-        return super()._quick(coll, array, op, out, root, timeout)
-
-    def _local_error(self, spec):
-        """A rooted call's local error (spec.error): with one node the node's communicator says
-        it to its members; across nodes it is raised here (each rank sees its own)."""
-        if self.nodes == 1:
-            return self.local._local_error(spec)
-        return spec.error
+    # (_quick: Front's, DECLINED; _local_error: Front's, raised here, each rank its own)
 
     def _shared_array(self, shape, dtype, order, how):
         """empty / zeros: shared within this node (a collective of the node's members); their
@@ -144,14 +127,8 @@ class Spanning(Front):
 
     def _executor(self, spec):
         """The function that runs a parsed call across the nodes (its `call`: its name)."""
-        coll = spec.coll
-        if coll == BROADCAST:
-            return self._exec_broadcast(spec)
-        if coll == ALLGATHER:
-            return self._exec_allgather(spec)
-        if coll == BARRIER:
-            return self._exec_barrier(spec)
-        return self._exec_reducing(spec)
+        return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
+                BARRIER: self._exec_barrier}.get(spec.coll, self._exec_reducing)(spec)
 
     def stats(self) -> dict:
         return self.local.stats()
