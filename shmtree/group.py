@@ -15,6 +15,7 @@ imports them): this module imports nothing above it.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from multiprocessing import reduction
@@ -54,6 +55,8 @@ class Group:
     ring pages live), small_bytes (largest message carried inline in the latency round), spin_us
     (busy-wait before yielding), nt_bytes (streaming stores from this size), stall_timeout
     (seconds a member waits on members that are idle in a Pool before failing; None: never).
+    With inter= (an mpi4py communicator of one launcher per node; segment_bytes: bytes per
+    step between the nodes) the group is one node of several: a multinode.NodeGroup.
     """
 
     # what Group(size, inter=mpi_comm) makes: one node's group of several, whose creator is the
@@ -410,6 +413,10 @@ class Group:
         return (f"<shmtree.Group size={self.size} tree={self.plan.tree_kind!r} "
                 f"chunk_bytes={self.plan.chunk_bytes} {state}>")
 
+
+# Group(...)'s signature is its __init__'s (less self), not that of the __new__ that picks the type
+Group.__signature__ = inspect.signature(Group.__init__).replace(
+    parameters=list(inspect.signature(Group.__init__).parameters.values())[1:])
 
 # the function that makes the communicator of a rank Group.join admitted: shmtree.joining.join,
 # registered by that module when it is imported (_made_by)
