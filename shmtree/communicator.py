@@ -65,7 +65,7 @@ class Communicator(Front, Collectives):
         self.rank = int(rank)
         self.size = int(group.size)
         self._pid = os.getpid()
-        self._gen = session._fork_gen                 # a forked child sees another generation
+        self._gen = session._fork_gen         # a forked child sees another generation
         self._exec = threading.Lock()         # held by whoever runs a call (requests.py)
         self._progress = None                 # the progress thread, from the first i-call
         self._posted = 0                      # calls posted to it so far
