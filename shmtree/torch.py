@@ -5,9 +5,10 @@ launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel ru
 The group is formed through the launcher's store: rank 0 creates a shmtree.Group of the world's
 size (not pinned: torch runs threads of its own) and publishes its rendezvous token; the others
 attach with Group.from_token (only processes of the same user can) and every rank joins.  Each
-operation posts shmtree's nonblocking call on numpy views of the tensors (the same memory: in
-place, no copies for contiguous tensors) and returns a Work made from a torch Future that the
-call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
+operation builds shmtree's calls on numpy views of the tensors (CallSpecs, calls.py; the same
+memory: in place, no copies for contiguous tensors), runs or posts them (the communicator's
+_run / _post, the path of its public methods) and returns a Work made from a torch Future
+that the call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
 operation raises from `wait()` and fails its future (never a success with unreduced data).
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
 integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
@@ -221,11 +222,12 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     # ---- work objects ----
 
     def _work(self, made, nbytes, finish):
-        """Make the calls - call(blocking) makes one: the blocking collective, or its i-form
-        (a Request) - and return a Work whose future finish() sets (its value) once they are
-        done.  Messages of at most INLINE_BYTES run blocking, at once (a hand-off to the
-        progress thread costs more than they do); larger ones are posted, so that the caller
-        (DDP's backward pass) computes meanwhile.  Calls complete in issue order either way.
+        """Make the calls - each of `made` (_call's) parses its call into a CallSpec (calls.py)
+        and call(True) runs it blocking, call(False) posts it (a Request) - and return a Work
+        whose future finish() sets (its value) once they are done.  Messages of at most
+        INLINE_BYTES run blocking, at once (a hand-off to the progress thread costs more than
+        they do); larger ones are posted, so that the caller (DDP's backward pass) computes
+        meanwhile.  Calls complete in issue order either way.
         The failure of a blocking call is raised by this call (as RuntimeError, which torch's
         C++ carries); that of a posted one by the Work's wait(), its future's wait() and
         value() (DDP's reducer raises it), and, should nobody wait, by the group's next
