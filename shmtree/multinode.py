@@ -101,8 +101,9 @@ def refuse_proxy(inter, err):
 
 
 def spanning_member(group, comm):
-    """Joining a group of a node of several (joining.join): the communicator across nodes around the
-    node's own (`comm`); local rank 0 reaches the other nodes through its launcher."""
+    """Joining a group of a node of several (joining.join): the communicator across nodes
+    around the node's own (`comm`); local rank 0 reaches the other nodes through its
+    launcher."""
     from .mailbox import Mailbox, ProxyLink
     node, sizes, segment, box_fd = group._span
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
