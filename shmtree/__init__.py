@@ -17,7 +17,7 @@ from .topology import Topology
 from .api import (Communicator, Group, Pool, Request, allgather, allreduce, barrier, broadcast,
                   current, empty, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
                   ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all, zeros)
-from .nodes import from_mpi
+from .multinode import from_mpi
 
 __all__ = [
     "__version__",

@@ -1,19 +1,27 @@
 """The public API in one place: Group, Communicator, run, Pool and the module-level calls.
 
-Each lives in a module of its own (README.md, "How it works"); imports point one way, down:
+Each lives in a module of its own (README.md, "How it works"; docs/design.md, "Layers");
+imports point one way, down:
 
     pool          Pool (and its multiprocessing.pool overrides)
     launch        run                                   (pool uses its start checks)
-    communicator  Communicator; current, allreduce, broadcast, reduce, allgather,
-                  reduce_scatter, barrier, their i-forms, rank, size
+    joining       join: the one place communicators are made (Group.join hands it the rank)
+    multinode     from_mpi; NodeGroup, what Group(size, inter=mpi_comm) makes
+    nodes         Spanning, the communicator across nodes
+    communicator  Communicator; allreduce, broadcast, reduce, allgather, reduce_scatter,
+                  barrier, their i-forms, empty, zeros (made from front's), rank, size
     requests      Request, wait_all, the progress thread
-    collectives   broadcast, reduce, allgather, reduce_scatter (Communicator's methods)
+    collectives   broadcast, reduce, allgather, reduce_scatter (Communicator's executors)
+    front, calls  the public collectives written once; one parser per collective (CallSpec)
     group         Group
+    session       current(): this process's communicator; the fork generation
     plan, transport, liveness
     schedule, topology
     codes, errors (leaves: any module may import them)
 
-The one call upward: Group.join imports communicator when it runs, to hand out a Communicator.
+Nothing calls upward: group.py imports nothing above it.  joining and multinode register into
+it when they are imported (here, and by shmtree's __init__): Group.join admits the rank and
+hands it to joining.join; Group(..., inter=) makes a multinode.NodeGroup.
 
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.
@@ -23,6 +31,7 @@ from .communicator import (Communicator, Request, allgather, allreduce, barrier,
                            ireduce, ireduce_scatter, rank, reduce, reduce_scatter, size,
                            wait_all, zeros)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
+from . import joining  # noqa: F401  (registers Group.join's maker)
 from .launch import run
 from .pool import Pool
 

@@ -13,21 +13,18 @@ collective has the same three steps:
      abort the group: a half-done collective cannot be resumed).  An interrupt at any point of a
      call either lets it finish or aborts the group: never a call left half-begun.
 
-This module also owns the process's membership state, read through it (never copied by
-`from ... import`): `_current` (this process's communicator), `_fork_gen` (the fork generation:
-a forked child sees another one, and does not inherit communicators) and `_pool_group` (set in a
-Pool worker).
+The process's membership state (this process's communicator, the fork generation) is
+shmtree.session's, read through that module.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-import warnings
 
 import numpy as np
 
-from . import _engine, _kernels, plan as _plan
+from . import _engine, _kernels, plan as _plan, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,
@@ -68,7 +65,7 @@ class Communicator(Front, Executors):
         self.rank = int(rank)
         self.size = int(group.size)
         self._pid = os.getpid()
-        self._gen = _fork_gen                 # a forked child sees another generation
+        self._gen = session._fork_gen         # a forked child sees another generation
         self._exec = threading.Lock()         # held by whoever runs a call (requests.py)
         self._progress = None                 # the progress thread, from the first i-call
         self._posted = 0                      # calls posted to it so far
@@ -107,7 +104,7 @@ class Communicator(Front, Executors):
         parsed and run by _run).  The deadline is only computed when the call outlasts its
         first time slice (a clock read less on the hot path)."""
         eng = self._engine
-        if self._gen != _fork_gen or self._closed or self.group._closed:
+        if self._gen != session._fork_gen or self._closed or self.group._closed:
             return DECLINED
         progress = self._progress
         if progress is not None and (progress.outstanding or progress.is_current_thread()):
@@ -223,7 +220,7 @@ class Communicator(Front, Executors):
 
     def _enqueue(self, run, name):
         """Hand a prepared call to the progress thread (started on first use): a Request."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
+        if self._closed or self._gen != session._fork_gen or self.group._closed:
             self._check_usable()
         progress = self._progress
         if progress is not None and progress.is_current_thread():
@@ -301,13 +298,13 @@ class Communicator(Front, Executors):
         if self._closed:
             return
         if self._progress is not None and self._pid == os.getpid() \
-                and self._gen == _fork_gen:
+                and self._gen == session._fork_gen:
             if self._progress.is_current_thread():
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
         self._closed = True
-        if self._pid == os.getpid() and self._gen == _fork_gen:
+        if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
                 if not self.group._closed:
                     self._seg.set_state(self.rank, ST_LEFT)
@@ -320,9 +317,8 @@ class Communicator(Front, Executors):
         if eng is not None and not (eng.in_call and not eng.owns_call()):
             self._engine = None       # (else another thread's call runs on it: the engine stays
                                       # to that call's end, and goes with the communicator)
-        global _current
-        if _current is self:
-            _current = None
+        if session._current is self:
+            session._set_current(None)
 
     def __enter__(self):
         return self
@@ -338,7 +334,7 @@ class Communicator(Front, Executors):
     def _idle_engine(self):
         """The engine, for a call the caller (holding the executor lock) begins: the
         communicator must be usable and no other call in progress on the engine."""
-        if self._closed or self._gen != _fork_gen or self.group._closed:
+        if self._closed or self._gen != session._fork_gen or self.group._closed:
             self._check_usable()
         eng = self._engine
         if eng.in_call:
@@ -463,7 +459,7 @@ class Communicator(Front, Executors):
     def _check_usable(self):
         if self._closed:
             raise ShmtreeError("shmtree: this communicator is closed")
-        if self._gen != _fork_gen or os.getpid() != self._pid:
+        if self._gen != session._fork_gen or os.getpid() != self._pid:
             raise ShmtreeError(f"shmtree: this communicator belongs to process {self._pid} (rank "
                                f"{self.rank}); a forked child cannot use it")
         if self.group.closed:
@@ -556,87 +552,15 @@ def _overlaps(a, b) -> bool:
 # ---------------------------------------------------------------------------------------------
 # module-level calls, in a process that joined a group
 
-import weakref as _weakref                  # (here: the rest of the module does not need it)
-
-_current: Communicator | None = None
-_joined: list = []      # weak references to the communicators this process joined, oldest first
-_pool_group = None      # (group, fork generation) in a Pool worker, even one without a rank
-_fork_gen = 0           # incremented in every forked child: communicators are not inherited
+# the texts of misuse the Communicator class raises
 _IN_CALLBACK = ("shmtree: a collective cannot be made inside a completion callback: callbacks "
                 "run in the progress thread, where the order of the rank's calls could no "
                 "longer be the same on every rank; make the call after waiting instead")
 _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on the same "
                "communicator; collectives of one rank must not overlap")
 
-
-def _after_fork_in_child():
-    global _fork_gen
-    _fork_gen += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _warn_if_member_elsewhere(group, rank):
-    """Group.join: warn when this process is already a live member of another group (the
-    module-level calls move to the new one)."""
-    other = _current if (_current is not None and not _current._closed
-                         and _current._gen == _fork_gen) else None
-    if other is not None and other.group is not group:
-        warnings.warn(f"shmtree: this process is rank {other.rank} of another group and now "
-                      f"joins a second one as rank {rank}; shmtree.current() and the "
-                      f"module-level calls use the new group from here on (and this one "
-                      f"again once the new one is closed)", RuntimeWarning,
-                      stacklevel=3)
-
-
-def _set_current(comm):
-    """Make `comm` this process's communicator (None: the one that was is closing).  Every
-    communicator set here is remembered: once the current one is closed, current() falls back
-    to the latest one still open (a second group closed, the first one still joined)."""
-    global _current
-    _current = comm
-    if comm is not None:
-        _joined[:] = [ref for ref in _joined if ref() is not None and ref() is not comm
-                      and ref()._gen == _fork_gen] + [_weakref.ref(comm)]
-
-
-def _usable(comm) -> bool:
-    return (comm is not None and not comm._closed and comm._gen == _fork_gen
-            and not comm.group._closed)
-
-
-def _set_pool_group(group):
-    """In a Pool worker: the pool's group, for current() to explain a worker without a rank."""
-    global _pool_group
-    _pool_group = (group, _fork_gen)
-
-
-def current() -> Communicator:
-    """This process's communicator (set by Group.join, Pool and run): the one it joined last,
-    or once that one is closed, the latest one still open."""
-    comm = _current
-    if _usable(comm):
-        return comm
-    mine = [c for c in (ref() for ref in _joined) if c is not None and c._gen == _fork_gen]
-    for c in reversed(mine):
-        if _usable(c):
-            _set_current(c)             # the group still joined (a later one was closed)
-            return c
-    if _pool_group is not None and _pool_group[1] == _fork_gen:
-        group = _pool_group[0]
-        raise PeerLostError("shmtree.Pool: this worker has no rank in the pool's group ("
-                            + (group.describe_abort() if not group.closed else
-                               "the pool is closed") + ")")
-    if mine:
-        last = mine[-1]
-        how = "its group was closed" if last.group.closed else "it was closed"
-        raise ShmtreeError(f"shmtree: this process is no longer in any group: it was rank "
-                           f"{last.rank} of {last.size} in {last.group!r}, and {how} (join a "
-                           f"group again with shmtree.run, shmtree.Pool or Group.join)")
-    raise ShmtreeError("shmtree: this process has not joined a group (use shmtree.run, "
-                       "shmtree.Pool or Group.join)")
-
+# this process's communicator lives in shmtree.session (a leaf: the membership state)
+from .session import current  # noqa: E402
 
 # allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
 from .front import module_functions as _module_functions  # noqa: E402
@@ -649,5 +573,3 @@ def rank() -> int:
 
 def size() -> int:
     return current().size
-
-

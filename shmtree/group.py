@@ -7,14 +7,17 @@ the plan (trees, geometry), the segment (header, rank blocks, rings), joining as
 NUMA placement of the rings this rank produces), the liveness of members, aborting and saying
 why, and this process's mapping (close, drop).
 
-Group.join hands out the Communicator (shmtree.communicator) that makes the calls: the one place
-this module reaches upward, with an import at call time.
+Group.join admits a member (the header checked, the rank marked joined, pinned, its rings
+placed) and hands it to the function that makes its communicator (shmtree.joining.join, the one
+place communicators are made); Group(size, inter=mpi_comm) makes a multinode.NodeGroup.  Both
+modules sit above this one and register themselves when they are imported (shmtree's __init__
+imports them): this module imports nothing above it.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
-import weakref
 from multiprocessing import reduction
 
 from . import _engine, plan as _plan
@@ -51,42 +54,49 @@ class Group:
     ring pages live), small_bytes (largest message carried inline in the latency round), spin_us
     (busy-wait before yielding), nt_bytes (streaming stores from this size), stall_timeout
     (seconds a member waits on members that are idle in a Pool before failing; None: never).
+    With inter= (an mpi4py communicator of one launcher per node; segment_bytes: bytes per
+    step between the nodes) the group is one node of several: a multinode.NodeGroup.
     """
+
+    # what Group(size, inter=mpi_comm) makes: one node's group of several, whose creator is the
+    # node's proxy (multinode.NodeGroup, which registers itself: across_nodes=True)
+    _across_nodes = None
+
+    def __init_subclass__(cls, across_nodes=False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if across_nodes:
+            Group._across_nodes = cls
+
+    def __new__(cls, *args, inter=None, **options):
+        if inter is not None and cls is Group:
+            if Group._across_nodes is None:         # (shmtree's __init__ imports multinode)
+                raise ShmtreeError("shmtree: inter= needs shmtree.multinode (import shmtree)")
+            cls = Group._across_nodes
+        return super().__new__(cls)
 
     def __init__(self, size, *, topology=None, tree=None, chunk_bytes=None, pin=None, slots=None,
                  placement="compact", numa="auto", small_bytes=None, spin_us=None,
                  nt_bytes=None, stall_timeout=None, inter=None, segment_bytes=None):
+        # (inter= is taken by __new__: Group(..., inter=mpi_comm) is a multinode.NodeGroup,
+        # whose __init__ gives this one the rest of the options)
+        if segment_bytes is not None:
+            raise ValueError("shmtree: segment_bytes is an option of groups with inter=")
         self._closed = True                 # until the segment exists
         self._span = self._proxy = None
+        self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
+                               pin=pin, slots=slots, placement=placement, numa=numa,
+                               small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
+                               stall_timeout=stall_timeout))
+        self._nonce = new_nonce()
+        self._creator = os.getpid()
+        self._fd = create_memfd(self.layout.total)
         try:
-            self._adopt(plan_group(size, topology=topology, tree=tree, chunk_bytes=chunk_bytes,
-                                   pin=pin, slots=slots, placement=placement, numa=numa,
-                                   small_bytes=small_bytes, spin_us=spin_us, nt_bytes=nt_bytes,
-                                   stall_timeout=stall_timeout))
-            self._nonce = new_nonce()
-            self._creator = os.getpid()
-            self._fd = create_memfd(self.layout.total)
-            try:
-                self._seg = _engine.Segment(self._fd, self.layout.total, self.size)
-                self._seg.init_header(self._nonce, self.plan.digest())
-            except BaseException:
-                os.close(self._fd)
-                raise
-        except Exception as exc:
-            if inter is not None:           # the other launchers wait to agree with this one:
-                from . import nodes         # they raise too, naming this node
-                nodes.refuse_proxy(inter, exc)
+            self._seg = _engine.Segment(self._fd, self.layout.total, self.size)
+            self._seg.init_header(self._nonce, self.plan.digest())
+        except BaseException:
+            os.close(self._fd)
             raise
         self._closed = False
-        if inter is not None:               # one node of several: this process is its proxy
-            from . import nodes             # (shmtree.mailbox, docs/design.md "Across nodes")
-            try:
-                self._span, self._proxy = nodes.start_proxy(self, inter, segment_bytes)
-            except BaseException:
-                self.close()
-                raise
-        elif segment_bytes is not None:
-            raise ValueError("shmtree: segment_bytes is an option of groups with inter=")
 
     def _adopt(self, plan: Plan):
         """Take a plan: the layout of the segment follows from it."""
@@ -203,7 +213,14 @@ class Group:
     # ---- membership ----
 
     def join(self, rank):
-        """Join as `rank` (once per rank, in the worker process); returns its Communicator."""
+        """Join as `rank` (once per rank, in the worker process); returns its Communicator (a
+        communicator across nodes in a group of a node of several)."""
+        rank = self._admit(rank)
+        return _joining(self, rank)
+
+    def _admit(self, rank):
+        """Admit this process as `rank`: the segment checked, the rank marked joined (once),
+        the process pinned to its core, the rings it produces placed.  The rank, as an int."""
         self._check_open()
         if isinstance(rank, bool) or not hasattr(rank, "__index__") \
                 or not 0 <= rank.__index__() < self.size:
@@ -213,13 +230,12 @@ class Group:
         reason, _ = self._seg.abort_state()
         if reason:
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
-        from . import communicator          # the one import upward: join makes a Communicator
-
+        if _joining is None:                        # (shmtree's __init__ imports joining)
+            raise ShmtreeError("shmtree: Group.join needs shmtree.joining (import shmtree)")
         pid, ctime = identity()
         if not self._seg.mark_joined(rank, pid, ctime):
             raise ShmtreeError(f"shmtree: rank {rank} has already joined this group")
         self._seg.set_state(rank, ST_BUSY)
-        communicator._warn_if_member_elsewhere(self, rank)
         cpu = self.plan.cpu_of[rank]
         if self.plan.pin and cpu is not None:
             try:
@@ -227,14 +243,7 @@ class Group:
             except OSError:
                 pass
         self._place_rings(rank)
-        comm = communicator.Communicator(self, rank)
-        self._comm = weakref.ref(comm)
-        communicator._set_current(comm)
-        if self._span is not None:          # a node of several: the communicator spans them
-            from . import nodes
-            comm = nodes.spanning_member(self, comm)
-            communicator._set_current(comm)
-        return comm
+        return rank
 
     def global_rank(self, rank) -> int:
         """The rank across nodes of this group's local `rank` (itself without inter=)."""
@@ -402,6 +411,21 @@ class Group:
         state = "closed" if self._closed else "open"
         return (f"<shmtree.Group size={self.size} tree={self.plan.tree_kind!r} "
                 f"chunk_bytes={self.plan.chunk_bytes} {state}>")
+
+
+# Group(...)'s signature is its __init__'s (less self), not that of the __new__ that picks the type
+Group.__signature__ = inspect.signature(Group.__init__).replace(
+    parameters=list(inspect.signature(Group.__init__).parameters.values())[1:])
+
+# the function that makes the communicator of a rank Group.join admitted: shmtree.joining.join,
+# registered by that module when it is imported (_made_by)
+_joining = None
+
+
+def _made_by(join):
+    """Register `join(group, rank)`, which makes an admitted rank's communicator."""
+    global _joining
+    _joining = join
 
 
 def _in_call_elsewhere(comm) -> bool:

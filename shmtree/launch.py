@@ -21,6 +21,7 @@ from .codes import ABORT_FAILED
 from .errors import PeerLostError, WorkerError
 from .group import Group
 from .liveness import die_with_parent, identity, start_parent_watch
+from .multinode import refuse_proxy
 from .plan import OPTIONS as _PLAN_OPTIONS
 
 __all__ = ["run"]
@@ -103,8 +104,7 @@ def _refuse_inter(inter, exc):
     """A launcher of several (inter=) whose call fails its own checks before its group exists:
     the other launchers wait to agree with it on starting; they raise too, naming this node."""
     if inter is not None:
-        from . import nodes
-        nodes.refuse_proxy(inter, exc)
+        refuse_proxy(inter, exc)
 
 
 def _check_picklable(who, ctx, **things):

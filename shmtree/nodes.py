@@ -1,13 +1,12 @@
 """Collectives across nodes: a node's shared-memory group plus MPI between the nodes' leaders.
 
-`from_mpi(mpi_comm, node_size=None)` (docs/design.md, "Across nodes (MPI)"): the processes of an
-MPI job that share a node form a shmtree group of their own (one creates the segment, the others
-attach through a rendezvous token: same user only), local rank 0 of each node is its leader and
-owns the inter-node Link (shmtree.inter), and the communicator returned spans every node:
-
-    rank, size          global (rank == mpi_comm.rank)
-    node, nodes         this node's index (nodes ordered by their smallest global rank), count
-    node_rank, node_size
+Spanning (docs/design.md, "Across nodes (MPI)") spans every node: the processes that share a
+node form a shmtree group of their own, whose local rank 0 is the node's leader and owns the
+inter-node Link (shmtree.inter).  rank and size are global; node, nodes: this node's index
+(nodes ordered by their smallest global rank) and their count; node_rank, node_size.  It is a
+Front (front.py): its calls are parsed by calls.py, and each CallSpec runs on an executor here
+(_exec_*), as one function on the node's communicator's executor.  shmtree.multinode forms it
+(from_mpi; a launcher per node, Group(..., inter=)).
 
 Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
   1. agreement: every rank's description of the call (kind, root, op, dtype, shape) is gathered
@@ -21,39 +20,34 @@ Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
 
 The reduction order is fixed by this plan (the node's own tree order, then nodes in order), not
 by MPI: the same bits on every rank of every node.
-
-The same communicator serves the launcher-per-node way in (Group / run / Pool with inter=,
-`start_proxy` and `spanning_member` below): there the leader's link is a ProxyLink to its
-launcher (shmtree.mailbox) instead of MPI in the leader itself.
 """
 from __future__ import annotations
 
-import atexit
-import os
 import re
 import time
 import weakref
 
 import numpy as np
 
-from . import arrays as _arrays, communicator as _communicator
+from . import calls, session
+from .calls import ALLGATHER, BARRIER, BROADCAST, REDUCE_SCATTER, split_bounds as _pieces
 from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST,
-                    KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, ranks_text)
-from .collectives import (_deadline, _dtype_digest, _finish, _movable, _out_for, _root,
-                          _scatter_block)
+                    KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ranks_text)
+from .communicator import _overlaps
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
-from .group import Group
-from .inter import Link, _pieces, global_ranks
-from .ops import OP_NAMES, reduction_codes
+from .front import Front
+from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
+from .inter import Link, global_ranks
+from .ops import OP_NAMES
 
-__all__ = ["from_mpi", "Spanning"]
+__all__ = ["Spanning"]
 
 SEGMENT_BYTES = 4 << 20        # bytes per pipelined segment across the node boundary
 ROW = 10                       # int64 per rank in the agreement table
 LANES_BYTES = 1 << 20          # from_mpi, nodes of one size: reductions from this size run on
                                # every rank's lane (_reduce_lanes), smaller ones on the leaders
 _REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
-_ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes
+_ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (multinode)
 # a node's own step in its messages ("broadcast(root=0) #2"), and the messages of the links
 # (already in the words of the whole communicator)
 _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
@@ -61,10 +55,11 @@ _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
-class Spanning:
+class Spanning(Front):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
-    allgather, reduce_scatter, barrier, their i-forms); ranks are global."""
+    allgather, reduce_scatter, barrier, their i-forms, empty and zeros: Front's); ranks are
+    global.  With one node, the node's own communicator makes every call."""
 
     def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
                  lane=None):
@@ -92,10 +87,8 @@ class Spanning:
             if isinstance(link, Link):   # (a from_mpi link: this node's failure in global ranks)
                 link.interrupt = self._node_failed
         if self.nodes == 1:          # one node: its own communicator makes every call
-            for name in ("allreduce", "iallreduce", "reduce", "ireduce", "reduce_scatter",
-                         "ireduce_scatter", "broadcast", "ibroadcast", "allgather",
-                         "iallgather", "barrier", "ibarrier"):
-                setattr(self, name, getattr(local, name))
+            self._run, self._post = local._run, local._post
+            self._quick, self._local_error = local._quick, local._local_error
         _ALIVE.add(self)
 
     # the module-level calls see this object through shmtree.current()
@@ -107,83 +100,35 @@ class Spanning:
         return (f"<shmtree.Spanning rank={self.rank} size={self.size} node={self.node}/"
                 f"{self.nodes} node_rank={self.node_rank}/{self.node_size}>")
 
-    # ---- public calls ----
+    # ---- the front end's hooks (front.py) ----
 
-    def allreduce(self, array, op="sum", *, out=None, timeout=None):
-        if _arrays.either_foreign(array, out):
-            return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
-        return self._now(self._prep_reducing(array, op, out, timeout, None, "allreduce"))
+    def _run(self, spec):
+        """A parsed call, blocking: its executor, guarded, on the node's executor."""
+        self._check_open()
+        return self.local._now(self._guarded(self._executor(spec)))
 
-    def iallreduce(self, array, op="sum", *, out=None, timeout=None):
-        array, out = _arrays.numpy_args(array, out, "iallreduce")
-        return self._post(self._prep_reducing(array, op, out, timeout, None, "allreduce"),
-                          "iallreduce")
+    def _post(self, spec):
+        """A parsed call, nonblocking: a Request of the node's progress thread."""
+        self._check_open()
+        return self.local._enqueue(self._guarded(self._executor(spec)), spec.request_name)
 
-    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
-        if _arrays.either_foreign(array, out):
-            return _arrays.call(self.reduce, array, out, "reduce", op, root, timeout=timeout)
-        root = _root(root, self.size)
-        return self._now(self._prep_reducing(array, op, out if self.rank == root else None,
-                                             timeout, root, "reduce"))
+    # (_quick: Front's, DECLINED; _local_error: Front's, raised here, each rank its own)
 
-    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
-        array, out = _arrays.numpy_args(array, out, "ireduce")
-        root = _root(root, self.size)
-        return self._post(self._prep_reducing(array, op, out if self.rank == root else None,
-                                              timeout, root, "reduce"), "ireduce")
-
-    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
-        if _arrays.either_foreign(array, out):
-            return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
-                                timeout=timeout)
-        return self._now(self._prep_reducing(array, op, out, timeout, None, "reduce_scatter"))
-
-    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
-        array, out = _arrays.numpy_args(array, out, "ireduce_scatter")
-        return self._post(self._prep_reducing(array, op, out, timeout, None, "reduce_scatter"),
-                          "ireduce_scatter")
-
-    def broadcast(self, array, root=0, *, out=None, timeout=None):
-        if _arrays.either_foreign(array, out):
-            return _arrays.call(self.broadcast, array, out, "broadcast", root, timeout=timeout)
-        return self._now(self._prep_broadcast(array, root, out, timeout))
-
-    def ibroadcast(self, array, root=0, *, out=None, timeout=None):
-        array, out = _arrays.numpy_args(array, out, "ibroadcast")
-        return self._post(self._prep_broadcast(array, root, out, timeout), "ibroadcast")
-
-    def allgather(self, array, *, axis=None, out=None, timeout=None):
-        if _arrays.either_foreign(array, out):
-            return _arrays.call(self.allgather, array, out, "allgather", axis=axis,
-                                timeout=timeout)
-        return self._now(self._prep_allgather(array, axis, out, timeout))
-
-    def iallgather(self, array, *, axis=None, out=None, timeout=None):
-        array, out = _arrays.numpy_args(array, out, "iallgather")
-        return self._post(self._prep_allgather(array, axis, out, timeout), "iallgather")
-
-    def barrier(self, timeout=None):
-        return self._now(self._prep_barrier(timeout))
-
-    def ibarrier(self, timeout=None):
-        return self._post(self._prep_barrier(timeout), "ibarrier")
-
-    def empty(self, shape, dtype=float, order="C"):
-        """Shared within this node (a collective of the node's members): see Communicator.
-        Its errors name global ranks."""
-        return self._in_node(self.local.empty, shape, dtype, order)
-
-    def zeros(self, shape, dtype=float, order="C"):
-        return self._in_node(self.local.zeros, shape, dtype, order)
-
-    def _in_node(self, fn, *args):
+    def _shared_array(self, shape, dtype, order, how):
+        """empty / zeros: shared within this node (a collective of the node's members); their
+        errors name global ranks."""
         try:
-            return fn(*args)
+            return getattr(self.local, how)(shape, dtype, order)
         except ShmtreeError as exc:
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self._global(exc.args[0]) + f" (in node {self.node})",) + \
                     exc.args[1:]
             raise
+
+    def _executor(self, spec):
+        """The function that runs a parsed call across the nodes (its `call`: its name)."""
+        return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
+                BARRIER: self._exec_barrier}.get(spec.coll, self._exec_reducing)(spec)
 
     def stats(self) -> dict:
         return self.local.stats()
@@ -200,8 +145,8 @@ class Spanning:
             for link in {self._link, self._lane} - {None}:
                 link.close()
             self.group.close()
-            if _communicator._current is self:
-                _communicator._set_current(None)
+            if session._current is self:
+                session._set_current(None)
 
     def __enter__(self):
         return self
@@ -213,14 +158,6 @@ class Spanning:
         raise TypeError("shmtree: a communicator cannot be sent to another process")
 
     # ---- running a call: every call is one prepared function on the node's executor ----
-
-    def _now(self, run):
-        self._check_open()
-        return self.local._now(self._guarded(run))
-
-    def _post(self, run, name):
-        self._check_open()
-        return self.local._enqueue(self._guarded(run), name)
 
     def _check_open(self):
         if self._closed:
@@ -289,8 +226,8 @@ class Spanning:
         P, link = self.size, self._link
         mine = np.asarray(row, np.int64)
         if self.node_size > 1:
-            table = self.local._prep_allgather(mine, None, None,
-                                               self._remaining(deadline))()
+            table = self.local.run(calls.allgather(self.local, mine, None, None,
+                                                   self._remaining(deadline)))
         else:
             table = mine[None, :]
         full = table if self.nodes == 1 else None
@@ -322,22 +259,18 @@ class Spanning:
             raise CollectiveMismatchError(
                 f"shmtree: ranks disagree on the collective call across nodes: {parts}")
 
+
     # ---- allreduce, reduce, reduce_scatter ----
 
-    def _prep_reducing(self, array, op, out, timeout, root, what):
-        a = _movable(array, what)
-        opc, _ = reduction_codes(op, a.dtype)
-        if what == "reduce_scatter":
-            if a.ndim == 0:
-                raise ValueError("shmtree: reduce_scatter needs an array of at least 1 "
-                                 "dimension")
-            lo, hi, _ = _scatter_block(a, out, self.size, self.rank)
-        elif out is not None:
-            _out_for(out, a.shape, a.dtype, what)          # (checks out now)
-        deadline = _deadline(timeout)
-        kind = {"allreduce": KIND_ALLREDUCE, "reduce": KIND_REDUCE,
-                "reduce_scatter": KIND_REDUCE_SCATTER}[what]
-        row = _row(kind, -1 if root is None else root, opc, a)
+    def _exec_reducing(self, spec):
+        """allreduce, reduce or reduce_scatter of a parsed call (out= as calls.destination
+        takes it: an array of the input's shape, or a writable buffer of its size)."""
+        a, op, out, root, deadline = spec.array, spec.op, spec.out, spec.root, spec.deadline
+        scatter = spec.coll == REDUCE_SCATTER
+        if scatter:
+            b = _pieces(a.shape[0], self.size)
+            lo, hi = b[self.rank], b[self.rank + 1]
+        row = _row(spec.kind % KIND_ROOT_STEP, -1 if root is None else root, spec.opc, a)
 
         def run():
             table = self._agree(row, deadline)
@@ -346,7 +279,7 @@ class Spanning:
             deliver = root is None or self._where[root][0] == self.node
             fold = self._reduce_lanes if self._lane is not None and \
                 src.nbytes >= LANES_BYTES else self._reduce_pipeline
-            if what == "reduce_scatter":
+            if scatter:
                 full = np.empty(a.shape, a.dtype)
                 fold(src, full.reshape(-1), op, True, deadline)
                 block = full[lo:hi]
@@ -357,13 +290,15 @@ class Spanning:
             if root is not None and self.rank != root:
                 fold(src, None, op, deliver, deadline)
                 return None
-            result, copy_back = _out_for(out, a.shape, a.dtype, what)
-            flat = result.reshape(-1)
-            if _communicator._overlaps(src, flat):
+            result, dst, copy_back = calls.destination(a, out)
+            flat = dst.reshape(-1)
+            if _overlaps(src, flat):
                 src = src.copy()          # out overlaps the input without being it
             fold(src, flat, op, deliver, deadline)
-            return _finish(result, copy_back)
-        run.call = what + (f"(root={root})" if root is not None else "")
+            if copy_back is not None:
+                copy_back[...] = dst.reshape(copy_back.shape)
+            return result
+        run.call = spec.name + (f"(root={root})" if root is not None else "")
         return run
 
     def _scratch_for(self, dtype, count):
@@ -468,17 +403,14 @@ class Spanning:
                 finish(i - 1)
         finish(count - 1)
 
+
     # ---- broadcast ----
 
-    def _prep_broadcast(self, array, root, out, timeout):
-        root = _root(root, self.size)
-        deadline = _deadline(timeout)
-        if array is None:
-            if self.rank == root:
-                raise ValueError("shmtree: broadcast: the root must pass the array")
-            a = None
-        else:
-            a = _movable(array, "broadcast")
+    def _exec_broadcast(self, spec):
+        """broadcast of a parsed call.  spec.array is None on a rank that passed None and no
+        out= (it agrees with any shape and dtype of the root's); one that passed only out=
+        claims out's shape and dtype (calls.broadcast)."""
+        a, root, out, deadline = spec.array, spec.root, spec.out, spec.deadline
         row = _row(KIND_BROADCAST, root, 0, a) if a is not None else \
             [KIND_BROADCAST, root, 0, 0, 0, -1, 0, 0, 0, 0]
 
@@ -496,7 +428,7 @@ class Spanning:
                 dtype, shape = self._meta(src, rnode, rlocal, deadline)
             else:
                 dtype, shape = a.dtype, a.shape
-            result, copy_back = _out_for(out, shape, dtype, "broadcast")
+            result, copy_back = calls.out_for(out, shape, dtype, "broadcast")
             view = result.reshape(-1).view(np.uint8) if result.size else \
                 np.empty(0, np.uint8)
             if self.rank == root and result.size:
@@ -507,7 +439,7 @@ class Spanning:
                         view.__array_interface__["data"][0] and raw.size == view.size):
                     view[...] = raw
             self._bcast_pipeline(view, rnode, rlocal, deadline)
-            return _finish(result, copy_back)
+            return calls.finish(result, copy_back)
         run.call = f"broadcast(root={root})"
         return run
 
@@ -569,17 +501,12 @@ class Spanning:
         for i in sorted(jobs):
             _wait(link, jobs.pop(i), deadline)
 
+
     # ---- allgather ----
 
-    def _prep_allgather(self, array, axis, out, timeout):
-        if axis is not None and axis != 0:
-            raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
-        a = _movable(array, "allgather")
-        if axis == 0 and a.ndim == 0:
-            raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
-        if axis is None:
-            _out_for(out, (self.size,) + a.shape, a.dtype, "allgather")
-        deadline = _deadline(timeout)
+    def _exec_allgather(self, spec):
+        """allgather of a parsed call (axis None: stacked; 0: concatenated)."""
+        a, axis, out, deadline = spec.array, spec.axis, spec.out, spec.deadline
         row = _row(KIND_ALLGATHER, -1 if axis is None else 0, 0, a)
 
         def run():
@@ -594,12 +521,12 @@ class Spanning:
                 shape = (sum(lengths),) + a.shape[1:]
             rowbytes = a.dtype.itemsize * (int(np.prod(a.shape, dtype=np.int64)) if axis is None
                                            else int(np.prod(a.shape[1:], dtype=np.int64)))
-            result, copy_back = _out_for(out, shape, a.dtype, "allgather")
+            result, copy_back = calls.out_for(out, shape, a.dtype, "allgather")
             mine = np.ascontiguousarray(a)
             # this node's blocks, by local rank, on every member
             if self.node_size > 1:
-                node_blocks = self.local._prep_allgather(mine, axis, None,
-                                                         self._remaining(deadline))()
+                node_blocks = self.local.run(calls.allgather(self.local, mine, axis, None,
+                                                             self._remaining(deadline)))
             else:
                 node_blocks = mine if axis == 0 else mine[None]
                 if np.may_share_memory(node_blocks, result):
@@ -628,9 +555,10 @@ class Spanning:
                     self._place(gathered, flat, lengths, rowbytes)
             if self.node_size > 1 and total:
                 self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
-            return _finish(result, copy_back)
+            return calls.finish(result, copy_back)
         run.call = "allgather"
         return run
+
 
     def _place(self, gathered, flat, lengths, rowbytes):
         """Blocks gathered in node order, moved to global rank order."""
@@ -641,10 +569,11 @@ class Spanning:
             flat[starts[g]:starts[g] + nb] = gathered[at:at + nb]
             at += nb
 
+
     # ---- barrier ----
 
-    def _prep_barrier(self, timeout):
-        deadline = _deadline(timeout)
+    def _exec_barrier(self, spec):
+        deadline = spec.deadline
         row = [KIND_BARRIER, -1, 0, 0, 0, 0, 0, 0, 0, 0]
 
         def run():
@@ -667,7 +596,7 @@ def _row(kind, root, opc, a):
     d1 = shape[1] if len(shape) > 1 else 0
     digest = hash(shape[1:]) & 0x7fffffffffffffff if kind == KIND_ALLGATHER and root == 0 \
         else hash(shape) & 0x7fffffffffffffff
-    return [kind, root, opc, _dtype_digest(a.dtype), a.dtype.num, a.nbytes, len(shape),
+    return [kind, root, opc, calls.dtype_digest(a.dtype), a.dtype.num, a.nbytes, len(shape),
             d0, d1, digest]
 
 
@@ -706,171 +635,4 @@ def _describe(r):
         parts.append("axis=None" if root == -1 else "axis=0")
     return f"{name}({', '.join(parts)})"
 
-
-# ---------------------------------------------------------------------------------------------
-# the launcher-per-node way in: Group(size, inter=mpi_comm) (shmtree.mailbox)
-
-
-def start_proxy(group, inter, segment_bytes):
-    """In a launcher creating its node's group: agree with the other launchers (collective over
-    `inter`) and start the proxy.  (span, proxy) for the group; (None, None) with one node.
-    Whether every launcher could start is agreed before any step of all of them: one that
-    cannot (bad option, no memory for its mailbox) raises its error, the others a ShmtreeError
-    naming it, none waits for it in MPI."""
-    from mpi4py import MPI
-    from .mailbox import Mailbox, Proxy
-    segment, box, err = None, None, None
-    try:
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ShmtreeError("shmtree: inter= needs MPI initialised with "
-                               "MPI_THREAD_MULTIPLE (the proxy runs MPI on a thread of its "
-                               "own); leave mpi4py.rc.thread_level at its default, 'multiple'")
-        segment = SEGMENT_BYTES if segment_bytes is None else int(segment_bytes)
-        if segment < 4096:
-            raise ValueError(f"shmtree: segment_bytes must be at least 4096, got "
-                             f"{segment_bytes!r}")
-        if inter.Get_size() > 1:
-            box = Mailbox.create(segment)
-    except Exception as exc:
-        err = exc
-    info = _agree_start(inter, group.size, segment, err)
-    failed = [(n, e) for n, (_, _, e) in enumerate(info) if e is not None]
-    if failed and box is not None:
-        os.close(box[1])
-    if err is not None:
-        raise err
-    if failed:
-        raise ShmtreeError("shmtree: the launcher" + ("s" if len(failed) > 1 else "") +
-                           " of " + "; ".join(f"node {n} could not start its group: {e}"
-                                              for n, e in failed))
-    if len({g for _, g, _ in info}) > 1:
-        raise ValueError(f"shmtree: the launchers passed different segment_bytes: "
-                         f"{[g for _, g, _ in info]}")
-    if len(info) == 1:
-        return None, None
-    proxy = Proxy(group, inter, segment, box)
-    return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
-
-
-def _agree_start(inter, size, segment, err):
-    """The launchers' one agreement before any step (collective over `inter`): by node, its
-    group size, segment bytes and its error's text (None: it could start)."""
-    return inter.allgather((size, segment,
-                            None if err is None else f"{type(err).__name__}: {err}"))
-
-
-def refuse_proxy(inter, err):
-    """In a launcher whose group could not even be made (a bad option, no memory): take part in
-    start_proxy's agreement with its error, so that the other launchers raise naming this node
-    instead of waiting for it in MPI."""
-    _agree_start(inter, 0, 0, err)
-
-
-def spanning_member(group, comm):
-    """Group.join in a worker of a node of several: the communicator across nodes around the
-    node's own (`comm`); local rank 0 reaches the other nodes through its launcher."""
-    from .mailbox import Mailbox, ProxyLink
-    node, sizes, segment, box_fd = group._span
-    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    members = [list(range(starts[n], starts[n + 1])) for n in range(len(sizes))]
-    link = ProxyLink(Mailbox(box_fd, segment)) if comm.rank == 0 else None
-    return Spanning(comm, link, starts[node] + comm.rank, members, node, segment)
-
-
-# ---------------------------------------------------------------------------------------------
-# forming the communicator from an MPI job
-
-
-def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
-    """A communicator spanning the processes of `mpi_comm` (mpi4py), one shmtree group per node.
-
-    Collective over mpi_comm.  Processes that share a node (MPI's COMM_TYPE_SHARED split; with
-    `node_size=k`, consecutive blocks of k ranks instead, to simulate nodes on one machine)
-    form a group through a rendezvous: the node's first process creates the segment, the others
-    attach (same user only).  comm.rank == mpi_comm.rank.  group_options are Group's (pin
-    defaults to False here: the MPI launcher places the processes)."""
-    from mpi4py import MPI
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise ShmtreeError("shmtree.from_mpi: MPI was initialised without MPI_THREAD_MULTIPLE "
-                           "(the inter-node step runs on a thread of its own); leave "
-                           "mpi4py.rc.thread_level at its default, 'multiple'")
-    rank = mpi_comm.Get_rank()
-    if node_size is None:
-        node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    else:
-        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
-            raise ValueError(f"shmtree.from_mpi: node_size must be a positive int, got "
-                             f"{node_size!r}")
-        node_comm = mpi_comm.Split(rank // node_size, key=rank)
-    try:
-        node_rank, nsize = node_comm.Get_rank(), node_comm.Get_size()
-        first = node_comm.allreduce(rank, op=MPI.MIN)
-        everyone = mpi_comm.allgather((first, node_rank))
-        firsts = sorted({f for f, _ in everyone})
-        members = [[] for _ in firsts]
-        for g, (f, r) in enumerate(everyone):
-            members[firsts.index(f)].append((r, g))
-        members = [[g for _, g in sorted(m)] for m in members]
-        node = firsts.index(first)
-        options = dict(group_options)
-        options.setdefault("pin", False)
-        token, err, group, local = None, None, None, None
-        if node_rank == 0:
-            try:
-                group = Group(nsize, **options)
-                token = group.rendezvous_token()
-            except Exception as exc:
-                err = f"rank {rank}: {type(exc).__name__}: {exc}"
-        token, err = node_comm.bcast((token, err), root=0)
-        if err is None:
-            try:
-                if node_rank != 0:
-                    group = Group.from_token(token)
-                local = group.join(node_rank)
-            except Exception as exc:
-                err = f"rank {rank}: {type(exc).__name__}: {exc}"
-        # success is agreed over the whole communicator before any step of all of it: a node
-        # that could not form its group makes every rank of every node raise, none waits
-        every = mpi_comm.allgather(err)
-        failed = sorted({g for g, e in enumerate(every) if e is not None})
-        if failed:
-            if local is not None:
-                local.close()
-            if group is not None:
-                group.close()
-            bad = sorted({firsts.index(everyone[g][0]) for g in failed})
-            texts = "; ".join(dict.fromkeys(e for e in every if e is not None))
-            raise ShmtreeError(
-                f"shmtree.from_mpi: the processes of node{'s' if len(bad) > 1 else ''} "
-                f"{','.join(map(str, bad))} could not form a group: {texts}")
-        node_comm.Barrier()            # every member attached before the creator goes on
-    finally:
-        node_comm.Free()
-    link = lane = None
-    if len({len(m) for m in members}) == 1 and len(members) > 1 and nsize > 1:
-        # nodes of one size: every rank links to its local rank's peers on the other nodes
-        # (a lane); lane 0 joins the leaders
-        lane = Link(mpi_comm.Split(node_rank, key=node), group)
-        link = lane if node_rank == 0 else None
-    else:
-        leaders = mpi_comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, key=node)
-        if node_rank == 0 and len(members) > 1:
-            link = Link(leaders, group)
-        elif leaders != MPI.COMM_NULL:
-            leaders.Free()
-    comm = Spanning(local, link, rank, members, node,
-                    SEGMENT_BYTES if segment_bytes is None else segment_bytes, lane=lane)
-    _communicator._set_current(comm)
-    return comm
-
-
-@atexit.register
-def _close_all():
-    """Before mpi4py finalizes MPI (its atexit hook was registered before this one): stop every
-    link thread."""
-    for comm in list(_ALIVE):
-        try:
-            comm.close()
-        except Exception:
-            pass
 

@@ -19,7 +19,7 @@ import time
 import traceback
 import weakref
 
-from . import communicator, plan as _plan
+from . import plan as _plan, session
 from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_NAMES, ST_BUSY,
                     ST_IDLE, ranks_text)
 from .errors import PeerLostError, ShmtreeError, WorkerError
@@ -79,7 +79,7 @@ def _pool_worker_init(group, initializer, initargs, parent):
     # ever.  A worker dies on SIGTERM, as multiprocessing's own workers do.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     start_parent_watch(parent)
-    communicator._set_pool_group(group)
+    session._set_pool_group(group)
     rank = group.claim_rank()
     if rank >= group.size:
         # a replacement for a worker that died: the group lost a member for good
@@ -104,9 +104,9 @@ def _run_as_task(fn, args, kwargs):
     """Run one pool task in a worker: the member is busy while it runs (idle members are what
     the stall detector looks for), and a task that raises while other members wait for this one
     in a collective aborts the group, saying why, instead of leaving them waiting."""
-    comm = communicator._current
+    comm = session._current
     comm = getattr(comm, "local", comm)       # (across nodes: this node's communicator)
-    if comm is None or comm._closed or comm.group.closed or comm._gen != communicator._fork_gen:
+    if comm is None or comm._closed or comm.group.closed or comm._gen != session._fork_gen:
         return fn(*args, **kwargs)
     seg, r = comm._seg, comm.rank
     seg.set_state(r, ST_BUSY)
@@ -155,7 +155,7 @@ def _spmd_task(fn, args, kwargs):
     another before every worker has one), then fn(comm, ...).  Returns (rank, ok, payload); a
     failure's payload ranks how likely it is the root cause: 0 the task's own exception, 1 a
     shmtree error this rank found (a stall, a peer gone), 2 the group aborted elsewhere."""
-    comm = communicator.current()
+    comm = session.current()
     r = getattr(comm, "local", comm).rank     # (this node's rank, across nodes)
     try:
         comm.barrier()

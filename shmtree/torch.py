@@ -5,9 +5,10 @@ launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel ru
 The group is formed through the launcher's store: rank 0 creates a shmtree.Group of the world's
 size (not pinned: torch runs threads of its own) and publishes its rendezvous token; the others
 attach with Group.from_token (only processes of the same user can) and every rank joins.  Each
-operation posts shmtree's nonblocking call on numpy views of the tensors (the same memory: in
-place, no copies for contiguous tensors) and returns a Work made from a torch Future that the
-call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
+operation builds shmtree's calls on numpy views of the tensors (CallSpecs, calls.py; the same
+memory: in place, no copies for contiguous tensors), runs or posts them (the communicator's
+_run / _post, the path of its public methods) and returns a Work made from a torch Future
+that the call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
 operation raises from `wait()` and fails its future (never a success with unreduced data).
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
 integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from . import calls
 from .arrays import _to_torch, as_numpy
 from .group import Group
 
@@ -208,7 +210,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         self._comm = self._group.join(rank)
         self._failure = None              # a posted operation's failure, for the next one
         # rank 0's descriptor must stay open until everyone has attached: meet once
-        self._comm.barrier(timeout=self._timeout)
+        self._comm._run(calls.barrier(self._comm, self._timeout))
         _LIVE.add(self)
 
     def getBackendName(self):
@@ -219,12 +221,13 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     # ---- work objects ----
 
-    def _work(self, calls, nbytes, finish):
-        """Make the calls - call(blocking) makes one: the blocking collective, or its i-form
-        (a Request) - and return a Work whose future finish() sets (its value) once they are
-        done.  Messages of at most INLINE_BYTES run blocking, at once (a hand-off to the
-        progress thread costs more than they do); larger ones are posted, so that the caller
-        (DDP's backward pass) computes meanwhile.  Calls complete in issue order either way.
+    def _work(self, made, nbytes, finish):
+        """Make the calls - each of `made` (_call's) parses its call into a CallSpec (calls.py)
+        and call(True) runs it blocking, call(False) posts it (a Request) - and return a Work
+        whose future finish() sets (its value) once they are done.  Messages of at most
+        INLINE_BYTES run blocking, at once (a hand-off to the progress thread costs more than
+        they do); larger ones are posted, so that the caller (DDP's backward pass) computes
+        meanwhile.  Calls complete in issue order either way.
         The failure of a blocking call is raised by this call (as RuntimeError, which torch's
         C++ carries); that of a posted one by the Work's wait(), its future's wait() and
         value() (DDP's reducer raises it), and, should nobody wait, by the group's next
@@ -239,7 +242,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         if nbytes <= INLINE_BYTES:
             fut = Future()
             try:
-                for call in calls:
+                for call in made:
                     call(True)
                 fut.set_result(finish())
             except Exception as exc:              # (torch's C++ takes RuntimeErrors)
@@ -269,7 +272,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             source.set_result(value)
 
         try:
-            for call in calls:
+            for call in made:
                 requests.append(call(False))
         except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
@@ -290,71 +293,67 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         _check_avg(op, tensors, "all_reduce")
         comm, timeout = self._comm, self._timeout
         arrays = [_view(t) for t in tensors]
-        calls = [_call(comm.allreduce, comm.iallreduce, a,
-                                   "sum" if op == "avg" else op, out=a, timeout=timeout)
-                 for a in arrays]
-        return self._work(calls, sum(a.nbytes for a in arrays),
+        made = [_call(calls.allreduce, comm, a, "sum" if op == "avg" else op, out=a,
+                      timeout=timeout) for a in arrays]
+        return self._work(made, sum(a.nbytes for a in arrays),
                           lambda: self._divide(tensors, op))
 
     def broadcast(self, tensors, opts):
         comm, root = self._comm, opts.rootRank
         arrays = [_view(t) for t in tensors]
-        calls = [_call(comm.broadcast, comm.ibroadcast, a, root, out=a,
-                                   timeout=self._timeout) for a in arrays]
-        return self._work(calls, sum(a.nbytes for a in arrays), lambda: tensors)
+        made = [_call(calls.broadcast, comm, a, root, out=a, timeout=self._timeout)
+                for a in arrays]
+        return self._work(made, sum(a.nbytes for a in arrays), lambda: tensors)
 
     def reduce(self, tensors, opts):
         op, root, comm = _op(opts.reduceOp), opts.rootRank, self._comm
         _check_avg(op, tensors, "reduce")
         arrays = [_view(t) for t in tensors]
-        calls = [_call(comm.reduce, comm.ireduce, a,
-                                   "sum" if op == "avg" else op, root,
-                                   out=a if comm.rank == root else None,
-                                   timeout=self._timeout) for a in arrays]
-        return self._work(calls, sum(a.nbytes for a in arrays),
+        made = [_call(calls.reduce, comm, a, "sum" if op == "avg" else op, root,
+                      out=a if comm.rank == root else None, timeout=self._timeout)
+                for a in arrays]
+        return self._work(made, sum(a.nbytes for a in arrays),
                           lambda: self._divide(tensors, op, comm.rank == root))
 
     def allgather(self, output_tensors, input_tensors, opts):
         comm, size = self._comm, self._comm.size
         pairs = [(_view(t), outs) for t, outs in zip(input_tensors, output_tensors)]
         gathered = [np.empty((size,) + a.shape, a.dtype) for a, _ in pairs]
-        calls = [_call(comm.allgather, comm.iallgather, a, out=g,
-                                   timeout=self._timeout) for (a, _), g in zip(pairs, gathered)]
+        made = [_call(calls.allgather, comm, a, out=g, timeout=self._timeout)
+                for (a, _), g in zip(pairs, gathered)]
 
         def finish():
             for (_, outs), g in zip(pairs, gathered):
                 for r, o in enumerate(outs):
                     o.detach().copy_(_to_torch(g[r]))
             return output_tensors
-        return self._work(calls, sum(g.nbytes for g in gathered), finish)
+        return self._work(made, sum(g.nbytes for g in gathered), finish)
 
     def _allgather_base(self, output, input, opts):
         comm = self._comm
         out, put = _shaped(output, (comm.size,) + tuple(input.shape), "all_gather_into_tensor")
-        calls = [_call(comm.allgather, comm.iallgather, _view(input), out=out,
-                                   timeout=self._timeout)]
+        made = [_call(calls.allgather, comm, _view(input), out=out, timeout=self._timeout)]
 
         def finish():
             if put is not None:
                 put()
             return [output]
-        return self._work(calls, out.nbytes, finish)
+        return self._work(made, out.nbytes, finish)
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
         op, comm = _op(opts.reduceOp), self._comm
         _check_avg(op, output_tensors, "reduce_scatter")
         wholes = [np.concatenate([_view(p).reshape(-1) for p in parts]) for parts in input_lists]
         outs = [_shaped(out, (out.numel(),), "reduce_scatter") for out in output_tensors]
-        calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, w,
-                                   "sum" if op == "avg" else op, out=o, timeout=self._timeout)
-                 for w, (o, _) in zip(wholes, outs)]
+        made = [_call(calls.reduce_scatter, comm, w, "sum" if op == "avg" else op, out=o,
+                      timeout=self._timeout) for w, (o, _) in zip(wholes, outs)]
 
         def finish():
             for _, put in outs:
                 if put is not None:
                     put()
             return self._divide(output_tensors, op)
-        return self._work(calls, sum(w.nbytes for w in wholes), finish)
+        return self._work(made, sum(w.nbytes for w in wholes), finish)
 
     def _reduce_scatter_base(self, output, input, opts):
         op, comm = _op(opts.reduceOp), self._comm
@@ -362,22 +361,21 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         block = (input.shape[0] // comm.size,) + tuple(input.shape[1:])
         a = _view(input)
         out, put = _shaped(output, block, "reduce_scatter_tensor")
-        calls = [_call(comm.reduce_scatter, comm.ireduce_scatter, a,
-                                   "sum" if op == "avg" else op, out=out, timeout=self._timeout)]
+        made = [_call(calls.reduce_scatter, comm, a, "sum" if op == "avg" else op, out=out,
+                      timeout=self._timeout)]
 
         def finish():
             if put is not None:
                 put()
             return self._divide([output], op)
-        return self._work(calls, a.nbytes, finish)
+        return self._work(made, a.nbytes, finish)
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
 
     def barrier(self, opts=None):
         comm = self._comm
-        return self._work([_call(comm.barrier, comm.ibarrier,
-                                             timeout=self._timeout)], 0, lambda: [])
+        return self._work([_call(calls.barrier, comm, timeout=self._timeout)], 0, lambda: [])
 
     # ---- what the backend does not offer (yet): each says so (torch's own ProcessGroup would
     # answer "No backend type associated with device type cpu", naming neither) ----
@@ -437,10 +435,16 @@ def _stop_failed_at_exit():
             pass
 
 
-def _call(blocking, nonblocking, *args, **kwargs):
-    """A call, as _work makes it: call(True) the blocking form, call(False) the i-form."""
+def _call(parse, comm, *args, **kwargs):
+    """A call, as _work makes it: call(True) parses it (parse: calls.allreduce, ...; the
+    CallSpec every way into a collective builds) and runs it blocking (comm._run), call(False)
+    parses and posts it (comm._post: a Request).  A rooted call's local error is said to the
+    other ranks before it is raised (comm._local_error), as the communicator's methods do."""
     def call(now):
-        return (blocking if now else nonblocking)(*args, **kwargs)
+        spec = parse(comm, *args, posted=not now, **kwargs)
+        if spec.error is not None:
+            raise comm._local_error(spec) from None
+        return comm._run(spec) if now else comm._post(spec)
     return call
 
 

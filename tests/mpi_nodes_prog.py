@@ -2,7 +2,7 @@
 
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
-from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, mismatch,
+from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, parsed, mismatch,
 failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
 launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
@@ -134,6 +134,52 @@ def mode_collectives(c, launched=False):
     # module-level calls go to this communicator
     assert shmtree.current() is c and shmtree.rank() == me and shmtree.size() == P
     assert float(shmtree.allreduce(np.ones(1))[0]) == P
+
+
+def mode_parsed(c, launched=False):
+    """What calls.py's parse accepts, the communicator across nodes runs (the same as one
+    node's): out= a writable buffer of the input's size (array.array), in the blocking and
+    nonblocking forms and at a reduce's root; broadcast with only out= on ranks other than the
+    root (its shape and dtype are the rank's claim: a wrong one is a mismatch on every rank,
+    and the communicator stays usable); reduce_scatter into out=."""
+    import array
+    P, me = c.size, c.rank
+    x = np.arange(6, dtype=np.float64) + me
+    want = sum(np.arange(6, dtype=np.float64) + r for r in range(P))
+    buf = array.array("d", [0.0] * 6)
+    assert c.allreduce(x, out=buf) is buf and np.array_equal(np.frombuffer(buf), want)
+    buf = array.array("d", [0.0] * 6)
+    assert c.iallreduce(x, out=buf).wait() is buf and np.array_equal(np.frombuffer(buf), want)
+    for root in range(P):
+        buf = array.array("d", [0.0] * 6)
+        got = c.reduce(x, root=root, out=buf)
+        if me == root:
+            assert got is buf and np.array_equal(np.frombuffer(buf), want), root
+        else:
+            assert got is None and not any(buf), root        # (out= ignored there)
+    for root in range(P):
+        data = np.arange(10, dtype=np.int32).reshape(5, 2) * (root + 1)
+        out = np.full((5, 2), -1, np.int32)
+        got = c.broadcast(data if me == root else None, root=root,
+                          out=None if me == root else out)
+        assert np.array_equal(got, data) and (me == root or got is out), root
+    bad = P - 1
+    try:
+        c.broadcast(np.arange(4.0) if me == 0 else None, root=0,
+                    out=None if me == 0 else np.empty(3 if me == bad else 4))
+    except shmtree.CollectiveMismatchError as exc:
+        assert f"rank {bad}" in str(exc) and "(3,)" in str(exc), exc
+        same_everywhere(np.frombuffer(str(exc).encode(), np.uint8), "the mismatch message",
+                        c if launched else None)
+    else:
+        raise AssertionError(f"rank {me}: a broadcast out= of another shape did not raise")
+    full = np.arange(4 * P + 3, dtype=np.int64) * (me + 1)
+    piece = np.array_split(np.arange(4 * P + 3), P)[me]
+    out = np.zeros(len(piece), np.int64)
+    assert c.reduce_scatter(full, out=out) is out
+    ref = np.arange(4 * P + 3, dtype=np.int64) * sum(r + 1 for r in range(P))
+    assert np.array_equal(out, ref[piece]), (out, ref[piece])
+    assert float(c.allreduce(np.ones(1))[0]) == P        # (still usable)
 
 
 def mode_mismatch(c, launched=False):

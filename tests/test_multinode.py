@@ -129,6 +129,16 @@ def test_every_collective_across_nodes(nprocs, node_size):
     assert rc == 0 and "OK collectives" in out, out[-4000:]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size", [(4, 2), (3, 2), (2, 2)], ids=["2x2", "2+1", "1"])
+def test_what_the_parse_accepts_runs_across_nodes(nprocs, node_size):
+    """calls.py decides what a call may be, for one node and across nodes alike: out= as a
+    writable buffer, broadcast with only out= (a wrong shape: a mismatch on every rank),
+    reduce_scatter into out= (mpi_nodes_prog.mode_parsed)."""
+    rc, out, _ = _launch(nprocs, "parsed", node_size)
+    assert rc == 0 and "OK parsed" in out, out[-4000:]
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,nprocs,size", [("collectives", 3, 2), ("collectives", 4, 2),
                                               ("launch-collectives", 2, 1)],

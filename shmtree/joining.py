@@ -1,0 +1,33 @@
+"""Joining a group: the one place communicators are made (docs/design.md, "Layers").
+
+Group.join (group.py) admits this process as a rank - the segment's header checked, the rank
+marked joined, the process pinned, the rings it produces placed - and hands it to join() here,
+which makes the rank's Communicator, and around it the communicator across nodes when the group
+is one node of several (multinode.spanning_member), and makes it this process's (session).
+group.py imports nothing above it: this module registers join() into it when it is imported
+(shmtree's __init__ imports it, through api).
+"""
+from __future__ import annotations
+
+import weakref
+
+from . import group as _group, session
+from .communicator import Communicator
+from .multinode import spanning_member
+
+__all__ = ["join"]
+
+
+def join(group, rank):
+    """The communicator of `rank`, which Group.join admitted in this process."""
+    session._warn_if_member_elsewhere(group, rank, stacklevel=3)    # (the caller of Group.join)
+    comm = Communicator(group, rank)
+    group._comm = weakref.ref(comm)      # (Group.close closes this process's member)
+    session._set_current(comm)
+    if group._span is not None:          # a node of several: the communicator spans them
+        comm = spanning_member(group, comm)
+        session._set_current(comm)
+    return comm
+
+
+_group._made_by(join)
