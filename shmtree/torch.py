@@ -437,14 +437,12 @@ def _stop_failed_at_exit():
 
 def _call(parse, comm, *args, **kwargs):
     """A call, as _work makes it: call(True) parses it (parse: calls.allreduce, ...; the
-    CallSpec every way into a collective builds) and runs it blocking (comm._run), call(False)
-    parses and posts it (comm._post: a Request).  A rooted call's local error is said to the
-    other ranks before it is raised (comm._local_error), as the communicator's methods do."""
+    CallSpec every way into a collective builds) and runs it blocking, call(False) parses and
+    posts it (a Request): both through the front end's one dispatch (Front._start: a rooted
+    call's local error is said to the other ranks before it is raised, as the communicator's
+    methods do)."""
     def call(now):
-        spec = parse(comm, *args, posted=not now, **kwargs)
-        if spec.error is not None:
-            raise comm._local_error(spec) from None
-        return comm._run(spec) if now else comm._post(spec)
+        return comm._start(parse(comm, *args, posted=not now, **kwargs))
     return call
 
 
