@@ -588,6 +588,7 @@ cdef class Engine:
                                       # interpreter exit)
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
     cdef Bcast bc                     # a broadcast's call (engine/bcast.pxi)
+    cdef object bc_buf                # the last first round (reused by the next)
     cdef object bc_result, bc_out     # its output (given before the round, or made after it)
                                       # and the caller's out=
 
@@ -802,7 +803,7 @@ cdef class Engine:
                         nbytes, cnp.PyArray_ITEMSIZE(a), opc, dtc, kind, nd, dims, coll,
                         select(self, coll, nbytes) if coll == COLL_ALLREDUCE else ALG_RING)
 
-    def _select(self, dict selection):
+    cdef _select(self, dict selection):
         """Take the Plan's selection: {collective number: (inline limit, algorithm name)}."""
         cdef int coll
         names = {"tree": ALG_TREE, "ring": ALG_TREE, "chain": ALG_RING, "blocks": ALG_RING,

@@ -55,7 +55,14 @@ cdef dict _KEYS = {}                  # dtype -> (key bytes, inline: plain with 
 cdef dict _DTYPES = {}                # dtype.str bytes -> dtype
 
 
+cdef object _last_dt = None              # (the last dtype asked: a loop of broadcasts asks one)
+cdef tuple _last_key = None
+
+
 cdef tuple _key(dt):
+    global _last_dt, _last_key
+    if dt is _last_dt:
+        return _last_key
     got = _KEYS.get(dt)
     if got is None:
         if len(_KEYS) > 1024:
@@ -69,6 +76,7 @@ cdef tuple _key(dt):
         else:
             got = (pickle.dumps(dt, protocol=4), False)
         _KEYS[dt] = got
+    _last_dt, _last_key = dt, got
     return got
 
 
@@ -111,11 +119,13 @@ def round_bytes(int P, Py_ssize_t room):
     return CLAIM * P + META + room
 
 
-cpdef object bcast_fill(object a, bint is_root, int rank, int P, Py_ssize_t room):
-    """This rank's contribution to broadcast's first round: a new uint8 array of F bytes.  a:
-    None, or an ndarray of a dtype without Python objects (on the root: C-contiguous and
-    aligned); None when a is not so (broadcast's fast path leaves the call to the general
-    path, which makes it so or says why not)."""
+cpdef object bcast_fill(object a, bint is_root, int rank, int P, Py_ssize_t room,
+                        object reuse=None):
+    """This rank's contribution to broadcast's first round: a uint8 array of F bytes (`reuse`
+    zeroed, when it is one of that size: the engine's, from its previous round; else a new
+    one).  a: None, or an ndarray of a dtype without Python objects (on the root:
+    C-contiguous and aligned); None when a is not so (the call is declined: the Python layer
+    makes it so or says why not)."""
     cdef cnp.ndarray arr
     if a is not None:
         if not isinstance(a, np.ndarray):
@@ -126,7 +136,12 @@ cpdef object bcast_fill(object a, bint is_root, int rank, int P, Py_ssize_t room
                                      and cnp.PyArray_ISALIGNED(arr)))):
             return None
     cdef cnp.npy_intp n = CLAIM * P + META + room
-    cdef cnp.ndarray buf = cnp.PyArray_ZEROS(1, &n, cnp.NPY_UINT8, 0)
+    cdef cnp.ndarray buf
+    if reuse is not None and cnp.PyArray_NBYTES(<cnp.ndarray>reuse) == n:
+        buf = <cnp.ndarray>reuse
+        memset(cnp.PyArray_DATA(buf), 0, n)
+    else:
+        buf = cnp.PyArray_ZEROS(1, &n, cnp.NPY_UINT8, 0)
     cdef uint8_t *p = <uint8_t *>cnp.PyArray_DATA(buf)
     cdef uint8_t *m = p + CLAIM * P
     cdef int nd, i
@@ -297,9 +312,12 @@ cdef int msg_broadcast(Engine self, array, out, int root, int kind, uint64_t tag
     if claim is not None:
         c = <cnp.ndarray>claim
         n = cnp.PyArray_NBYTES(c)
-    first = bcast_fill(claim, is_root, me, P, self.bc.room)
+    first = bcast_fill(claim, is_root, me, P, self.bc.room, self.bc_buf)
     if first is None:
         return -1
+    self.bc_buf = first                   # (the next round's, once this call and what follows
+                                          # it in the Python layer are over: calls of a rank
+                                          # run one after the other)
     f = <cnp.ndarray>first
     result = out
     if claim is not None and n > self.sel_limit[COLL_BROADCAST]:     # (the data may follow in
