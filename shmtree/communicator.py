@@ -314,11 +314,17 @@ class Communicator(Front, Executors):
         if self._shared is not None:
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine
-        if eng is not None and not (eng.in_call and not eng.owns_call()):
+        if eng is not None and not self._in_call_elsewhere():
             self._engine = None       # (else another thread's call runs on it: the engine stays
                                       # to that call's end, and goes with the communicator)
         if session._current is self:
             session._set_current(None)
+
+    def _in_call_elsewhere(self) -> bool:
+        """Is another thread of this process inside a call of this communicator (a watchdog
+        closes the communicator or the group under it)?"""
+        eng = self._engine
+        return eng is not None and eng.in_call and not eng.owns_call()
 
     def __enter__(self):
         return self

@@ -354,7 +354,7 @@ class Group:
             return
         comm = self._comm() if self._comm is not None else None
         mine = comm is not None and comm._pid == os.getpid()
-        elsewhere = mine and _in_call_elsewhere(comm)
+        elsewhere = mine and comm._in_call_elsewhere()
         if mine and not elsewhere:
             comm.close()              # (its outstanding requests complete first)
         if self._creator == os.getpid():
@@ -426,13 +426,6 @@ def _made_by(join):
     """Register `join(group, rank)`, which makes an admitted rank's communicator."""
     global _joining
     _joining = join
-
-
-def _in_call_elsewhere(comm) -> bool:
-    """Is another thread of this process inside a call of comm (a watchdog closes the group
-    under it)?"""
-    eng = comm._engine
-    return eng is not None and eng.in_call and not eng.owns_call()
 
 
 class _ClosedSegment:
