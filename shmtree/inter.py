@@ -41,7 +41,8 @@ CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
                             # allgather, each leader folding every node's part in node order
-SPINS = 64                  # MPI tests before each yield of the CPU
+CHECK_EVERY = 8             # MPI tests (each followed by a yield of the CPU) per look for a
+                            # control message and at this node's own failure (`interrupt`)
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
 CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
@@ -287,28 +288,35 @@ class Link:
 
     def complete(self, reqs):
         """Wait for MPI requests, or for a control message (then raise _Aborted); this node's
-        failure (`interrupt`) is checked at every yield.  Requests left posted when this
+        failure (`interrupt`) is checked every CHECK_EVERY polls.  Requests left posted when this
         raises are kept (with their buffers) until MPI is done with them."""
         MPI = self.MPI
         done = False
         try:
             if self.failure is not None:
                 raise _Aborted()
-            spins = 0
-            while not MPI.Request.Testall(reqs):
+            polls = 0
+            testall, pause = MPI.Request.Testall, os.sched_yield
+            while not testall(reqs):
+                # the CPU goes to whoever else can run at every poll: on a machine with more
+                # processes (and link threads) than cores, the peer this step waits for is
+                # often one of them (spinning first cost ten times the step's time there);
+                # the rest of the loop is kept to the bare calls (a poll costs CPU that the
+                # node's members doing the in-node steps need)
+                pause()
+                polls += 1
+                if polls % CHECK_EVERY:
+                    continue
+                if self.failure is not None:       # (aborted by another thread)
+                    raise _Aborted()
                 if self._ctrl_arrived():
                     self._on_ctrl()
                     raise _Aborted()
-                if self.failure is not None:       # (aborted by another thread)
-                    raise _Aborted()
-                spins += 1
-                if spins > SPINS:      # let this node's members (and MPI's peers) run
-                    os.sched_yield()
-                    if self.interrupt is not None:
-                        text = self.interrupt()
-                        if text:
-                            self.abort(text)
-                            raise _Aborted()
+                if self.interrupt is not None:
+                    text = self.interrupt()
+                    if text:
+                        self.abort(text)
+                        raise _Aborted()
             done = True
         finally:
             if not done:

@@ -418,6 +418,8 @@ class Spanning:
         by segment: reduce to the leader; between the leaders; broadcast in the node (when
         `deliver`; dst None: this rank wants nothing).  The leader reduces segment i while its
         link thread carries segment i-1."""
+        if self._lane is not None and src.size:     # (nodes of one size: every rank works)
+            return self._reduce_small_lanes(src, dst, op, deadline)
         n = src.size
         per = max(1, self._segment // max(1, src.itemsize))
         bounds = list(range(0, n, per)) + [n] if n else [0, 0]
@@ -467,6 +469,17 @@ class Spanning:
             if i >= 1:
                 finish(i - 1)
         finish(count - 1)
+
+    def _reduce_small_lanes(self, src, dst, op, deadline):
+        """A message below LANES_BYTES with nodes of one size: the node's allreduce gives every
+        member the node's sum (the same bits on every member), then every lane folds the
+        nodes' sums in node order (Link.allreduce: the same steps and bits on every lane).  Two
+        steps in each of which every rank works, instead of three (reduce to the leader, the
+        leaders, broadcast) in two of which the non-leaders wait."""
+        target = dst if dst is not None else np.empty(src.size, src.dtype)
+        self.local._prep_reducing(src, op, target, self._remaining(deadline),
+                                  KIND_ALLREDUCE)()
+        self._lane.run(Link.allreduce, target, op, deadline=deadline)
 
     # ---- broadcast ----
 
