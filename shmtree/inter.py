@@ -45,6 +45,8 @@ CHECK_EVERY = 8             # MPI tests (each followed by a yield of the CPU) pe
                             # control message and at this node's own failure (`interrupt`)
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
+TIMED_OUT = ("shmtree: timed out waiting for the other nodes (the inter-node step of node {} "
+             "did not complete)")
 CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
 
 
@@ -52,10 +54,10 @@ _KEPT = []      # (communicator, requests, ...) of links closed after a failure:
 
 
 class Job:
-    __slots__ = ("fn", "args", "done", "error", "value")
+    __slots__ = ("fn", "args", "done", "error", "value", "watch")
 
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+    def __init__(self, fn, args, watch=True):
+        self.fn, self.args, self.watch = fn, args, watch
         self.done = threading.Event()
         self.error = None
         self.value = None
@@ -82,6 +84,9 @@ class Link:
         self._cv = threading.Condition()
         self._closing = False
         self._running = False               # a job is running (on the thread, or inline)
+        self._deadline = None               # the inline step's (monotonic; None: none)
+        self._stale = False                 # an inline step timed out, its requests posted
+        self._watch = True                  # the running step looks at `interrupt`
         self.failure = None                 # the text of the first failure, once aborted
         # control messages carry this link's epoch (one value on every leader, fresh per link):
         # a message sent on a communicator freed since, whose context MPI gives to a later
@@ -113,9 +118,15 @@ class Link:
 
     # ---- the leader's side ----
 
-    def submit(self, fn, *args) -> Job:
-        """Queue fn(self, *args) to run on the link thread after the jobs already queued."""
-        job = Job(fn, args)
+    def submit(self, fn, *args, watch=True) -> Job:
+        """Queue fn(self, *args) to run on the link thread after the jobs already queued.
+        watch: while it waits on MPI, look at this node's failure (`interrupt`); False for a
+        step that needs nothing more of the node (the node's members may even have left its
+        group meanwhile, having got all they wanted of it)."""
+        job = Job(fn, args, watch)
+        if self._stale:
+            self.abort(f"node {self.me}: a step between the nodes timed out and was left "
+                       "unfinished")
         with self._cv:
             if self.failure is not None:
                 job.error = PeerLostError(f"shmtree: {self.failure}")
@@ -130,32 +141,42 @@ class Link:
         CollectiveTimeoutError once the monotonic `deadline` passes."""
         while not job.done.wait(WAIT_SLICE_S):
             if deadline is not None and time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    "shmtree: timed out waiting for the other nodes (the inter-node step of "
-                    f"node {self.me} did not complete)")
+                raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
         if job.error is not None:
             raise job.error
         return job.value
 
-    def run(self, fn, *args, deadline=None):
+    def run(self, fn, *args, deadline=None, watch=True):
         """fn's value, now: in the calling thread when the link is idle (no thread handoff: the
-        latency of a small step), else after the queued jobs."""
+        latency of a small step), else after the queued jobs.  CollectiveTimeoutError once
+        the monotonic `deadline` passes (either way)."""
+        if self._stale:
+            self.abort(f"node {self.me}: a step between the nodes timed out and was left "
+                       "unfinished")
         with self._cv:
-            inline = (deadline is None and not self._jobs and not self._running
-                      and self.failure is None)
+            inline = not self._jobs and not self._running and self.failure is None
             if inline:
                 self._running = True
         if not inline:
-            return self.wait(self.submit(fn, *args), deadline)
+            return self.wait(self.submit(fn, *args, watch=watch), deadline)
+        self._deadline = deadline            # (complete() checks it: this step is the only one)
+        self._watch = watch
         try:
             return fn(self, *args)
         except _Aborted:
             raise PeerLostError(f"shmtree: {self.failure}") from None
+        except CollectiveTimeoutError:
+            # (its requests stay posted, kept by complete(): the caller aborts the link with
+            # the words of its call, as after a timeout in wait(); a link used again without
+            # that fails first)
+            self._stale = True
+            raise
         except BaseException as exc:
             self.abort(f"node {self.me}: the inter-node step failed: {type(exc).__name__}: "
                        f"{exc}")
             raise
         finally:
+            self._deadline, self._watch = None, True
             with self._cv:
                 self._running = False
                 self._cv.notify_all()
@@ -236,6 +257,7 @@ class Link:
             if job is None:
                 self._on_ctrl()
                 continue
+            self._watch = job.watch
             try:
                 job.value = job.fn(self, *job.args)
             except _Aborted:
@@ -312,11 +334,13 @@ class Link:
                 if self._ctrl_arrived():
                     self._on_ctrl()
                     raise _Aborted()
-                if self.interrupt is not None:
+                if self._watch and self.interrupt is not None:
                     text = self.interrupt()
                     if text:
                         self.abort(text)
                         raise _Aborted()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
             done = True
         finally:
             if not done:
