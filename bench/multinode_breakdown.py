@@ -8,7 +8,8 @@ Each run is one mpiexec job; inside it, per size, the two allreduces alternate c
 (slowest rank per call), so that both see the same load of a shared machine.  Printed: per size
 the median over runs of each run's median time, the median of the runs' ratios, and (--trace)
 per call the time of each step of the hierarchy, summed over segments, by thread:
-    rs/red   the intra-node step before the network (reduce_scatter on lanes, reduce on leaders)
+    rs/red   the intra-node step before the network (reduce_scatter on lanes, allreduce below
+             LANES_BYTES on lanes, reduce on leaders)
     net      the Link step (MPI + its folding) on the link thread or inline
     ag/bc    the intra-node step after the network (allgather on lanes, broadcast on leaders)
     wait     the main thread waiting for a link job
@@ -63,7 +64,8 @@ class Trace:
     def install(self, c):
         from shmtree import inter, nodes
         local = c.local
-        for name, label in (("_prep_reduce_scatter", "rs/red"), ("_prep_allgather", "ag/bc")):
+        for name, label in (("_prep_reduce_scatter", "rs/red"), ("_prep_allgather", "ag/bc"),
+                            ("_prep_reducing", "rs/red"), ("_prep_broadcast", "ag/bc")):
             prep = getattr(local, name)
 
             def make(prep=prep, label=label):
@@ -71,8 +73,7 @@ class Trace:
                     return self.wrap(label, prep(*a, **kw))
                 return prep_timed
             setattr(local, name, make())
-        for name, label in (("_intra_reduce", "rs/red"), ("_intra_bcast", "ag/bc"),
-                            ("_agree", "agree")):
+        for name, label in (("_agree", "agree"),):
             setattr(c, name, self.wrap(label, getattr(c, name)))
         for name in ("allreduce", "allreduce_lane"):
             if hasattr(inter.Link, name):

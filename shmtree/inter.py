@@ -317,6 +317,9 @@ class Link:
         try:
             if self.failure is not None:
                 raise _Aborted()
+            if self._ctrl_arrived():      # (before a step whose requests could complete at
+                self._on_ctrl()           # once, matched with those a failed peer left)
+                raise _Aborted()
             polls = 0
             testall, pause = MPI.Request.Testall, os.sched_yield
             while not testall(reqs):
