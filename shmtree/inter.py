@@ -353,15 +353,21 @@ class Link:
 
     # ---- the steps (run on the link thread: fn(link, ...)) ----
 
-    def allreduce(self, buf, op):
+    def allreduce(self, buf, op, src=None):
         """buf (a 1-d contiguous array, this node's sum) becomes the sum over all nodes, folded
-        in node order: a reduce-scatter and an allgather between the leaders."""
+        in node order: a reduce-scatter and an allgather between the leaders.  src: this
+        node's sum when it is elsewhere (buf, not overlapping it, then only receives the
+        result: no copy of it into buf first)."""
         n, me, MPI = self.n, self.me, self.MPI
+        if src is None:
+            src = buf
         if n == 1 or buf.size == 0:
+            if src is not buf:
+                buf[...] = src
             return buf
         if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
             every = np.empty((n,) + buf.shape, buf.dtype)
-            self.complete([self.comm.Iallgather([_raw(buf), MPI.BYTE],
+            self.complete([self.comm.Iallgather([_raw(src), MPI.BYTE],
                                                 [_raw(every), MPI.BYTE])])
             _kernels.reduce_into(buf, list(every), op)
             return buf
@@ -375,12 +381,12 @@ class Link:
                 reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=j, tag=TAG_RS))
         for j in range(n):
             if j != me:
-                reqs.append(self.comm.Isend([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
+                reqs.append(self.comm.Isend([_raw(src[bounds[j]:bounds[j + 1]]), MPI.BYTE],
                                             dest=j, tag=TAG_RS))
         self.complete(reqs)
-        got[me] = mine
+        got[me] = src[bounds[me]:bounds[me + 1]]
         if mine.size:
-            if me == 0:
+            if me == 0 or src is not buf:      # (mine is got[0], or overlaps none of them)
                 _kernels.reduce_into(mine, got, op)
             else:
                 folded = np.empty_like(mine)

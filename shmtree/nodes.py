@@ -430,8 +430,17 @@ class Spanning:
         count = len(bounds) - 1
         link, leader = self._link, self.node_rank == 0
         multi = self.node_size > 1
+        # the leader with an output of its own (and a from_mpi link, not a proxy, whose steps
+        # need its mailbox's slots): its node's sum is folded straight into the output and the
+        # link works there in place, instead of in a scratch slot copied out at the end (a
+        # node of one rank: the link reads the input and writes the output, no copy at all)
+        direct = leader and dst is not None and not hasattr(link, "scratch")
+        # (src and dst are the same memory or do not overlap: _prep_reducing copies an input
+        # that out overlaps otherwise)
+        inplace = direct and (src.__array_interface__["data"][0] ==
+                              dst.__array_interface__["data"][0])
         slots = None
-        if leader:
+        if leader and not direct:
             room = per if count > 1 else n
             slots = link.scratch(src.dtype, room) if hasattr(link, "scratch") else \
                 self._scratch_for(src.dtype, room)
@@ -439,17 +448,21 @@ class Spanning:
         sink = None if dst is not None else (np.empty(min(per, n), src.dtype) if deliver
                                              else None)
 
+        def held(j):                 # the leader's buffer of segment j
+            lo, hi = bounds[j], bounds[j + 1]
+            return dst[lo:hi] if direct else slots[j % 2][:hi - lo]
+
         def finish(j):
             lo, hi = bounds[j], bounds[j + 1]
             if leader:
-                buf = slots[j % 2][:hi - lo]
+                buf = held(j)
                 if jobs[j] is not None:
                     link.wait(jobs[j], deadline)
                 if deliver:
                     target = dst[lo:hi] if dst is not None else sink[:hi - lo]
                     if multi:
                         self._intra_bcast(buf, target, deadline)
-                    else:
+                    elif not direct:
                         target[...] = buf
             elif deliver:
                 target = dst[lo:hi] if dst is not None else sink[:hi - lo]
@@ -459,15 +472,18 @@ class Spanning:
             lo, hi = bounds[i], bounds[i + 1]
             seg = src[lo:hi]
             if leader:
-                buf = slots[i % 2][:hi - lo]
+                buf = held(i)
+                extra = ()
                 if multi:
                     self._intra_reduce(seg, op, buf, deadline)
-                else:
+                elif direct and not inplace and src.flags.aligned:
+                    extra = (seg,)            # (Link.allreduce's src: read there)
+                elif not inplace:
                     buf[...] = seg
                 if link is not None and count == 1:     # (no pipeline: no thread handoff)
-                    link.run(Link.allreduce, buf, op, deadline=deadline)
+                    link.run(Link.allreduce, buf, op, *extra, deadline=deadline)
                 elif link is not None:
-                    jobs[i] = link.submit(Link.allreduce, buf, op)
+                    jobs[i] = link.submit(Link.allreduce, buf, op, *extra)
             else:
                 self._intra_reduce(seg, op, None, deadline)
             if i >= 1:

@@ -100,6 +100,13 @@ def mode_collectives(c, launched=False):
             c.allreduce(big[::2], out=out[1::2])
             ref = sum(inputs(r, 2 * n, "float64", seed)[::2] for r in range(P))
             assert np.allclose(out[1::2], ref) and not out[::2].any()
+            # an input at an odd address (not aligned for its items): the same bits
+            raw = np.zeros(8 * n + 1, np.uint8)
+            odd = raw[1:].view(np.float64)
+            odd[...] = big[::2]
+            assert not odd.flags.aligned
+            assert np.array_equal(c.allreduce(odd).view(np.uint8),
+                                  c.allreduce(big[::2].copy()).view(np.uint8)), n
         # broadcast from every root, some ranks passing None
         for root in range(P):
             data = np.arange(n * 3, dtype=np.int16).reshape(n, 3) + root
