@@ -389,13 +389,20 @@ class Spanning:
         bounds = list(range(0, n, per)) + [n] if n else [0, 0]
         count = len(bounds) - 1
         room = -(-min(per, n) // k) if n else 0
-        slots = self._scratch_for(src.dtype, room)
+        # an output of its own (not the input itself, whose segment the reduce-scatter reads
+        # whole): this rank's slice is reduced into its place in the output, the lane works
+        # there, and the allgather is in place (no copy of the slice through a scratch slot)
+        direct = dst is not None and deliver and n and not (
+            src.__array_interface__["data"][0] == dst.__array_interface__["data"][0])
+        slots = None if direct else self._scratch_for(src.dtype, room)
         jobs = [None] * count
         sink = None if dst is not None else np.empty(min(per, n), src.dtype)
 
         def mine(j):
             lo, hi = bounds[j], bounds[j + 1]
             cut = _pieces(hi - lo, k)
+            if direct:
+                return dst[lo + cut[me]:lo + cut[me + 1]]
             return slots[j % 2][:cut[me + 1] - cut[me]]
 
         def finish(j):

@@ -120,6 +120,32 @@ def mode_collectives(c, launched=False):
         assert np.array_equal(g0, np.concatenate([np.full(r + n, r, np.int32)
                                                   for r in range(P)]))
         c.barrier()
+    # from 4 MiB (nodes.LANES_BYTES; nodes of one size: cut among the lanes): out given, out
+    # the input itself, none, reduce, reduce_scatter: the same bits
+    n = (4 << 20) // 4 + 12345
+    for seed, (dtype, op) in enumerate((("float32", "sum"), ("int32", "bxor"))):
+        xs = [inputs(r, n, dtype, 50 + seed) for r in range(P)]
+        fold = {"sum": np.add, "bxor": np.bitwise_xor}[op]
+        ref = xs[0].copy()
+        for x in xs[1:]:
+            ref = fold(ref, x)
+        got = c.allreduce(xs[me], op)
+        same_everywhere(got, f"allreduce {dtype} {op} {n}", check)
+        if dtype == "float32":
+            assert np.allclose(got, ref, rtol=1e-4, atol=1e-3 * P), (dtype, n)
+        else:
+            assert np.array_equal(got, ref), (dtype, op, n)
+        bits = got.view(np.uint8)
+        x = xs[me].copy()
+        assert c.allreduce(x, op, out=x) is x and np.array_equal(x.view(np.uint8), bits)
+        o = np.empty_like(got)
+        assert c.allreduce(xs[me], op, out=o) is o and np.array_equal(o.view(np.uint8), bits)
+        r = c.reduce(xs[me], op, root=P - 1)
+        assert (r is None) == (me != P - 1)
+        if r is not None:
+            assert np.array_equal(r.view(np.uint8), bits)
+        rs = c.reduce_scatter(xs[me], op)
+        assert np.array_equal(rs.view(np.uint8), np.array_split(got, P)[me].view(np.uint8))
     # out overlapping the input without being it: the root's data reaches every rank (and
     # the same array, in place, works directly)
     for n, shift in ((125, 10), (70001, 3), (70001, -5)):
