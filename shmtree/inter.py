@@ -41,9 +41,12 @@ CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
                             # allgather, each leader folding every node's part in node order
-SPINS = 64                  # MPI tests before each yield of the CPU
+CHECK_EVERY = 8             # MPI tests (each followed by a yield of the CPU) per look for a
+                            # control message and at this node's own failure (`interrupt`)
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
+TIMED_OUT = ("shmtree: timed out waiting for the other nodes (the inter-node step of node {} "
+             "did not complete)")
 CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
 
 
@@ -51,10 +54,10 @@ _KEPT = []      # (communicator, requests, ...) of links closed after a failure:
 
 
 class Job:
-    __slots__ = ("fn", "args", "done", "error", "value")
+    __slots__ = ("fn", "args", "done", "error", "value", "watch")
 
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+    def __init__(self, fn, args, watch=True):
+        self.fn, self.args, self.watch = fn, args, watch
         self.done = threading.Event()
         self.error = None
         self.value = None
@@ -81,6 +84,9 @@ class Link:
         self._cv = threading.Condition()
         self._closing = False
         self._running = False               # a job is running (on the thread, or inline)
+        self._deadline = None               # the inline step's (monotonic; None: none)
+        self._stale = False                 # an inline step timed out, its requests posted
+        self._watch = True                  # the running step looks at `interrupt`
         self.failure = None                 # the text of the first failure, once aborted
         # control messages carry this link's epoch (one value on every leader, fresh per link):
         # a message sent on a communicator freed since, whose context MPI gives to a later
@@ -112,9 +118,15 @@ class Link:
 
     # ---- the leader's side ----
 
-    def submit(self, fn, *args) -> Job:
-        """Queue fn(self, *args) to run on the link thread after the jobs already queued."""
-        job = Job(fn, args)
+    def submit(self, fn, *args, watch=True) -> Job:
+        """Queue fn(self, *args) to run on the link thread after the jobs already queued.
+        watch: while it waits on MPI, look at this node's failure (`interrupt`); False for a
+        step that needs nothing more of the node (the node's members may even have left its
+        group meanwhile, having got all they wanted of it)."""
+        job = Job(fn, args, watch)
+        if self._stale:
+            self.abort(f"node {self.me}: a step between the nodes timed out and was left "
+                       "unfinished")
         with self._cv:
             if self.failure is not None:
                 job.error = PeerLostError(f"shmtree: {self.failure}")
@@ -129,32 +141,42 @@ class Link:
         CollectiveTimeoutError once the monotonic `deadline` passes."""
         while not job.done.wait(WAIT_SLICE_S):
             if deadline is not None and time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    "shmtree: timed out waiting for the other nodes (the inter-node step of "
-                    f"node {self.me} did not complete)")
+                raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
         if job.error is not None:
             raise job.error
         return job.value
 
-    def run(self, fn, *args, deadline=None):
+    def run(self, fn, *args, deadline=None, watch=True):
         """fn's value, now: in the calling thread when the link is idle (no thread handoff: the
-        latency of a small step), else after the queued jobs."""
+        latency of a small step), else after the queued jobs.  CollectiveTimeoutError once
+        the monotonic `deadline` passes (either way)."""
+        if self._stale:
+            self.abort(f"node {self.me}: a step between the nodes timed out and was left "
+                       "unfinished")
         with self._cv:
-            inline = (deadline is None and not self._jobs and not self._running
-                      and self.failure is None)
+            inline = not self._jobs and not self._running and self.failure is None
             if inline:
                 self._running = True
         if not inline:
-            return self.wait(self.submit(fn, *args), deadline)
+            return self.wait(self.submit(fn, *args, watch=watch), deadline)
+        self._deadline = deadline            # (complete() checks it: this step is the only one)
+        self._watch = watch
         try:
             return fn(self, *args)
         except _Aborted:
             raise PeerLostError(f"shmtree: {self.failure}") from None
+        except CollectiveTimeoutError:
+            # (its requests stay posted, kept by complete(): the caller aborts the link with
+            # the words of its call, as after a timeout in wait(); a link used again without
+            # that fails first)
+            self._stale = True
+            raise
         except BaseException as exc:
             self.abort(f"node {self.me}: the inter-node step failed: {type(exc).__name__}: "
                        f"{exc}")
             raise
         finally:
+            self._deadline, self._watch = None, True
             with self._cv:
                 self._running = False
                 self._cv.notify_all()
@@ -235,6 +257,7 @@ class Link:
             if job is None:
                 self._on_ctrl()
                 continue
+            self._watch = job.watch
             try:
                 job.value = job.fn(self, *job.args)
             except _Aborted:
@@ -287,28 +310,40 @@ class Link:
 
     def complete(self, reqs):
         """Wait for MPI requests, or for a control message (then raise _Aborted); this node's
-        failure (`interrupt`) is checked at every yield.  Requests left posted when this
+        failure (`interrupt`) is checked every CHECK_EVERY polls.  Requests left posted when this
         raises are kept (with their buffers) until MPI is done with them."""
         MPI = self.MPI
         done = False
         try:
             if self.failure is not None:
                 raise _Aborted()
-            spins = 0
-            while not MPI.Request.Testall(reqs):
+            if self._ctrl_arrived():      # (before a step whose requests could complete at
+                self._on_ctrl()           # once, matched with those a failed peer left)
+                raise _Aborted()
+            polls = 0
+            testall, pause = MPI.Request.Testall, os.sched_yield
+            while not testall(reqs):
+                # the CPU goes to whoever else can run at every poll: on a machine with more
+                # processes (and link threads) than cores, the peer this step waits for is
+                # often one of them (spinning first cost ten times the step's time there);
+                # the rest of the loop is kept to the bare calls (a poll costs CPU that the
+                # node's members doing the in-node steps need)
+                pause()
+                polls += 1
+                if polls % CHECK_EVERY:
+                    continue
+                if self.failure is not None:       # (aborted by another thread)
+                    raise _Aborted()
                 if self._ctrl_arrived():
                     self._on_ctrl()
                     raise _Aborted()
-                if self.failure is not None:       # (aborted by another thread)
-                    raise _Aborted()
-                spins += 1
-                if spins > SPINS:      # let this node's members (and MPI's peers) run
-                    os.sched_yield()
-                    if self.interrupt is not None:
-                        text = self.interrupt()
-                        if text:
-                            self.abort(text)
-                            raise _Aborted()
+                if self._watch and self.interrupt is not None:
+                    text = self.interrupt()
+                    if text:
+                        self.abort(text)
+                        raise _Aborted()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
             done = True
         finally:
             if not done:
@@ -318,15 +353,21 @@ class Link:
 
     # ---- the steps (run on the link thread: fn(link, ...)) ----
 
-    def allreduce(self, buf, op):
+    def allreduce(self, buf, op, src=None):
         """buf (a 1-d contiguous array, this node's sum) becomes the sum over all nodes, folded
-        in node order: a reduce-scatter and an allgather between the leaders."""
+        in node order: a reduce-scatter and an allgather between the leaders.  src: this
+        node's sum when it is elsewhere (buf, not overlapping it, then only receives the
+        result: no copy of it into buf first)."""
         n, me, MPI = self.n, self.me, self.MPI
+        if src is None:
+            src = buf
         if n == 1 or buf.size == 0:
+            if src is not buf:
+                buf[...] = src
             return buf
         if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
             every = np.empty((n,) + buf.shape, buf.dtype)
-            self.complete([self.comm.Iallgather([_raw(buf), MPI.BYTE],
+            self.complete([self.comm.Iallgather([_raw(src), MPI.BYTE],
                                                 [_raw(every), MPI.BYTE])])
             _kernels.reduce_into(buf, list(every), op)
             return buf
@@ -340,12 +381,12 @@ class Link:
                 reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=j, tag=TAG_RS))
         for j in range(n):
             if j != me:
-                reqs.append(self.comm.Isend([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
+                reqs.append(self.comm.Isend([_raw(src[bounds[j]:bounds[j + 1]]), MPI.BYTE],
                                             dest=j, tag=TAG_RS))
         self.complete(reqs)
-        got[me] = mine
+        got[me] = src[bounds[me]:bounds[me + 1]]
         if mine.size:
-            if me == 0:
+            if me == 0 or src is not buf:      # (mine is got[0], or overlaps none of them)
                 _kernels.reduce_into(mine, got, op)
             else:
                 folded = np.empty_like(mine)

@@ -24,7 +24,6 @@ by MPI: the same bits on every rank of every node.
 from __future__ import annotations
 
 import re
-import time
 import weakref
 
 import numpy as np
@@ -36,6 +35,7 @@ from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, 
 from .communicator import _overlaps
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
+from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import Link, global_ranks
 from .ops import OP_NAMES
@@ -44,9 +44,9 @@ __all__ = ["Spanning"]
 
 SEGMENT_BYTES = 4 << 20        # bytes per pipelined segment across the node boundary
 ROW = 10                       # int64 per rank in the agreement table
-LANES_BYTES = 1 << 20          # from_mpi, nodes of one size: reductions from this size run on
-                               # every rank's lane (_reduce_lanes), smaller ones on the leaders
-_REDUCE0 = KIND_REDUCE         # reduce to local rank 0 (the leader)
+LANES_BYTES = 4 << 20          # from_mpi, nodes of one size: reductions from this size are
+                               # cut among the lanes (_reduce_lanes), smaller ones run whole on
+                               # every lane after the node's allreduce (_reduce_small_lanes)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (multinode)
 # a node's own step in its messages ("broadcast(root=0) #2"), and the messages of the links
 # (already in the words of the whole communicator)
@@ -55,7 +55,7 @@ _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
-class Spanning(Front):
+class Spanning(Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
     allgather, reduce_scatter, barrier, their i-forms, empty and zeros: Front's); ranks are
@@ -205,19 +205,6 @@ class Spanning(Front):
                 raise
         return guarded
 
-    # ---- the steps inside a node ----
-
-    def _remaining(self, deadline):
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    def _intra_reduce(self, seg, op, out, deadline):
-        """seg (every member's) reduced into out on the leader (None elsewhere)."""
-        return self.local._prep_reducing(seg, op, out, self._remaining(deadline), _REDUCE0,
-                                         root=0)()
-
-    def _intra_bcast(self, src, out, deadline, root=0):
-        return self.local._prep_broadcast(src, root, out, self._remaining(deadline))()
-
     # ---- agreement ----
 
     def _agree(self, row, deadline):
@@ -301,109 +288,6 @@ class Spanning(Front):
         run.call = spec.name + (f"(root={root})" if root is not None else "")
         return run
 
-    def _scratch_for(self, dtype, count):
-        """Two segments' room on the leader, reused call after call."""
-        need = 2 * count * dtype.itemsize
-        if self._scratch is None or self._scratch.size < need:
-            self._scratch = np.empty(max(need, 1), np.uint8)
-        return [self._scratch[k * count * dtype.itemsize:(k + 1) * count * dtype.itemsize]
-                .view(dtype) for k in range(2)]
-
-    def _reduce_lanes(self, src, dst, op, deliver, deadline):
-        """The multi-leader form of _reduce_pipeline (nodes of one size k): per segment, a
-        reduce-scatter in the node leaves local rank r with slice r of the node's sum; the
-        ranks of local rank r on every node fold their slices between them (node order, this
-        rank's lane Link, on its thread); an allgather in the node puts the slices together.
-        Every rank carries 1/k of the traffic between nodes and of the work in its node."""
-        n, k, me, link = src.size, self.node_size, self.node_rank, self._lane
-        per = max(k, self._segment // max(1, src.itemsize))
-        bounds = list(range(0, n, per)) + [n] if n else [0, 0]
-        count = len(bounds) - 1
-        room = -(-min(per, n) // k) if n else 0
-        slots = self._scratch_for(src.dtype, room)
-        jobs = [None] * count
-        sink = None if dst is not None else np.empty(min(per, n), src.dtype)
-
-        def mine(j):
-            lo, hi = bounds[j], bounds[j + 1]
-            cut = _pieces(hi - lo, k)
-            return slots[j % 2][:cut[me + 1] - cut[me]]
-
-        def finish(j):
-            lo, hi = bounds[j], bounds[j + 1]
-            _wait(link, jobs[j], deadline)
-            if deliver:
-                target = dst[lo:hi] if dst is not None else sink[:hi - lo]
-                self.local._prep_allgather(mine(j), 0, target, self._remaining(deadline))()
-
-        for i in range(count):
-            lo, hi = bounds[i], bounds[i + 1]
-            part = mine(i)
-            self.local._prep_reduce_scatter(src[lo:hi], op, part, self._remaining(deadline))()
-            if count == 1:
-                link.run(Link.allreduce, part, op, deadline=deadline)
-            else:
-                jobs[i] = link.submit(Link.allreduce, part, op)
-            if i >= 1:
-                finish(i - 1)
-        finish(count - 1)
-
-    def _reduce_pipeline(self, src, dst, op, deliver, deadline):
-        """dst[:] = the reduction of every rank's src (1-d contiguous, the same size), segment
-        by segment: reduce to the leader; between the leaders; broadcast in the node (when
-        `deliver`; dst None: this rank wants nothing).  The leader reduces segment i while its
-        link thread carries segment i-1."""
-        n = src.size
-        per = max(1, self._segment // max(1, src.itemsize))
-        bounds = list(range(0, n, per)) + [n] if n else [0, 0]
-        count = len(bounds) - 1
-        link, leader = self._link, self.node_rank == 0
-        multi = self.node_size > 1
-        slots = None
-        if leader:
-            room = per if count > 1 else n
-            slots = link.scratch(src.dtype, room) if hasattr(link, "scratch") else \
-                self._scratch_for(src.dtype, room)
-        jobs = [None] * count
-        sink = None if dst is not None else (np.empty(min(per, n), src.dtype) if deliver
-                                             else None)
-
-        def finish(j):
-            lo, hi = bounds[j], bounds[j + 1]
-            if leader:
-                buf = slots[j % 2][:hi - lo]
-                if jobs[j] is not None:
-                    link.wait(jobs[j], deadline)
-                if deliver:
-                    target = dst[lo:hi] if dst is not None else sink[:hi - lo]
-                    if multi:
-                        self._intra_bcast(buf, target, deadline)
-                    else:
-                        target[...] = buf
-            elif deliver:
-                target = dst[lo:hi] if dst is not None else sink[:hi - lo]
-                self._intra_bcast(None, target, deadline)
-
-        for i in range(count):
-            lo, hi = bounds[i], bounds[i + 1]
-            seg = src[lo:hi]
-            if leader:
-                buf = slots[i % 2][:hi - lo]
-                if multi:
-                    self._intra_reduce(seg, op, buf, deadline)
-                else:
-                    buf[...] = seg
-                if link is not None and count == 1:     # (no pipeline: no thread handoff)
-                    link.run(Link.allreduce, buf, op, deadline=deadline)
-                elif link is not None:
-                    jobs[i] = link.submit(Link.allreduce, buf, op)
-            else:
-                self._intra_reduce(seg, op, None, deadline)
-            if i >= 1:
-                finish(i - 1)
-        finish(count - 1)
-
-
     # ---- broadcast ----
 
     def _exec_broadcast(self, spec):
@@ -459,48 +343,6 @@ class Spanning(Front):
         self._bcast_pipeline(blob, rnode, rlocal, deadline)
         length = int.from_bytes(blob[:4].tobytes(), "little")
         return pickle.loads(blob[4:4 + length].tobytes())
-
-    def _bcast_pipeline(self, view, rnode, rlocal, deadline):
-        """view (bytes; the root's data at the root) on every rank: in the root's node from the
-        root, between the leaders from the root node's leader, in the other nodes from their
-        leader, segment by segment."""
-        n = view.size
-        if n == 0:
-            return
-        per = self._segment
-        bounds = list(range(0, n, per)) + [n]
-        link, leader, multi = self._link, self.node_rank == 0, self.node_size > 1
-        count = len(bounds) - 1
-        root_node = self.node == rnode
-        jobs = {}
-
-        def post(i):                 # (at most two steps in flight: the proxy's two slots)
-            if leader and link is not None and count == 1 and i == 0:
-                link.run(Link.bcast, view, rnode, deadline=deadline)    # (no handoff)
-                jobs[i] = None
-            elif leader and link is not None and i < count:
-                jobs[i] = link.submit(Link.bcast, view[bounds[i]:bounds[i + 1]],
-                                      rnode)
-        if not root_node:
-            post(0)
-        for i in range(count):
-            seg = view[bounds[i]:bounds[i + 1]]
-            if root_node:
-                if multi:
-                    self._intra_bcast(seg if self.node_rank == rlocal else None, seg,
-                                      deadline, root=rlocal)
-                if i >= 1 and leader and link is not None:
-                    _wait(link, jobs.pop(i - 1), deadline)
-                post(i)
-            else:
-                post(i + 1)
-                if leader:
-                    _wait(link, jobs.pop(i), deadline)
-                if multi:
-                    self._intra_bcast(seg if leader else None, seg, deadline)
-        for i in sorted(jobs):
-            _wait(link, jobs.pop(i), deadline)
-
 
     # ---- allgather ----
 
@@ -581,11 +423,6 @@ class Spanning(Front):
             self._check(table)
         run.call = "barrier"
         return run
-
-
-def _wait(link, job, deadline):
-    if job is not None:              # (None: the step ran at once, in this thread)
-        link.wait(job, deadline)
 
 
 def _row(kind, root, opc, a):

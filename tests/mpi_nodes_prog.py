@@ -3,7 +3,8 @@
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, parsed, mismatch,
-failure, kill, sigint, formfail.  Launcher modes (N launchers, one per node, node n forking
+failure, kill, sigint, formfail, earlyclose, linktimeout.  Launcher modes (N launchers, one per
+node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
 launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
@@ -100,6 +101,13 @@ def mode_collectives(c, launched=False):
             c.allreduce(big[::2], out=out[1::2])
             ref = sum(inputs(r, 2 * n, "float64", seed)[::2] for r in range(P))
             assert np.allclose(out[1::2], ref) and not out[::2].any()
+            # an input at an odd address (not aligned for its items): the same bits
+            raw = np.zeros(8 * n + 1, np.uint8)
+            odd = raw[1:].view(np.float64)
+            odd[...] = big[::2]
+            assert not odd.flags.aligned
+            assert np.array_equal(c.allreduce(odd).view(np.uint8),
+                                  c.allreduce(big[::2].copy()).view(np.uint8)), n
         # broadcast from every root, some ranks passing None
         for root in range(P):
             data = np.arange(n * 3, dtype=np.int16).reshape(n, 3) + root
@@ -113,6 +121,32 @@ def mode_collectives(c, launched=False):
         assert np.array_equal(g0, np.concatenate([np.full(r + n, r, np.int32)
                                                   for r in range(P)]))
         c.barrier()
+    # from 4 MiB (nodes.LANES_BYTES; nodes of one size: cut among the lanes): out given, out
+    # the input itself, none, reduce, reduce_scatter: the same bits
+    n = (4 << 20) // 4 + 12345
+    for seed, (dtype, op) in enumerate((("float32", "sum"), ("int32", "bxor"))):
+        xs = [inputs(r, n, dtype, 50 + seed) for r in range(P)]
+        fold = {"sum": np.add, "bxor": np.bitwise_xor}[op]
+        ref = xs[0].copy()
+        for x in xs[1:]:
+            ref = fold(ref, x)
+        got = c.allreduce(xs[me], op)
+        same_everywhere(got, f"allreduce {dtype} {op} {n}", check)
+        if dtype == "float32":
+            assert np.allclose(got, ref, rtol=1e-4, atol=1e-3 * P), (dtype, n)
+        else:
+            assert np.array_equal(got, ref), (dtype, op, n)
+        bits = got.view(np.uint8)
+        x = xs[me].copy()
+        assert c.allreduce(x, op, out=x) is x and np.array_equal(x.view(np.uint8), bits)
+        o = np.empty_like(got)
+        assert c.allreduce(xs[me], op, out=o) is o and np.array_equal(o.view(np.uint8), bits)
+        r = c.reduce(xs[me], op, root=P - 1)
+        assert (r is None) == (me != P - 1)
+        if r is not None:
+            assert np.array_equal(r.view(np.uint8), bits)
+        rs = c.reduce_scatter(xs[me], op)
+        assert np.array_equal(rs.view(np.uint8), np.array_split(got, P)[me].view(np.uint8))
     # out overlapping the input without being it: the root's data reaches every rank (and
     # the same array, in place, works directly)
     for n, shift in ((125, 10), (70001, 3), (70001, -5)):
@@ -297,6 +331,63 @@ def mode_sigint(c):
             W.send(took, dest=late, tag=77)
     else:
         raise AssertionError(f"rank {me}: no error")
+
+
+def mode_earlyclose(c):
+    """Nodes of 2 (one size: lanes): a small allreduce ends on lane 0 and rank 0 closes its
+    communicator (its node's group with it) while rank 1's lane (with rank 3, held back until
+    rank 0 has closed) still folds: rank 1's step needs nothing of the node any more and ends
+    with the right sum instead of taking the closed group for a failure."""
+    from shmtree.inter import Link
+    P, me = c.size, c.rank
+    assert c.nodes == 2 and c.node_size == 2 and c._lane is not None
+    if me == 3:
+        real = Link.allreduce
+
+        def held(link, buf, op):
+            W.recv(source=0, tag=88)          # (rank 0 has closed)
+            return real(link, buf, op)
+        Link.allreduce = held
+    try:
+        got = c.allreduce(np.full(5, float(me + 1)))
+    finally:
+        if me == 3:
+            Link.allreduce = real
+    assert np.array_equal(got, np.full(5, float(sum(range(1, P + 1))))), (me, got)
+    if me == 0:
+        c.close()
+        W.send(None, dest=3, tag=88)
+
+
+def mode_linktimeout(c):
+    """Nodes of 1: rank 0's allreduce has a timeout and rank 1 enters only once rank 0 has
+    raised: rank 0's step between the nodes (inline: the link is idle) raises
+    CollectiveTimeoutError within its timeout's reach, its next call and rank 1's raise
+    PeerLostError (none hangs)."""
+    P, me = c.size, c.rank
+    assert c.nodes == P
+    c.allreduce(np.ones(8))
+    if me == 0:
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(8), timeout=FAILURE_TIMEOUT_S)
+        except shmtree.CollectiveTimeoutError as exc:
+            took = time.monotonic() - t0
+            assert "timed out waiting for the other nodes" in str(exc), exc
+            assert took < FAILURE_TIMEOUT_S + HANG_S, took
+            print(f"rank 0 raised CollectiveTimeoutError after {took:.1f} s: {exc}", flush=True)
+        else:
+            raise AssertionError("rank 0: no timeout")
+        for r in range(1, P):
+            W.send(None, dest=r, tag=89)
+    else:
+        W.recv(source=0, tag=89)
+    try:
+        c.allreduce(np.ones(8))
+    except shmtree.PeerLostError as exc:
+        print(f"rank {me} raised PeerLostError: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: the communicator still works after a timeout")
 
 
 def killed(who):
@@ -598,7 +689,7 @@ def main():
         return main_formfail(node_size)
     c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode not in ("failure", "sigint"):
+    if mode not in ("failure", "sigint", "linktimeout"):
         c.close()
     W.Barrier()
     if W.rank == 0:

@@ -172,6 +172,24 @@ def test_a_failure_in_one_node_reaches_every_node():
 
 
 @pytest.mark.timeout(120)
+def test_a_node_peer_closing_after_its_result_leaves_a_lane_folding():
+    """Nodes of one size, a small allreduce: rank 0 has its result and closes (its node's group
+    with it) while rank 1's lane still folds with rank 3: rank 1 gets the sum, no error."""
+    rc, out, _ = _launch(4, "earlyclose", 2)
+    assert rc == 0 and "OK earlyclose" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_in_an_inline_step_between_nodes():
+    """Nodes of 1: rank 0 times out in its step between the nodes, which runs in its own
+    thread (the link is idle): CollectiveTimeoutError, then PeerLostError on every rank."""
+    rc, out, _ = _launch(2, "linktimeout", 1, timeout=60)
+    assert rc == 0 and "OK linktimeout" in out, out[-4000:]
+    assert "rank 0 raised CollectiveTimeoutError" in out, out[-4000:]
+    assert len(_reports(out, r"rank \d+ raised PeerLostError")) == 2, out[-4000:]
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_rank_ends_the_job():
     rc, out, ended = _launch(4, "kill", 2)
     assert rc != 0 and "OK kill" not in out, out[-4000:]
