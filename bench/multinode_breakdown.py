@@ -62,23 +62,21 @@ class Trace:
         return timed
 
     def install(self, c):
-        from shmtree import inter, nodes
+        from shmtree import calls, inter, pipelines
         local = c.local
-        for name, label in (("_prep_reduce_scatter", "rs/red"), ("_prep_allgather", "ag/bc"),
-                            ("_prep_reducing", "rs/red"), ("_prep_broadcast", "ag/bc")):
-            prep = getattr(local, name)
+        labels = {calls.REDUCE_SCATTER: "rs/red", calls.REDUCE: "rs/red",
+                  calls.ALLREDUCE: "rs/red", calls.ALLGATHER: "ag/bc", calls.BROADCAST: "ag/bc"}
+        run = local.run                   # (every step in the node is a parsed call run here)
 
-            def make(prep=prep, label=label):
-                def prep_timed(*a, **kw):
-                    return self.wrap(label, prep(*a, **kw))
-                return prep_timed
-            setattr(local, name, make())
+        def run_timed(spec):
+            return self.wrap(labels.get(spec.coll, "other"), lambda: run(spec))()
+        local.run = run_timed
         for name, label in (("_agree", "agree"),):
             setattr(c, name, self.wrap(label, getattr(c, name)))
         for name in ("allreduce", "allreduce_lane"):
             if hasattr(inter.Link, name):
                 setattr(inter.Link, name, self.wrap("net", getattr(inter.Link, name)))
-        nodes._wait = self.wrap("wait", nodes._wait)
+        pipelines._wait = self.wrap("wait", pipelines._wait)
         inter.Link.wait = self.wrap("wait", inter.Link.wait)
 
     def summary(self, wall):

@@ -262,22 +262,6 @@ class Communicator(Front, Executors):
         except CollectiveMismatchError:
             pass                          # (the others made the call: they raise it too)
 
-    # ---- the old entries of the multi-node steps (nodes.py), on the parse ----
-
-    def _prep_reducing(self, array, op, out, timeout, kind, root=None, posted=False):
-        if root is None:
-            return self._prepared(calls.allreduce(self, array, op, out, timeout))
-        return self._prepared(calls.reduce(self, array, op, root, out, timeout))
-
-    def _prep_broadcast(self, array, root, out, timeout, posted=False):
-        return self._prepared(calls.broadcast(self, array, root, out, timeout))
-
-    def _prep_allgather(self, array, axis, out, timeout):
-        return self._prepared(calls.allgather(self, array, axis, out, timeout))
-
-    def _prep_reduce_scatter(self, array, op, out, timeout):
-        return self._prepared(calls.reduce_scatter(self, array, op, out, timeout))
-
     def stats(self) -> dict:
         """Counters of this rank's engine since it joined: calls (collectives completed), yields
         (sched_yield calls), sleeps (futex sleeps) and sleep_timeouts (sleeps nobody cut short)."""

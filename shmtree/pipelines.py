@@ -119,8 +119,8 @@ class Pipelines:
         # link works there in place, instead of in a scratch slot copied out at the end (a
         # node of one rank: the link reads the input and writes the output, no copy at all)
         direct = leader and dst is not None and not hasattr(link, "scratch")
-        # (src and dst are the same memory or do not overlap: _prep_reducing copies an input
-        # that out overlaps otherwise)
+        # (src and dst are the same memory or do not overlap: Spanning._exec_reducing copies
+        # an input that out overlaps otherwise)
         inplace = direct and (src.__array_interface__["data"][0] ==
                               dst.__array_interface__["data"][0])
         slots = None
