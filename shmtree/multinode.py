@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import nodes as _nodes, session
+from . import nodes as _nodes, plan as _plan, session
 from .errors import ShmtreeError
 from .group import Group
 from .inter import Link
@@ -116,6 +116,18 @@ def spanning_member(group, comm):
 # forming the communicator from an MPI job
 
 
+def _host_ranks(mpi_comm, node_comm, node_size, rank, MPI):
+    """How many processes of mpi_comm share this machine (collective over mpi_comm when
+    node_size simulates nodes: then a node is not the machine)."""
+    if node_size is None:
+        return node_comm.Get_size()
+    host = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        return host.Get_size()
+    finally:
+        host.Free()
+
+
 def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
     """A communicator spanning the processes of `mpi_comm` (mpi4py), one shmtree group per node.
 
@@ -123,7 +135,8 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
     `node_size=k`, consecutive blocks of k ranks instead, to simulate nodes on one machine)
     form a group through a rendezvous: the node's first process creates the segment, the others
     attach (same user only).  comm.rank == mpi_comm.rank.  group_options are Group's (pin
-    defaults to False here: the MPI launcher places the processes)."""
+    defaults to False here: the MPI launcher places the processes; spin_us to 0 when the
+    machine has more of mpi_comm's processes than cores, as a group of that many would)."""
     from mpi4py import MPI
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise ShmtreeError("shmtree.from_mpi: MPI was initialised without MPI_THREAD_MULTIPLE "
@@ -149,7 +162,10 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
         node = firsts.index(first)
         options = dict(group_options)
         options.setdefault("pin", False)
-        token, err, group, local = None, None, None, None
+        if _host_ranks(mpi_comm, node_comm, node_size, rank, MPI) > _plan.usable_count():
+            options.setdefault("spin_us", 0)      # (more processes than cores on this machine,
+                                                  # however many a node's group has: a rank
+        token, err, group, local = None, None, None, None    # that spins keeps a peer out)
         if node_rank == 0:
             try:
                 group = _nodes.Group(nsize, **options)

@@ -3,7 +3,7 @@
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, parsed, mismatch,
-failure, kill, sigint, formfail, earlyclose, linktimeout.  Launcher modes (N launchers, one per
+failure, kill, sigint, formfail, earlyclose, linktimeout, spin.  Launcher modes (N launchers, one per
 node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
 launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
@@ -396,6 +396,19 @@ def killed(who):
     from its start (a loaded machine stretches the start)."""
     print(f"{who} killed at {time.monotonic():.3f}", flush=True)
     os.kill(os.getpid(), 9)
+
+
+def mode_spin(c):
+    """What the nodes' groups spin before they yield: 0 when the machine has more of the job's
+    processes than cores (whatever a node's group has), else the plan's default."""
+    from mpi4py import MPI
+    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    over = host.Get_size() > len(os.sched_getaffinity(0))
+    host.Free()
+    spin = c.local.group.plan.spin_ns
+    assert (spin == 0) == over, (spin, over)
+    print(f"rank {c.rank}: spin_ns {spin} oversubscribed {over}", flush=True)
+    assert np.array_equal(c.allreduce(np.ones(10)), np.full(10, float(c.size)))
 
 
 def mode_kill(c):

@@ -190,6 +190,16 @@ def test_a_timeout_in_an_inline_step_between_nodes():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size", [(4, 2), (2, 1)])
+def test_simulated_nodes_do_not_spin_on_an_oversubscribed_machine(nprocs, node_size):
+    """from_mpi: a node's group of 2 on a machine of 2 cores would spin, but the machine holds
+    all of the job's processes: with more of them than cores, no group spins."""
+    rc, out, _ = _launch(nprocs, "spin", node_size)
+    assert rc == 0 and "OK spin" in out, out[-4000:]
+    assert len(_reports(out, r"rank \d+: spin_ns \d+")) == nprocs, out[-4000:]
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_rank_ends_the_job():
     rc, out, ended = _launch(4, "kill", 2)
     assert rc != 0 and "OK kill" not in out, out[-4000:]
