@@ -32,16 +32,8 @@ from .ops import dtype_words as _dtype_words
 
 __all__ = ["Executors"]
 
-# (the parse's rules, calls.py; by these names for the multi-node steps, nodes.py)
-_root = calls.check_root
-_movable = calls.movable
-_dtype_digest = calls.dtype_digest
-_dtype_text = calls.dtype_text
-_out_for = calls.out_for
-_finish = calls.finish
-_bytes_of = calls.bytes_of
-_deadline = calls.deadline_of
-_scatter_block = calls.scatter_shape
+_out_for = calls.out_for     # (a module name: the output a broadcast's rank gets made when the
+                             # data follows, _bcast_output; a test makes it fail there)
 
 
 @functools.lru_cache(maxsize=256)
