@@ -1,17 +1,13 @@
-"""Communicator: one rank's calls (docs/design.md, "One call"), and the module-level calls.
+"""Communicator: one machine's communicator (docs/design.md, "Layers" and "One call").
 
-Python validates and allocates; the engine (Cython, GIL released) only moves chunks.  Every
-collective has the same three steps:
-  1. turn the arguments into a message: dtype and op codes, a contiguous source, a contiguous
-     destination, a call descriptor (kind, op, dtype, shape; the engine numbers the calls);  local
-     errors are raised here, before any communication, so they leave the group usable;
-  2. one round on channel 0 (the latency channel) that carries the descriptor, checked against the
-     children's at every parent, and the whole message when it fits a small slot; larger messages
-     then flow through channel 1 (the bandwidth channel), pipelined chunk by chunk;
-  3. drive the engine in time slices: between slices, check the abort word, the peers (dead, gone
-     for good, idle in a Pool), the timeout and signals; turn a failure into an exception (and
-     abort the group: a half-done collective cannot be resumed).  An interrupt at any point of a
-     call either lets it finish or aborts the group: never a call left half-begun.
+It is a Front (front.py): every public collective comes in through its hooks - _quick (the
+engine's C twin of the parse: a plain ndarray call goes straight to Engine.call), _run and _post
+(a parsed CallSpec, run now or posted to the progress thread), _local_error, _shared_array - and
+runs on its executors (collectives.py), whose every engine call is one Engine.call here (_call).
+Between the engine's time slices it checks the abort word, the peers (dead, gone for good, idle
+in a Pool), the timeout and signals, and turns a failure into an exception (and aborts the
+group: a half-done collective cannot be resumed).  An interrupt at any point of a call either
+lets it finish or aborts the group: never a call left half-begun.
 
 The process's membership state (this process's communicator, the fork generation) is
 shmtree.session's, read through that module.
@@ -190,12 +186,6 @@ class Communicator(Front, Executors):
         return self._shared.allocate(shape, dtype, order, how)
 
     # ---- running a prepared call: at once, or posted to the progress thread ----
-
-    def _idle(self) -> bool:
-        """No nonblocking call outstanding (and this is not the progress thread): a blocking
-        call may run at once, in this thread."""
-        progress = self._progress
-        return progress is None or not (progress.outstanding or progress.is_current_thread())
 
     def _now(self, run):
         """A blocking call: run the prepared call at once when nothing is outstanding, else post
