@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from . import _kernels
+from .calls import split_bounds as _pieces
 from .codes import ABORT_FAILED, ranks_text
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 
@@ -449,12 +450,6 @@ def global_ranks(text, ranks, also=None):
                 break
         out.append(text[quote:end])
         at = end
-
-
-def _pieces(n, parts):
-    """np.array_split's bounds: [0, ..., n] in `parts` pieces."""
-    q, r = divmod(n, parts)
-    return [j * q + min(j, r) for j in range(parts + 1)]
 
 
 def _raw(a):
