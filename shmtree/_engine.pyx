@@ -92,6 +92,7 @@ import pickle
 
 import numpy as np
 from shmtree import _kernels
+from shmtree.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
 cdef int _TYPENUM_CODE[N_TYPENUMS]

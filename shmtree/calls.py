@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -310,15 +311,25 @@ def dtype_digest(dtype) -> int:
     dtype in words: dtype_text), else a 32-bit digest of its pickle."""
     dt = np.dtype(dtype)
     key = dt.str.encode()
-    if (len(key) <= 7 and dt.fields is None and dt.subdtype is None
-            and np.dtype(dt.str) == dt):
+    if len(key) <= 7 and dt.fields is None and dt.subdtype is None and _named_by_str(dt):
         return int.from_bytes(key, "little") | _NAMED
     return int.from_bytes(hashlib.sha256(pickle.dumps(dt)).digest()[:4], "little")
 
 
+def _named_by_str(dt) -> bool:
+    """Does dt.str name dt itself?  (Not for ml_dtypes' types: bfloat16's is '<V2', float8's
+    '<f1', which numpy does not even parse.)"""
+    try:
+        return np.dtype(dt.str) == dt
+    except TypeError:
+        return False
+
+
 def dtype_text(digest) -> str:
-    """The dtype a dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'); a
-    dtype without such a name (structured, ml_dtypes' bfloat16) is known by its digest."""
+    """The dtype a dtype_digest stands for, in words: its name ('float64', '>i4', 'S5'; the
+    name of an ml_dtypes type such as bfloat16 when ml_dtypes is loaded); a dtype without such
+    a name (structured) is known by its digest."""
+    digest = int(digest)
     if digest & _NAMED:
         try:
             dt = np.dtype(int(digest & (_NAMED - 1)).to_bytes(7, "little").rstrip(b"\0")
@@ -326,4 +337,13 @@ def dtype_text(digest) -> str:
             return str(dt)
         except (TypeError, ValueError, UnicodeDecodeError):
             pass
+    ml = sys.modules.get("ml_dtypes")
+    for name in _EXTENSION_TYPES if ml is not None else ():
+        kind = getattr(ml, name, None)
+        if kind is not None and dtype_digest(np.dtype(kind)) == digest:
+            return name
     return f"#{digest:08x} (structured, or of an extension such as ml_dtypes)"
+
+
+_EXTENSION_TYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
+                    "float8_e4m3fnuz", "float8_e5m2fnuz", "int4", "uint4")

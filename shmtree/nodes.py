@@ -437,22 +437,6 @@ def _row(kind, root, opc, a):
             d0, d1, digest]
 
 
-def _dtype_text(num):
-    """A dtype's name from its number (numpy's builtin types; bfloat16 when ml_dtypes is
-    loaded), else its number."""
-    for t in list(np.sctypeDict.values()):
-        try:
-            if np.dtype(t).num == num:
-                return np.dtype(t).name
-        except TypeError:
-            pass
-    import sys
-    ml = sys.modules.get("ml_dtypes")
-    if ml is not None and np.dtype(ml.bfloat16).num == num:
-        return "bfloat16"
-    return f"#{num}"
-
-
 def _describe(r):
     kind, root, opc = int(r[0]), int(r[1]), int(r[2])
     name = KIND_NAMES.get(kind, "collective")
@@ -465,7 +449,7 @@ def _describe(r):
     shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
     parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE) else []
     parts.append(f"shape={shape}")
-    parts.append(f"dtype={_dtype_text(int(r[4]))}")
+    parts.append(f"dtype={calls.dtype_text(int(r[3]))}")
     if kind in (KIND_ALLREDUCE, KIND_REDUCE, KIND_REDUCE_SCATTER):
         parts.append(f"op={OP_NAMES.get(opc, opc)!r}")
     if kind == KIND_ALLGATHER:

@@ -69,7 +69,7 @@ cdef tuple _key(dt):
             _KEYS.clear()
         # (a dtype whose str names another one - ml_dtypes' bfloat16 is '<V2' - travels
         # pickled, as structured ones do)
-        plain = dt.fields is None and dt.subdtype is None and np.dtype(dt.str) == dt
+        plain = dt.fields is None and dt.subdtype is None and _named_by_str(dt)
         if plain:
             s = dt.str.encode()
             got = (s, len(s) <= MAX_STR)
