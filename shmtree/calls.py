@@ -110,7 +110,7 @@ def _reducing(comm, name, coll, kind, array, op, out, timeout, root, posted):
             raise
         error, opc, dtc = exc, -1, -1
     if out is not None and error is None:
-        destination(a, out)           # (checks out now)
+        check_destination(a, out)
     return CallSpec(name, coll, kind, a, out, op, opc, dtc, root, None, timeout,
                     _checked_deadline(timeout, error), posted, error)
 
@@ -135,7 +135,7 @@ def broadcast(comm, array, root=0, out=None, timeout=None, posted=False):
             a = array if type(array) is np.ndarray and not array.dtype.hasobject \
                 else movable(array, "broadcast")
             if out is not None:
-                out_for(out, a.shape, a.dtype, "broadcast")          # (checks out)
+                check_out(out, a.shape, a.dtype, "broadcast")
     except TypeError as exc:          # (a dtype holding Python objects: said to the other
         return CallSpec("broadcast", BROADCAST, kind, None, out, root=root,  # ranks in the
                         timeout=timeout, deadline=dl, posted=posted, error=exc)   # round)
@@ -148,8 +148,8 @@ def allgather(comm, array, axis=None, out=None, timeout=None, posted=False):
         raise ValueError(f"shmtree: allgather: axis must be None or 0, got {axis!r}")
     dl = deadline_of(timeout)
     a = movable(array, "allgather")
-    if axis is None:
-        out_for(out, (comm.size,) + a.shape, a.dtype, "allgather")    # (checks out)
+    if axis is None and out is not None:
+        check_out(out, (comm.size,) + a.shape, a.dtype, "allgather")
     elif a.ndim == 0:
         raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
     return CallSpec("allgather", ALLGATHER, KIND_ALLGATHER, a, out, axis=axis, timeout=timeout,
@@ -241,6 +241,16 @@ def destination(a, out):
     if out is None:
         result = np.empty(a.shape, dtype=a.dtype)
         return result, result, None
+    o = check_destination(a, out)
+    if o.flags.c_contiguous and o.flags.aligned:
+        return out, o, None
+    tmp = np.empty(a.shape, dtype=a.dtype)
+    return out, tmp, o
+
+
+def check_destination(a, out):
+    """destination's checks of an out= (not None), making nothing: out as an ndarray (a
+    buffer's flat view), or the ValueError that says what is wrong."""
     o = out if isinstance(out, np.ndarray) else _as_flat_buffer(out)
     if o.dtype != a.dtype:
         raise ValueError(f"shmtree: out has dtype {o.dtype}, the input has {a.dtype}")
@@ -251,10 +261,7 @@ def destination(a, out):
         raise ValueError(f"shmtree: out holds {o.size} items, the input has {a.size}")
     if not o.flags.writeable:
         raise ValueError("shmtree: out is read-only")
-    if o.flags.c_contiguous and o.flags.aligned:
-        return out, o, None
-    tmp = np.empty(a.shape, dtype=a.dtype)
-    return out, tmp, o
+    return o
 
 
 def _as_flat_buffer(out):
@@ -273,6 +280,15 @@ def out_for(out, shape, dtype, what):
     array (None) - and the array to copy the result into afterwards, if any."""
     if out is None:
         return np.empty(shape, dtype), None
+    check_out(out, shape, dtype, what)
+    if out.flags.c_contiguous and out.flags.aligned:
+        return out, None
+    return np.empty(shape, dtype), out
+
+
+def check_out(out, shape, dtype, what):
+    """out_for's checks of an out= (not None), making nothing: a writable ndarray of (shape,
+    dtype), or the ValueError that says what is wrong."""
     if not isinstance(out, np.ndarray):
         raise ValueError(f"shmtree: {what}: out must be a numpy array, got {type(out).__name__}")
     if out.dtype != dtype or out.shape != tuple(shape):
@@ -280,9 +296,6 @@ def out_for(out, shape, dtype, what):
                          f"result has shape {tuple(shape)} and dtype {np.dtype(dtype)}")
     if not out.flags.writeable:
         raise ValueError(f"shmtree: {what}: out is read-only")
-    if out.flags.c_contiguous and out.flags.aligned:
-        return out, None
-    return np.empty(shape, dtype), out
 
 
 def finish(result, copy_back):

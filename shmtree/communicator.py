@@ -116,10 +116,10 @@ class Communicator(Front, Executors):
             if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
                 self._digest_of = (dt, _dtype_digest(dt))
             tag = self._digest_of[1]
+        kind = _KINDS[coll] + KIND_ROOT_STEP * root
         try:
             start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, root, _KINDS[coll] + KIND_ROOT_STEP * root,
-                           timeout, tag)
+            got = eng.call(coll, array, out, op, root, kind, timeout, tag)
             if got is None:
                 return DECLINED
             rc, result = got
@@ -131,8 +131,7 @@ class Communicator(Front, Executors):
             raise
         if coll == BROADCAST and type(result) is tuple:
             claim = out if array is None else array
-            return self._broadcast_rest(result, claim, root, out,
-                                        _KINDS[coll] + KIND_ROOT_STEP * root,
+            return self._broadcast_rest(result, claim, root, out, kind,
                                         None if start is None else start + timeout)
         return result
 
@@ -520,13 +519,6 @@ def _moved_text(kind, shape, nbytes):
     if base == KIND_BROADCAST:          # (its first round's size is the library's, not the call's)
         return name
     return f"{name}({nbytes} bytes)"
-
-
-def _overlaps(a, b) -> bool:
-    """Do two arrays share memory without being the very same elements (then an input read
-    while the other is written must be copied first)?  The overlap rule, decided in one place:
-    _engine.clash (the engine's begin, begin_coll and fast paths apply the same rule)."""
-    return _engine.clash(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,11 +28,10 @@ import weakref
 
 import numpy as np
 
-from . import calls, session
+from . import _engine, calls, session
 from .calls import ALLGATHER, BARRIER, BROADCAST, REDUCE_SCATTER, split_bounds as _pieces
 from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST,
                     KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ranks_text)
-from .communicator import _overlaps
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
 from .pipelines import Pipelines
@@ -279,7 +278,7 @@ class Spanning(Front, Pipelines):
                 return None
             result, dst, copy_back = calls.destination(a, out)
             flat = dst.reshape(-1)
-            if _overlaps(src, flat):
+            if _engine.clash(src, flat):
                 src = src.copy()          # out overlaps the input without being it
             fold(src, flat, op, deliver, deadline)
             if copy_back is not None:
