@@ -274,7 +274,9 @@ cdef enum:
     COLL_REDUCE = 2
     COLL_REDUCE_SCATTER = 3
     COLL_ALLGATHER = 4
-    N_COLL = 5
+    COLL_ALLTOALL = 5       # (and gather, scatter, scan's exchanges: blocks of any sizes
+                            # between any pairs, alg_exchange.pxi)
+    N_COLL = 6
 
 cdef enum:
     ALG_INLINE = 0
@@ -310,13 +312,13 @@ _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_don
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
 _register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
 cdef enum:
-    COLL_BARRIER = 5        # (Engine.call: an allreduce of nothing)
-    COLL_ERROR = 6          # (Engine.call: a local error said in the call's round)
+    COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
+    COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
 # the collectives by number, for the Python layer (calls.py numbers them alike)
-ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, BARRIER, ERROR = (
+ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
-    COLL_BARRIER, COLL_ERROR)
+    COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
 DATA_ONLY = BC_DATA_ONLY
 
 
@@ -808,7 +810,7 @@ cdef class Engine:
         """Take the Plan's selection: {collective number: (inline limit, algorithm name)}."""
         cdef int coll
         names = {"tree": ALG_TREE, "ring": ALG_TREE, "chain": ALG_RING, "blocks": ALG_RING,
-                 "copy": ALG_TREE}
+                 "copy": ALG_TREE, "exchange": ALG_RING}
         for coll in range(N_COLL):
             limit, alg = selection[coll]
             self.sel_limit[coll] = limit

@@ -32,9 +32,12 @@ from .ops import reduction_codes
 __all__ = ["CallSpec", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
            "barrier", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
 
-ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, BARRIER = range(6)
+# the collectives by number: the engine's own (Engine.call takes these numbers: _engine.ALLREDUCE
+# ... _engine.BARRIER), then those whose executors are made of engine calls
+ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER = range(7)
+GATHER, SCATTER, SCAN, EXSCAN = range(7, 11)
 COLLECTIVE_NAMES = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather",
-                    "barrier")
+                    "alltoall", "barrier", "gather", "scatter", "scan", "exscan")
 
 
 class CallSpec(NamedTuple):

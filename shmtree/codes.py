@@ -15,11 +15,23 @@ KIND_REDUCE = 4
 KIND_ALLGATHER = 5
 KIND_REDUCE_SCATTER = 6
 KIND_ALLGATHER_LENGTHS = 7     # allgather(axis=0)'s first round: every rank's length
+KIND_ALLTOALL = 8
+KIND_GATHER = 9
+KIND_SCATTER = 10
+KIND_SCAN = 11
+KIND_EXSCAN = 12
+KIND_COUNTS = 13               # a round of counts before a call whose blocks differ in size
+                               # (alltoall(counts=), gather/scatter(axis=0)): its kind's own
+                               # round says which call it precedes by its root step
+KIND_SCAN_BACK = 14            # scan / exscan's second exchange (the prefixes going back)
 KIND_ROOT_STEP = 16
 KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier", KIND_BROADCAST: "broadcast",
               KIND_REDUCE: "reduce", KIND_ALLGATHER: "allgather",
-              KIND_REDUCE_SCATTER: "reduce_scatter", KIND_ALLGATHER_LENGTHS: "allgather"}
-ROOTED = (KIND_BROADCAST, KIND_REDUCE)
+              KIND_REDUCE_SCATTER: "reduce_scatter", KIND_ALLGATHER_LENGTHS: "allgather",
+              KIND_ALLTOALL: "alltoall", KIND_GATHER: "gather", KIND_SCATTER: "scatter",
+              KIND_SCAN: "scan", KIND_EXSCAN: "exscan", KIND_COUNTS: "counts",
+              KIND_SCAN_BACK: "scan"}
+ROOTED = (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER, KIND_SCATTER)
 
 
 def kind_name(kind) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 from . import _engine, _kernels, plan as _plan, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
-                    KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS,
+                    KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
@@ -497,7 +497,7 @@ class Communicator(Front, Executors):
 
 _U1 = _kernels.DTYPE_CODES["u1"]
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
-          KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)
+          KIND_ALLTOALL, KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)
 
 
 def _engine_name(coll):

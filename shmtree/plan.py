@@ -54,9 +54,9 @@ DEFAULT_STALL_TIMEOUT = 10.0
 # "interleave": pages spread over the group's nodes; None: first touch by the producer.
 NUMA_POLICIES = ("auto", "consumer", "producer", "interleave", None)
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall")
 # the collectives by number, as the engine and calls.py number them
-ENGINE_ORDER = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather")
+ENGINE_ORDER = ("allreduce", "broadcast", "reduce", "reduce_scatter", "allgather", "alltoall")
 
 OPTIONS = ("topology", "tree", "chunk_bytes", "pin", "slots", "placement", "numa", "small_bytes",
            "spin_us", "nt_bytes", "stall_timeout")
@@ -99,6 +99,8 @@ class Plan:
             return "inline"
         if collective == "allreduce":
             return self.large_schedule
+        if collective == "alltoall":
+            return "exchange"
         return "chain" if collective in ("broadcast", "reduce") else "blocks"
 
     def selection(self) -> dict:
