@@ -3,8 +3,10 @@
     shmtree-bench                      the default sweep (= shmtree-bench allreduce)
     shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
     shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
-    shmtree-bench compare --collective broadcast|reduce|allgather|reduce_scatter [...]
+    shmtree-bench compare --collective broadcast|reduce|allgather|reduce_scatter|alltoall|
+                          gather|scatter|scan|exscan [...]
                                        that collective: shmtree vs MPI and the copy
+    shmtree-bench persistent [...]     p() of allreduce_init beside the plain allreduce
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
     shmtree-bench topology [...]       the plan a shmtree.Group with these options runs
     shmtree-bench overlap [...]        nonblocking calls: posting cost, overlap with computation
@@ -29,13 +31,14 @@ import signal
 import sys
 import threading
 
-from . import commands, compare, machine, multinode, overlap, plot, scaling
+from . import commands, compare, machine, multinode, overlap, persistent, plot, scaling
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
-COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling")
+COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
+            "persistent")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -152,8 +155,8 @@ def build_parser():
                         "memory (column '<MPI> shared'); with --methods, beside shmtree and mpi")
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="the collective to measure (default allreduce), root 0; a size is the "
-                        "whole buffer, as in nccl-tests: allgather's result, reduce_scatter's "
-                        "input, each of P blocks")
+                        "whole buffer, as in nccl-tests: allgather's and gather's result, "
+                        "reduce_scatter's, scatter's and alltoall's input, each of P blocks")
     p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
     _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
     _group_arguments(p)
@@ -215,7 +218,35 @@ def build_parser():
                         "shmtree.nodes.SEGMENT_BYTES)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _scaling_parser(sub)
+    _persistent_parser(sub)
     return parser
+
+
+def _persistent_parser(sub):
+    p = sub.add_parser(
+        "persistent", help="p() of comm.allreduce_init beside the plain comm.allreduce",
+        description="For every process count and size: the plain comm.allreduce(x, op, out=x) "
+                    "and p() of p = comm.allreduce_init(x, op, out=x), measured alternately in "
+                    "the same workers for --repeats rounds; the median of the rounds of each, "
+                    "their ratio, and the spread of the rounds' ratios.")
+    p.add_argument("--sizes", type=_arg(parse_sizes), default=persistent.DEFAULT_SIZES,
+                   help=f"bytes (default {persistent.DEFAULT_SIZES})")
+    p.add_argument("-n", "--nprocs", type=_arg(scaling.parse_nprocs),
+                   help="comma-separated process counts (default "
+                        f"{','.join(map(str, persistent.DEFAULT_NPROCS))})")
+    p.add_argument("--dtype", type=_arg(parse_dtype), default="float32",
+                   help="numpy dtype of the arrays (default float32)")
+    p.add_argument("--op", type=_arg(parse_op), default="sum", help="sum, prod, min or max")
+    p.add_argument("--iters", type=_arg(_positive),
+                   help=f"timed calls per round (default: adaptive, about {TARGET_S} s)")
+    p.add_argument("--time", type=_arg(_positive_seconds),
+                   help=f"adaptive: seconds of timed calls per round (default {TARGET_S})")
+    p.add_argument("--repeats", type=_arg(_positive), default=persistent.DEFAULT_REPEATS,
+                   help="rounds of (plain, persistent) measurements (default "
+                        f"{persistent.DEFAULT_REPEATS})")
+    p.set_defaults(fresh=False, timeout=60.0)
+    _output_arguments(p, with_plot=False)
+    _group_arguments(p)
 
 
 def _scaling_parser(sub):
@@ -236,7 +267,8 @@ def _scaling_parser(sub):
                    help="measure no P above this (default: the usable cores, at least 2, "
                         "unless --nprocs is given)")
     p.add_argument("--collectives", type=_arg(scaling.parse_collectives),
-                   help=f"comma-separated subset of {','.join(COLLECTIVES)} (default: all)")
+                   help=f"comma-separated subset of {','.join(COLLECTIVES)} (default: all "
+                        "those the installed shmtree has)")
     p.add_argument("--mpi-python", metavar="PATH",
                    help="an interpreter with mpi4py (default: this interpreter)")
     p.add_argument("--quick", "--short", action="store_true", help=scaling.QUICK_HELP)
@@ -310,7 +342,8 @@ def _main(argv):
         return {"allreduce": commands.cmd_allreduce, "compare": commands.cmd_compare,
                 "numa": commands.cmd_numa, "topology": commands.cmd_topology,
                 "overlap": commands.cmd_overlap, "multinode": commands.cmd_multinode,
-                "scaling": scaling.cmd_scaling}[args.command](args)
+                "scaling": scaling.cmd_scaling,
+                "persistent": persistent.cmd_persistent}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1

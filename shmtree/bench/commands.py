@@ -11,7 +11,7 @@ import sys
 
 from . import compare, machine, multinode, numa, overlap, plot, report, sweep
 from .harness import BenchError
-from .measure import MOVES_ONLY, TARGET_S, Plan, whole_bytes
+from .measure import BLOCKED, MOVES_ONLY, TARGET_S, Plan, whole_bytes
 from .units import format_size, parse_dtype
 
 QUICK_TARGET_S = 0.02                       # numa --quick: seconds of timed calls per cell
@@ -20,16 +20,16 @@ QUICK_MATRIX_SIZE = 1 << 20                 # numa --quick: bytes per matrix cel
 
 def round_sizes(sizes, dtype, nprocs, collective="allreduce"):
     """(the sizes measured, distinct and sorted; the note saying which sizes changed, or None):
-    `sizes` rounded to whole items of `dtype` (and, for allgather and reduce_scatter, P equal
-    blocks of at least one item)."""
+    `sizes` rounded to whole items of `dtype` (and, for the collectives of P blocks:
+    allgather, reduce_scatter, alltoall, gather, scatter, P equal blocks of at least one
+    item)."""
     whole = {s: whole_bytes(collective, s, dtype, nprocs) for s in sizes}
     changed = {s: w for s, w in whole.items() if s != w}
     measured = sorted(set(whole.values()))
     if not changed:
         return measured, None
     unit = (f"whole {dtype} items ({dtype.itemsize} B each)"
-            + (f" in {nprocs} equal blocks" if collective in ("allgather", "reduce_scatter")
-               else ""))
+            + (f" in {nprocs} equal blocks" if collective in BLOCKED else ""))
     note = (f"--sizes rounded to {unit}: "
             + ", ".join(f"{format_size(s)} -> {format_size(w)}" for s, w in changed.items()))
     return measured, note
@@ -132,11 +132,18 @@ def cmd_allreduce(args):
 
 COMPARE_TITLES = {"allreduce": "allreduce", "broadcast": "broadcast (root 0)",
                   "reduce": "reduce (root 0)", "allgather": "allgather",
-                  "reduce_scatter": "reduce_scatter"}
+                  "reduce_scatter": "reduce_scatter", "alltoall": "alltoall",
+                  "gather": "gather (root 0)", "scatter": "scatter (root 0)", "scan": "scan",
+                  "exscan": "exscan"}
 WHOLE_BUFFER = {
     "allgather": "# size = the whole gathered result (P blocks of size/P), as in nccl-tests",
     "reduce_scatter": "# size = the whole input (P blocks of size/P) each rank reduces, as in "
                       "nccl-tests",
+    "alltoall": "# size = each rank's whole input (P blocks of size/P, one per rank; the "
+                "output is as large), as in nccl-tests",
+    "gather": "# size = the root's whole gathered result (P blocks of size/P), as in "
+              "nccl-tests",
+    "scatter": "# size = the root's whole input (P blocks of size/P), as in nccl-tests",
 }
 
 

@@ -5,7 +5,8 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 - ``shmtree``: ``comm.allreduce`` in ``shmtree.run`` workers (``sweep.py``), which also measure
 - ``shared`` (``--shared``): the call on shared arrays (``comm.empty``): ``allreduce(x,
   out=x)``, ``broadcast(x, 0, out=x)``, ``reduce(x, op, 0, out=x on the root)``,
-  ``allgather(x, out=shared)``, ``reduce_scatter(shared x)``: the single-copy paths;
+  ``allgather(x, out=shared)``, ``reduce_scatter(shared x)``, and alltoall, gather, scatter,
+  scan, exscan of shared inputs into private outputs: the single-copy paths;
 - ``copy``: every process copying the same bytes at once, the memory-copy floor;
 - ``numpy_shm`` and ``pipe``: the hand-written loops of ``baselines.py``;
 - one MPI column per interpreter (``--mpi-python``, default this one) through ``mpi.py``;
@@ -15,13 +16,16 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
   calls (``mpi_worker --shared``), since MPI's own functions do not know the memory is shared;
 - ``gloo``: torch.distributed (``gloo.py``).
 
-``--collective`` (``run_all(..., collective=...)``) measures broadcast, reduce, allgather or
-reduce_scatter instead of allreduce: shmtree's call (``sweep.collective_call``) beside MPI's
-(``mpi_worker.FUNCTIONS``: Bcast, Reduce, Allgather, Reduce_scatter_block, root 0) and the copy
-of the whole buffer; numpy-shm, pipe and gloo are allreduce loops and are not offered for the
-others.  A size is the whole buffer, as in nccl-tests (``measure.layout``): allgather's result
-and reduce_scatter's input of P blocks, so the rows' ``size`` and ``count`` are those of that
-buffer, rounded down to P whole blocks.
+``--collective`` (``run_all(..., collective=...)``) measures broadcast, reduce, allgather,
+reduce_scatter, alltoall, gather, scatter, scan or exscan instead of allreduce: shmtree's call
+(``sweep.collective_call``) beside MPI's (``mpi_worker.FUNCTIONS``: Bcast, Reduce, Allgather,
+Reduce_scatter_block, Alltoall, Gather, Scatter, Scan, Exscan, root 0) and the copy of the
+whole buffer; numpy-shm, pipe and gloo are allreduce loops and are not offered for the others.
+A size is the whole buffer, as in nccl-tests (``measure.layout``): allgather's and gather's
+result, reduce_scatter's and scatter's input, alltoall's input, of P blocks, so the rows'
+``size`` and ``count`` are those of that buffer, rounded down to P whole blocks.  A shmtree
+without the collective's call (``comm.alltoall`` & co. are newer than the bench's other
+collectives) shows "n/a (...)" in its columns (``missing_call``) instead of failing.
 
 Every column's processes are pinned one per core when there are enough usable cores (shmtree's
 default; ``pin=None`` in the harness, for numpy-shm, pipe, gloo and a standalone copy;
@@ -44,7 +48,7 @@ from .units import format_size
 
 ALL_METHODS = ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi", "mpi_shared", "gloo")
 ALLREDUCE_ONLY = ("numpy_shm", "pipe", "gloo")   # hand-written allreduce loops, gloo's
-SHARED_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+SHARED_COLLECTIVES = COLLECTIVES      # every collective has a shared-array measurement
 OPT_IN = ("shared", "mpi_shared")     # measured when asked for (compare --shared, --methods)
 SHARED_TWINS = {"shmtree": "shared", "mpi": "mpi_shared"}   # a method and its shared arrays
 
@@ -96,6 +100,19 @@ class Column:
         return meta
 
 
+def missing_call(collective):
+    """Why the installed shmtree cannot make `collective` (its Communicator has no such method:
+    a shmtree older than the call), or None (also when shmtree cannot be imported: the
+    measurement then says why)."""
+    try:
+        import shmtree
+    except ImportError:
+        return None
+    if hasattr(shmtree.Communicator, collective):
+        return None
+    return f"n/a (no comm.{collective} in shmtree {getattr(shmtree, '__version__', '?')})"
+
+
 def _guarded(key, label, run):
     try:
         return Column(key, label, run())
@@ -106,6 +123,9 @@ def _guarded(key, label, run):
 def run_shmtree(sizes, nprocs, plan, options, collective="allreduce"):
     """(shmtree column, copy column) from one shmtree.run."""
     try:
+        reason = missing_call(collective)
+        if reason:
+            return Column("shmtree", "shmtree", status=reason), None
         measured = sweep.run_sweep(sizes, nprocs, plan, options, with_copy=True,
                                    collective=collective)
     except Exception as exc:
@@ -178,6 +198,8 @@ def run_all(sizes, nprocs, plan, options, methods, pythons, progress, collective
         if method == "shmtree":
             shm, copy = run_shmtree(sizes, nprocs, plan, options, collective)
             columns.append(shm)
+        elif method == "shared" and missing_call(collective):
+            columns.append(Column("shared", "shmtree shared", status=missing_call(collective)))
         elif method == "shared":
             columns.append(_guarded("shared", "shmtree shared",
                                     lambda: sweep.run_shared(sizes, nprocs, plan, options,

@@ -20,11 +20,12 @@ together: a shmtree communicator, the fork harness of the baselines, an MPI or g
 stay warm in cache; with ``fresh`` a rotation of input/output pairs carved from arenas bigger
 than the last-level cache, so that every call starts cache-cold.
 
-``COLLECTIVES``, ``layout`` and ``check`` say, for every collective that ``compare`` measures,
-how many items a rank's input and output hold for a message size and what the first call must
-have produced.  A size is the whole buffer, as nccl-tests counts it: the message of allreduce,
-broadcast and reduce; allgather's result and reduce_scatter's input, each P blocks of
-size / P bytes (rounded down to whole items, at least one item per block).
+``COLLECTIVES``, ``layout``, ``fill`` and ``check`` say, for every collective that ``compare``
+measures, how many items a rank's input and output hold for a message size, what the inputs
+hold and what the first call must have produced.  A size is the whole buffer, as nccl-tests
+counts it: the message of allreduce, broadcast, reduce, scan and exscan; allgather's and
+gather's result, reduce_scatter's and scatter's input, alltoall's input (and output), each P
+blocks of size / P bytes (rounded down to whole items, at least one item per block).
 
 This module imports only the standard library and numpy: ``mpi_worker.py`` loads it by path in
 another interpreter (another virtualenv) where shmtree itself may not be importable.
@@ -142,22 +143,30 @@ def verify(result, op, size, what, collective="allreduce"):
         raise RuntimeError(f"{what}: wrong {collective} result: expected {want!r}, got {bad!r}")
 
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-MOVES_ONLY = ("broadcast", "allgather")   # no op: they move bytes, they do not reduce
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter",
+               "alltoall", "gather", "scatter", "scan", "exscan")
+MOVES_ONLY = ("broadcast", "allgather", "alltoall", "gather", "scatter")   # no op: bytes only
+GATHERING = ("allgather", "gather")               # input: one block; output: P blocks
+SPLITTING = ("reduce_scatter", "scatter")         # input: P blocks; output: one block
+BLOCKED = GATHERING + SPLITTING + ("alltoall",)   # sizes rounded to P equal blocks
 
 
 def layout(collective, nbytes, dtype, nprocs):
     """(input items, output items) of one rank for a message of `nbytes`, the whole buffer:
-    allgather gathers P blocks into its output, reduce_scatter reduces an input of P blocks; the
-    others have input and output of the message's size.  Broadcast runs in place (the input is
-    also the output on every rank), as MPI_Bcast does."""
+    allgather and gather gather P blocks into the output (gather's only on the root, rank 0),
+    reduce_scatter reduces and scatter splits an input of P blocks (scatter's only on the root),
+    alltoall sends an input of P blocks and receives as many; the others have input and output
+    of the message's size.  Broadcast runs in place (the input is also the output on every
+    rank), as MPI_Bcast does."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}: choose one of "
                          f"{', '.join(COLLECTIVES)}")
     count = max(1, nbytes // np.dtype(dtype).itemsize)
-    if collective in ("allgather", "reduce_scatter"):
+    if collective in BLOCKED:
         block = max(1, count // nprocs)
-        return (block, block * nprocs) if collective == "allgather" else (block * nprocs, block)
+        whole = block * nprocs
+        return ((block, whole) if collective in GATHERING else
+                (whole, block) if collective in SPLITTING else (whole, whole))
     return count, count
 
 
@@ -167,24 +176,51 @@ def whole_bytes(collective, nbytes, dtype, nprocs):
     return max(layout(collective, nbytes, dtype, nprocs)) * np.dtype(dtype).itemsize
 
 
+def tag(source, dest, nprocs):
+    """What alltoall's block for rank `dest` holds in rank `source`'s input: a value of its own
+    for every (source, dest) pair (up to 100 pairs), small enough for every dtype."""
+    return 1 + (source * nprocs + dest) % 100
+
+
+def fill(collective, rank, nprocs, inputs):
+    """Give the input arrays (each laid out by `layout`) what `check` expects of `collective`
+    where Buffers' "every input holds rank + 1" does not say which block went where: alltoall's
+    block d of rank r holds tag(r, d); the root's (rank 0's) scatter input holds d + 1 in block
+    d.  Other collectives' inputs are left as they are."""
+    if collective not in ("alltoall", "scatter") or (collective == "scatter" and rank != 0):
+        return
+    for x in inputs:
+        blocks = x.reshape(nprocs, -1)
+        for d in range(nprocs):
+            blocks[d] = tag(rank, d, nprocs) if collective == "alltoall" else d + 1
+
+
 def check(collective, op, rank, nprocs, bufs, what):
-    """Raise RuntimeError unless the first call on Buffers `bufs` (pair 0) produced what
-    `collective` must produce on this rank (rank r contributed r + 1 everywhere, root 0)."""
+    """Raise RuntimeError unless the first call on Buffers `bufs` (pair 0, inputs as `fill`
+    left them) produced what `collective` must produce on this rank (rank r contributed r + 1
+    everywhere, root 0).  exscan's rank 0 is not checked: MPI_Exscan leaves it undefined."""
     x, out = bufs.pair(0)
     if collective in ("allreduce", "reduce_scatter") or (collective == "reduce" and rank == 0):
         verify(out, op, nprocs, what, collective)
+    elif collective in ("scan", "exscan"):
+        if collective == "scan" or rank > 0:      # the ranks 0..r (0..r-1): r + 1 (r) inputs
+            verify(out, op, rank + (collective == "scan"), what, collective)
     elif collective == "broadcast":
-        want = np.array(1).astype(x.dtype)     # the root's (rank 0's) value, in place
-        if not np.all(x == want):
-            raise RuntimeError(f"{what}: wrong broadcast result: expected {want!r}, "
-                               f"got {x[x != want].ravel()[:3]!r}")
-    elif collective == "allgather":
+        _same(x, 1, what, collective, "")          # the root's (rank 0's) value, in place
+    elif collective == "scatter":
+        _same(out, rank + 1, what, collective, "")
+    elif collective in ("allgather", "alltoall") or (collective == "gather" and rank == 0):
         blocks = out.reshape(nprocs, -1)
         for r in range(nprocs):
-            want = np.array(r + 1).astype(out.dtype)
-            if not np.all(blocks[r] == want):
-                raise RuntimeError(f"{what}: wrong allgather result: block {r} should hold "
-                                   f"{want!r}, got {blocks[r][blocks[r] != want][:3]!r}")
+            want = tag(r, rank, nprocs) if collective == "alltoall" else r + 1
+            _same(blocks[r], want, what, collective, f"block {r} ")
+
+
+def _same(got, value, what, collective, where):
+    want = np.array(value).astype(got.dtype)
+    if not np.all(got == want):
+        raise RuntimeError(f"{what}: wrong {collective} result: {where}expected {want!r}, "
+                           f"got {got[got != want].ravel()[:3]!r}")
 
 
 class Plan:

@@ -3,8 +3,10 @@
 Every rank builds the same buffers as shmtree's workers (``measure.Buffers``, laid out by
 ``measure.layout``), checks one call against the expected value (``measure.check``), then times
 it with the protocol of ``measure.py``.  The call is the one ``--collective`` names, root 0:
-``Allreduce(x, out, op)``, ``Bcast(x)`` in place, ``Reduce(x, out, op)``, ``Allgather(x, out)``
-or ``Reduce_scatter_block(x, out, op)`` (equal blocks, as ``measure.layout`` makes them).
+``Allreduce(x, out, op)``, ``Bcast(x)`` in place, ``Reduce(x, out, op)``, ``Allgather(x, out)``,
+``Reduce_scatter_block(x, out, op)``, ``Alltoall(x, out)``, ``Gather(x, out)``,
+``Scatter(x, out)`` (equal blocks, as ``measure.layout`` makes them, filled by
+``measure.fill``), ``Scan(x, out, op)`` or ``Exscan(x, out, op)``.
 Rank 0 gathers the ranks' summaries and prints one line, ``SHMTREE-BENCH-MPI {json}``, which
 ``mpi.py`` reads: the MPI library's own version string, the mpi4py version, the collective and
 its MPI function, and one row per size.
@@ -19,8 +21,11 @@ a time with numpy, between two ``MPI_Barrier`` calls (with ``MPI_Win_sync``: the
 before are seen, nobody returns while others still read or write its memory).  The layouts are
 shmtree's (``sweep._shared_call``): allreduce in place, broadcast in place from rank 0, reduce
 into rank 0's input, allgather of a private block into every rank's shared output,
-reduce_scatter of shared inputs into a private block.  Each part is reduced in rank order
-(x[0] op x[1] op ...).
+reduce_scatter of shared inputs into a private block; alltoall, gather, scatter, scan and
+exscan read shared inputs (the sources, as ``sweep._shared_sources``) and each rank writes its
+own private output: alltoall's block s from rank s's window, the root's gather every rank's
+block, scatter's block r from the root's window, scan (exscan) the fold of windows 0..r
+(0..r-1).  Each part is reduced in rank order (x[0] op x[1] op ...).
 
 It imports only the standard library, numpy, mpi4py and ``measure.py`` (loaded from this folder
 when run by path), so ``--mpi-python`` may point at another virtualenv's interpreter in which
@@ -72,7 +77,9 @@ def parse_args(argv):
 
 # the MPI function measured for each collective (mpi4py's buffer spelling)
 FUNCTIONS = {"allreduce": "Allreduce", "broadcast": "Bcast", "reduce": "Reduce",
-             "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block"}
+             "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
+             "alltoall": "Alltoall", "gather": "Gather", "scatter": "Scatter", "scan": "Scan",
+             "exscan": "Exscan"}
 
 
 def mpi_call(comm, collective, op, bufs):
@@ -92,6 +99,24 @@ def mpi_call(comm, collective, op, bufs):
         def call(i):
             x, out = bufs.pair(i)
             comm.Reduce_scatter_block(x, out, op=op)
+    elif collective == "alltoall":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Alltoall(x, out)
+    elif collective == "gather":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Gather(x, out, root=0)
+    elif collective == "scatter":
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Scatter(x, out, root=0)
+    elif collective in ("scan", "exscan"):
+        method = comm.Scan if collective == "scan" else comm.Exscan
+
+        def call(i):
+            x, out = bufs.pair(i)
+            method(x, out, op=op)
     else:
         def call(i):
             x, out = bufs.pair(i)
@@ -103,6 +128,7 @@ def one_size(comm, mpi, size, args):
     dtype = np.dtype(args.dtype)
     n_in, n_out = measure.layout(args.collective, size, dtype, comm.size)
     bufs = measure.Buffers(n_in, dtype, comm.rank, args.fresh, args.rotation_bytes, n_out)
+    measure.fill(args.collective, comm.rank, comm.size, bufs.inputs)
     op = {"sum": mpi.SUM, "prod": mpi.PROD, "min": mpi.MIN, "max": mpi.MAX}[args.op]
     call = mpi_call(comm, args.collective, op, bufs)
     call(0)
@@ -111,6 +137,7 @@ def one_size(comm, mpi, size, args):
 
 
 CHUNK_BYTES = 256 << 10        # a part is reduced (or moved) this much at a time, in cache
+SOURCES_SHARED = ("alltoall", "gather", "scatter", "scan", "exscan")   # shared in, private out
 SHARED_FUNCTIONS = {c: "single copy on MPI_Win_allocate_shared (numpy, 2x MPI_Barrier)"
                     for c in FUNCTIONS}
 
@@ -150,8 +177,10 @@ class SharedCollective:
         self.x = self._window(n_in, dtype) if shared_in else np.full(n_in, r + 1, dtype)
         if shared_in:
             self.x.mine[:] = r + 1                        # first touch: the owner's
+            measure.fill(collective, r, P, [self.x.mine])
+        private_out = collective == "reduce_scatter" or collective in SOURCES_SHARED
         self.out = (self._window(n_out, dtype) if collective == "allgather" else
-                    np.zeros(n_out, dtype) if collective == "reduce_scatter" else None)
+                    np.zeros(n_out, dtype) if private_out else None)
         if collective == "allgather":
             self.out.mine[:] = 0
         step = max(1, CHUNK_BYTES // np.dtype(dtype).itemsize)
@@ -160,7 +189,9 @@ class SharedCollective:
         self.lo, self.hi = min(r * share, n_in), min((r + 1) * share, n_in)
         self.work = {"allreduce": self._allreduce, "broadcast": self._broadcast,
                      "reduce": self._reduce, "allgather": self._allgather,
-                     "reduce_scatter": self._reduce_scatter}[collective]
+                     "reduce_scatter": self._reduce_scatter, "alltoall": self._alltoall,
+                     "gather": self._gather, "scatter": self._scatter, "scan": self._scan,
+                     "exscan": self._exscan}[collective]
         self._sync()
 
     def _window(self, count, dtype):
@@ -216,6 +247,30 @@ class SharedCollective:
         at = self.comm.rank * n
         self._fold([v[at:at + n] for v in self.x.views], 0, n, [self.out])
 
+    def _alltoall(self):
+        n = len(self.out) // self.comm.size
+        at = self.comm.rank * n
+        for s, v in enumerate(self.x.views):
+            self.out[s * n:(s + 1) * n] = v[at:at + n]
+
+    def _gather(self):
+        if self.comm.rank == 0:
+            n = len(self.x.mine)
+            for s, v in enumerate(self.x.views):
+                self.out[s * n:(s + 1) * n] = v
+
+    def _scatter(self):
+        n = len(self.out)
+        at = self.comm.rank * n
+        self.out[:] = self.x.views[0][at:at + n]
+
+    def _scan(self):
+        self._fold(self.x.views[:self.comm.rank + 1], 0, len(self.out), [self.out])
+
+    def _exscan(self):
+        if self.comm.rank:                                # rank 0's output: undefined in MPI
+            self._fold(self.x.views[:self.comm.rank], 0, len(self.out), [self.out])
+
     def check(self, collective, op):
         """measure.check's rules, on these arrays (rank 0 the root)."""
         P, r = self.comm.size, self.comm.rank
@@ -225,7 +280,7 @@ class SharedCollective:
             measure.verify(x, op, P, "MPI shared", collective)
         elif collective == "reduce_scatter":
             measure.verify(out, op, P, "MPI shared", collective)
-        elif collective in ("broadcast", "allgather"):
+        elif collective in ("broadcast", "allgather") or collective in SOURCES_SHARED:
             class Pair:
                 def pair(self, i):
                     return x, out

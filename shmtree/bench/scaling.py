@@ -2,7 +2,8 @@
 
 For every P in ``--nprocs`` (default 2, 4, 8, 16: those up to ``--max-procs``, by default the
 usable cores, at least 2; P given with ``--nprocs`` are all measured, oversubscribed if need
-be) and every collective in ``--collectives`` (default all five), one ``compare.run_all`` of
+be) and every collective in ``--collectives`` (default all ten, less those the installed
+shmtree has no call for: ``compare.missing_call``), one ``compare.run_all`` of
 the methods ``shmtree``, ``shared``, ``mpi`` and ``mpi_shared``: the same measurements as
 ``shmtree-bench compare --collective C --shared --methods shmtree,mpi -n P`` (same protocol,
 ``measure.py``; same layouts, ``measure.layout``: a size is the whole buffer; root 0).  Each
@@ -10,7 +11,8 @@ row is one (P, collective, size, arrays) cell:
 
 - ``private``: the call on numpy arrays (``comm.<collective>``) beside MPI's own function
   (``MPI_Allreduce``, ``MPI_Bcast``, ``MPI_Reduce``, ``MPI_Allgather``,
-  ``MPI_Reduce_scatter_block``);
+  ``MPI_Reduce_scatter_block``, ``MPI_Alltoall``, ``MPI_Gather``, ``MPI_Scatter``,
+  ``MPI_Scan``, ``MPI_Exscan``);
 - ``shared``: the call on shmtree's shared arrays (``comm.empty``, the single-copy paths)
   beside the single copy on MPI-3 shared memory (``MPI.Win.Allocate_shared``,
   ``mpi_worker --shared``).
@@ -66,6 +68,11 @@ def parse_nprocs(text):
     if not values:
         raise ValueError(f"no process count in {text!r}")
     return sorted(set(values))
+
+
+def default_collectives():
+    """Every collective of measure.COLLECTIVES that the installed shmtree can make."""
+    return [c for c in COLLECTIVES if compare.missing_call(c) is None]
 
 
 def parse_collectives(text):
@@ -163,7 +170,7 @@ def text_table(rows, mpi_label):
 def cmd_scaling(args):
     cores = usable()
     nprocs, left_out = choose_nprocs(args.nprocs, args.max_procs, cores)
-    collectives = args.collectives or list(COLLECTIVES)
+    collectives = args.collectives or default_collectives()
     python = args.mpi_python or sys.executable
     reason, hint = mpi.probe(python)
     methods = ["shmtree", "shared"] + ([] if reason else ["mpi", "mpi_shared"])
@@ -191,7 +198,8 @@ def cmd_scaling(args):
           f"({cores} usable cores), {plan.dtype}{''.join(' ' + o for o in ops)}, {knobs}, "
           f"{buffers}" + (", --quick" if args.quick else ""))
     print("# time = max over ranks of the median per call; size = the whole buffer "
-          "(allgather's result, reduce_scatter's input), as in nccl-tests; root 0")
+          "(allgather's and gather's result, reduce_scatter's, scatter's and alltoall's input), "
+          "as in nccl-tests; root 0")
     print("# private: numpy arrays, beside MPI's own function; shared: shmtree's shared arrays "
           "(comm.empty), beside the single copy on MPI_Win_allocate_shared memory")
     for line in _mpi_header(reason, hint, mpi_columns, python):

@@ -16,13 +16,17 @@ busbw is comparable with the memory bandwidth a process sees), and the ratio to 
 --collective``), on the buffers of ``measure.layout`` (a size is the whole buffer), root 0:
 ``comm.broadcast(x, 0, out=x)`` in place on every rank (the root passes its array, the others
 None), ``comm.reduce(x, op, 0, out=y)``, ``comm.allgather(x, out=y)`` into a (P, block) view,
-``comm.reduce_scatter(x, op, out=y)``.  The copy beside it copies the whole buffer.
+``comm.reduce_scatter(x, op, out=y)``, ``comm.alltoall(x, out=y)`` on (P, block) views,
+``comm.gather(x, 0, out=y)`` into a (P, block) view on the root (out=None elsewhere),
+``comm.scatter(x, 0, out=y)`` from a (P, block) view on the root (None elsewhere),
+``comm.scan(x, op, out=y)``, ``comm.exscan(x, op, out=y)``.  The copy beside it copies the
+whole buffer.
 """
 import numpy as np
 
 from . import report
 from .copylimit import copy_measurement
-from .measure import Buffers, check, layout, measure, slowest, verify
+from .measure import Buffers, check, fill, layout, measure, slowest, verify
 from .units import count_for
 
 GROUP_OPTIONS = ("topology", "tree", "chunk_bytes", "slots", "placement", "numa", "pin",
@@ -79,6 +83,31 @@ def collective_call(comm, collective, plan, bufs):
         def call(i):
             x, out = bufs.pair(i)
             comm.reduce_scatter(x, op, out=out, timeout=timeout)
+    elif collective == "alltoall":
+        pairs = [(x.reshape(P, -1), out.reshape(P, -1)) for x, out in zip(bufs.inputs,
+                                                                          bufs.outputs)]
+
+        def call(i):
+            x, out = pairs[i % len(pairs)]
+            comm.alltoall(x, out=out, timeout=timeout)
+    elif collective == "gather":
+        root = comm.rank == 0
+        gathered = [out.reshape(P, -1) if root else None for out in bufs.outputs]
+
+        def call(i):
+            comm.gather(bufs.pair(i)[0], 0, out=gathered[i % len(gathered)], timeout=timeout)
+    elif collective == "scatter":
+        root = comm.rank == 0
+        blocks = [x.reshape(P, -1) if root else None for x in bufs.inputs]
+
+        def call(i):
+            comm.scatter(blocks[i % len(blocks)], 0, out=bufs.pair(i)[1], timeout=timeout)
+    elif collective in ("scan", "exscan"):
+        method = getattr(comm, collective)
+
+        def call(i):
+            x, out = bufs.pair(i)
+            method(x, op, out=out, timeout=timeout)
     else:
         raise ValueError(f"no shmtree call for collective {collective!r}")
     return call
@@ -107,6 +136,7 @@ def _worker(comm, sizes, plan, with_copy, show_progress, collective="allreduce")
             continue
         n_in, n_out = layout(collective, size, plan.dtype, comm.size)
         bufs = Buffers(n_in, plan.dtype, comm.rank, plan.fresh, plan.rotation_bytes, n_out)
+        fill(collective, comm.rank, comm.size, bufs.inputs)
         copy = None
         if with_copy:   # the whole buffer, in the same processes
             whole = Buffers(max(n_in, n_out), plan.dtype, comm.rank, plan.fresh,
@@ -203,9 +233,49 @@ def _shared_call(comm, collective, plan, size):
 
         def check():
             verify(out, plan.op, P, "shmtree shared", "reduce_scatter")
+    elif collective in SOURCES_SHARED:
+        return _shared_sources(comm, collective, plan, n_in, n_out)
     else:
         raise ValueError(f"no shared-array measurement of {collective}")
     return call, check
+
+
+SOURCES_SHARED = ("alltoall", "gather", "scatter", "scan", "exscan")
+
+
+def _shared_sources(comm, collective, plan, n_in, n_out):
+    """(call, check) of alltoall, gather, scatter, scan or exscan reading shared inputs
+    (comm.empty: the ranks' sources, where the others can read them straight) and writing
+    private outputs, laid out and filled as in the private measurement (measure.fill)."""
+    P, r, timeout = comm.size, comm.rank, plan.timeout
+    blocked = collective in ("alltoall", "scatter")
+    x = comm.empty((P, n_in // P) if blocked else n_in, plan.dtype)
+    x[...] = r + 1
+    fill(collective, r, P, [x])
+    out = np.zeros((P, n_out // P) if collective in ("alltoall", "gather") else n_out,
+                   plan.dtype)
+    if collective == "alltoall":
+        def call(i):
+            comm.alltoall(x, out=out, timeout=timeout)
+    elif collective == "gather":
+        def call(i):
+            comm.gather(x, 0, out=out if r == 0 else None, timeout=timeout)
+    elif collective == "scatter":
+        def call(i):
+            comm.scatter(x if r == 0 else None, 0, out=out, timeout=timeout)
+    else:
+        method = getattr(comm, collective)
+
+        def call(i):
+            method(x, plan.op, out=out, timeout=timeout)
+
+    class Pair:
+        def pair(self, i):
+            return x.reshape(-1), out.reshape(-1)
+
+    def checked():
+        check(collective, plan.op, r, P, Pair(), "shmtree shared")
+    return call, checked
 
 
 def _shared_worker(comm, sizes, plan, collective):
