@@ -518,6 +518,27 @@ def test_reproduce_quick(tmp_path):
 # --- compare --collective ------------------------------------------------------------------
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+NEW = ("alltoall", "gather", "scatter", "scan", "exscan")     # the complete set (DESIGN 11)
+ALL = COLLECTIVES + NEW
+TITLES = {"broadcast": "broadcast (root 0)", "reduce": "reduce (root 0)",
+          "gather": "gather (root 0)", "scatter": "scatter (root 0)"}
+
+
+def _has_calls():
+    try:
+        import shmtree
+        return all(hasattr(shmtree.Communicator, c) for c in NEW + ("allreduce_init",))
+    except (ImportError, AttributeError):
+        return False
+
+
+needs_calls = pytest.mark.skipif(not _has_calls(), reason="this shmtree has no comm.alltoall, "
+                                 "gather, scatter, scan, exscan, allreduce_init")
+
+
+def _shmtree_case(collective):
+    """A parameter that needs shmtree's call for `collective` (skipped without it)."""
+    return pytest.param(collective, marks=needs_calls) if collective in NEW else collective
 
 
 def _mpi_python():
@@ -532,14 +553,14 @@ def _mpi_python():
 @timeout
 def test_compare_collective_option_parses(capsys):
     assert parse(["compare"]).collective == "allreduce"
-    for name in COLLECTIVES:
+    for name in ALL:
         assert parse(["compare", "--collective", name]).collective == name
     assert parse(["compare", "--collective=reduce_scatter"] + TINY).methods is None
-    for bad in (["compare", "--collective", "alltoall"], ["allreduce", "--collective", "reduce"]):
+    for bad in (["compare", "--collective", "allscatter"], ["allreduce", "--collective", "reduce"]):
         with pytest.raises(SystemExit) as stop:
             parse(bad)
         assert stop.value.code == 2
-    assert "invalid choice: 'alltoall'" in capsys.readouterr().err
+    assert "invalid choice: 'allscatter'" in capsys.readouterr().err
 
 
 @timeout
@@ -555,15 +576,23 @@ def test_collective_layouts_are_whole_buffers():
     assert layout("allgather", 1 << 20, "float32", 3) == (87381, 262143)
     assert layout("reduce_scatter", 8, "float64", 4) == (4, 1)      # one item per block at least
     assert whole_bytes("allgather", 8, "float32", 4) == 16
+    assert layout("alltoall", 4096, "float32", 4) == (1024, 1024)
+    assert layout("alltoall", 1 << 20, "float32", 3) == (262143, 262143)
+    assert layout("gather", 4096, "float32", 4) == (256, 1024)
+    assert layout("scatter", 4096, "float32", 4) == (1024, 256)
+    assert layout("scan", 4096, "float32", 4) == layout("exscan", 4096, "float32", 4) == \
+        (1024, 1024)
+    assert whole_bytes("alltoall", 8, "float64", 4) == 32 and whole_bytes("scan", 8, "int8",
+                                                                             4) == 8
     with pytest.raises(ValueError, match="unknown collective"):
-        layout("alltoall", 8, "float32", 2)
+        layout("allscatter", 8, "float32", 2)
     from shmtree.bench.compare import default_methods
     assert methods_for("allreduce") == ("shmtree", "shared", "copy", "numpy_shm", "pipe", "mpi",
                                         "mpi_shared", "gloo")
     assert default_methods("allreduce") == ("shmtree", "copy", "numpy_shm", "pipe", "mpi",
                                             "gloo")
     assert default_methods("allreduce", shared=True) == methods_for("allreduce")
-    for name in COLLECTIVES[1:]:
+    for name in ALL[1:]:
         assert default_methods(name) == ("shmtree", "copy", "mpi")
         assert default_methods(name, shared=True) == ("shmtree", "shared", "copy", "mpi",
                                                       "mpi_shared")
@@ -573,12 +602,59 @@ def test_collective_layouts_are_whole_buffers():
 
 @timeout
 def test_collective_checks_catch_wrong_results():
-    from shmtree.bench.measure import check, layout
-    for name in COLLECTIVES:
+    from shmtree.bench.measure import check, fill, layout
+    for name in ALL:
         n_in, n_out = layout(name, 64, "int32", 2)
         bufs = Buffers(n_in, "int32", rank=1, out_count=n_out)
         with pytest.raises(RuntimeError, match=f"wrong {name} result"):
-            check(name, "sum", 0 if name == "reduce" else 1, 2, bufs, "test")
+            check(name, "sum", 0 if name in ("reduce", "gather") else 1, 2, bufs, "test")
+    # alltoall: block s of rank r's result is block r of rank s's input (a tag per pair), so a
+    # block from the wrong rank, or the wrong block of the right rank, is caught
+    P = 3
+    sent = []
+    for r in range(P):
+        b = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
+        fill("alltoall", r, P, b.inputs)
+        sent.append(b.inputs[0].reshape(P, 3))
+    assert len({int(sent[r][d][0]) for r in range(P) for d in range(P)}) == P * P
+    for r in range(P):
+        bufs = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
+        got = bufs.outputs[0].reshape(P, 3)
+        got[:] = [sent[s][r] for s in range(P)]
+        check("alltoall", "sum", r, P, bufs, "test")
+        got[[0, 1]] = got[[1, 0]]
+        with pytest.raises(RuntimeError, match="block 0"):
+            check("alltoall", "sum", r, P, bufs, "test")
+        got[:] = [sent[s][(r + 1) % P] for s in range(P)]
+        with pytest.raises(RuntimeError, match="wrong alltoall result"):
+            check("alltoall", "sum", r, P, bufs, "test")
+    # scatter: the root's block d holds d + 1, rank r gets r + 1; gather: the root's block r
+    # holds r + 1; scan: 1 + ... + (r + 1); exscan: 1 + ... + r, rank 0 unchecked (MPI leaves
+    # it undefined)
+    root = Buffers(2 * P, "float32", rank=0, out_count=2)
+    fill("scatter", 0, P, root.inputs)
+    assert root.inputs[0].tolist() == [1, 1, 2, 2, 3, 3]
+    other = Buffers(2 * P, "float32", rank=1, out_count=2)
+    fill("scatter", 1, P, other.inputs)
+    assert other.inputs[0].tolist() == [2] * 6                     # (unused away from the root)
+    other.outputs[0][:] = 2
+    check("scatter", "sum", 1, P, other, "test")
+    g = Buffers(2, "float32", rank=0, out_count=2 * P)
+    g.outputs[0][:] = [1, 1, 2, 2, 3, 3]
+    check("gather", "sum", 0, P, g, "test")
+    check("gather", "sum", 1, P, Buffers(2, "float32", rank=1, out_count=2 * P), "test")
+    for rank, scan, exscan in ((0, 1, None), (1, 3, 1), (2, 6, 3)):
+        b = Buffers(4, "int64", rank=rank)
+        b.outputs[0][:] = scan
+        check("scan", "sum", rank, P, b, "test")
+        if exscan is None:
+            check("exscan", "sum", rank, P, b, "test")       # rank 0: anything goes
+        else:
+            b.outputs[0][:] = exscan
+            check("exscan", "sum", rank, P, b, "test")
+            b.outputs[0][:] = scan
+            with pytest.raises(RuntimeError, match="wrong exscan result"):
+                check("exscan", "sum", rank, P, b, "test")
     bufs = Buffers(4, "int32", rank=0, out_count=8)       # allgather, P = 2, rank 0 (inputs = 1)
     bufs.outputs[0][:] = [1, 1, 1, 1, 2, 2, 2, 2]
     check("allgather", "sum", 0, 2, bufs, "test")
@@ -595,28 +671,28 @@ def test_compare_collective_refuses_allreduce_only_methods(capsys):
 
 
 @timeout
-@pytest.mark.parametrize("collective", COLLECTIVES[1:])
+@pytest.mark.parametrize("collective", ALL[1:])
 def test_compare_collective_copy_without_shmtree(tmp_path, collective):
     """The standalone copy (no shmtree column) copies each size's whole buffer."""
+    from shmtree.bench.measure import BLOCKED
     doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "copy",
                            "--sizes", "8,4K", "-n", "4", "--iters", "2"])
-    rows = {4: 16, 4096: 4096} if collective in ("allgather", "reduce_scatter") else \
-        {8: 8, 4096: 4096}
+    rows = {4: 16, 4096: 4096} if collective in BLOCKED else {8: 8, 4096: 4096}
     assert [r["size"] for r in doc["rows"]] == list(rows.values())
     assert all(r["copy_us"] > 0 for r in doc["rows"]) and doc["collective"] == collective
 
 
 @needs_shmtree
 @timeout
-@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("collective", [_shmtree_case(c) for c in ALL])
 def test_compare_collective_runs_for_shmtree(tmp_path, capsys, collective):
+    from shmtree.bench.measure import MOVES_ONLY
     doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree,copy"]
                 + TINY)
     out = capsys.readouterr().out
-    title = collective + (" (root 0)" if collective in ("broadcast", "reduce") else "")
+    title = TITLES.get(collective, collective)
     assert f" compare {title}: 2 processes, float32" in out.splitlines()[0]
-    assert ("float32 sum" in out.splitlines()[0]) == (collective not in ("broadcast",
-                                                                          "allgather"))
+    assert ("float32 sum" in out.splitlines()[0]) == (collective not in MOVES_ONLY)
     assert "shmtree (us)" in out and "shmtree/copy" in out
     assert doc["collective"] == collective and doc["options"]["collective"] == collective
     assert doc["methods"]["shmtree"] == {"label": "shmtree", "status": "ok",
@@ -640,7 +716,7 @@ def test_compare_collective_uneven_and_fresh(tmp_path, collective):
 
 
 @timeout
-@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("collective", ALL)
 def test_compare_collective_mpi(tmp_path, collective):
     python = _mpi_python()
     if python is None:
@@ -666,8 +742,9 @@ def test_shared_adds_the_shared_twin_of_each_given_method():
 
 
 @timeout
-@pytest.mark.parametrize("collective, nprocs", [(c, 2) for c in COLLECTIVES]
-                         + [("allreduce", 3), ("reduce_scatter", 3), ("allgather", 3)])
+@pytest.mark.parametrize("collective, nprocs", [(c, 2) for c in ALL]
+                         + [("allreduce", 3), ("reduce_scatter", 3), ("allgather", 3),
+                            ("alltoall", 3), ("scatter", 3), ("exscan", 3)])
 def test_compare_mpi_on_allocate_shared_memory(tmp_path, collective, nprocs):
     """The MPI column on MPI.Win.Allocate_shared memory: the single copy, checked, then timed
     (P = 3: parts and blocks that do not divide the sizes)."""
@@ -701,6 +778,81 @@ def test_compare_shared_prints_mpi_on_shared_memory_beside_the_others(tmp_path, 
     assert at == sorted(at), header
     for r in doc["rows"]:
         assert r["mpi_shared0_us"] > 0 and r["mpi_shared0_vs_shmtree"] > 0 and r["mpi0_us"] > 0
+
+
+@needs_shmtree
+@timeout
+@pytest.mark.parametrize("collective, nprocs", [
+    pytest.param(c, n, marks=needs_calls, id=f"{c}-{n}")
+    for c, n in [(c, 2) for c in NEW] + [("alltoall", 3), ("scatter", 3)]])
+def test_compare_new_collectives_on_shared_arrays(tmp_path, collective, nprocs):
+    """alltoall, gather, scatter, scan, exscan of shared inputs (comm.empty) into private
+    outputs, checked (which block went where) then timed, beside the private call."""
+    doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree",
+                           "--shared", "--sizes", "8,4K", "-n", str(nprocs), "--iters", "2",
+                           "--dtype", "int32"])
+    assert list(doc["methods"])[:2] == ["shmtree", "shared"]
+    assert all(m["status"] == "ok" for m in doc["methods"].values()), doc["methods"]
+    for r in doc["rows"]:
+        assert r["shmtree_us"] > 0 and r["shared_us"] > 0 and r["shared_vs_shmtree"] > 0
+
+
+@needs_shmtree
+@timeout
+def test_compare_shmtree_without_the_call_says_na(monkeypatch, capsys):
+    """A shmtree whose Communicator lacks the collective's method (older than the call): its
+    columns say n/a and why, the copy is still measured, the exit status is 1."""
+    import shmtree
+    monkeypatch.setattr(shmtree, "Communicator", type("Communicator", (), {}))
+    assert main(["compare", "--collective", "scan", "--methods", "shmtree,copy", "--shared"]
+                + TINY) == 1
+    out = capsys.readouterr().out
+    assert out.count("n/a (no comm.scan in shmtree") == 2 * 2 + 2, out   # cells + lines below
+    assert "copy (us)" in out
+    from shmtree.bench import scaling
+    assert scaling.default_collectives() == []
+
+
+@timeout
+def test_persistent_parses():
+    args = parse(["persistent"])
+    assert args.command == "persistent" and args.nprocs is None and args.sizes == [8]
+    assert args.repeats == 5 and args.dtype == np.float32 and args.op == "sum"
+    args = parse(["persistent", "-n", "2,1", "--sizes", "8,1K", "--repeats", "2", "--tree",
+                  "chain"])
+    assert args.nprocs == [1, 2] and args.sizes == [8, 1024] and args.tree == "chain"
+    for bad in (["persistent", "--repeats", "0"], ["persistent", "-n", "0"],
+                ["persistent", "--fresh"]):
+        with pytest.raises(SystemExit) as stop:
+            parse(bad)
+        assert stop.value.code == 2
+
+
+@needs_shmtree
+@needs_calls
+@timeout
+def test_persistent_beside_plain(tmp_path, capsys):
+    """P = 1 and 2, two rounds: both methods timed in every round, the ratio is theirs."""
+    doc = _json(tmp_path, ["persistent", "-n", "1,2", "--iters", "3", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("# shmtree ") and "persistent allreduce: P = 1, 2, float32 sum" in out
+    assert "plain (us)" in out and "p() (us)" in out and "p()/plain" in out
+    assert doc["command"] == "persistent" and doc["options"]["repeats"] == 2
+    assert [(r["nprocs"], r["size"]) for r in doc["rows"]] == [(1, 8), (2, 8)]
+    for r in doc["rows"]:
+        assert len(r["plain_rounds_us"]) == len(r["persistent_rounds_us"]) == 2
+        assert r["plain_us"] > 0 and r["persistent_us"] > 0
+        assert r["ratio"] == pytest.approx(r["persistent_us"] / r["plain_us"])
+        assert r["ratio_min"] <= r["ratio_max"]
+
+
+@needs_shmtree
+@timeout
+def test_persistent_without_allreduce_init(monkeypatch, capsys):
+    import shmtree
+    monkeypatch.setattr(shmtree, "Communicator", type("Communicator", (), {}))
+    assert main(["persistent", "-n", "1", "--iters", "3", "--repeats", "1"]) == 1
+    assert "has no comm.allreduce_init" in capsys.readouterr().err
 
 
 @timeout

@@ -13,7 +13,6 @@ import pytest
 
 from shmtree.bench import compare, scaling
 from shmtree.bench.__main__ import main
-from shmtree.bench.measure import COLLECTIVES
 from test_bench import keep_signal_handlers, needs_shmtree, no_leftovers  # noqa: F401 (autouse)
 
 TINY = ["scaling", "--nprocs", "2", "--sizes", "8,4K", "--iters", "2"]
@@ -41,7 +40,9 @@ def test_scaling_table_every_collective_private_and_shared(tmp_path, capsys):
     header, rows = _table(out)
     for name in HEADERS + ["MPI/shmtree"]:
         assert name in header, header
-    want = [(c, size, arrays) for c in COLLECTIVES for size in ("8", "4")
+    every = scaling.default_collectives()     # all ten where shmtree has them, else the five
+    assert every[:5] == ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter"]
+    want = [(c, size, arrays) for c in every for size in ("8", "4")
             for arrays in ("private", "shared")]
     # a row: P, collective, size value, size unit, arrays, shmtree, MPI, ratio
     assert [(r[1], r[2], r[4]) for r in rows] == want, rows
@@ -101,7 +102,8 @@ def test_scaling_process_counts():
     assert scaling.parse_collectives("reduce-scatter,allreduce") == ["allreduce",
                                                                      "reduce_scatter"]
     with pytest.raises(ValueError, match="choose from"):
-        scaling.parse_collectives("alltoall")
+        scaling.parse_collectives("allscatter")
+    assert scaling.parse_collectives("scan,alltoall") == ["alltoall", "scan"]
 
 
 def test_scaling_measures_through_compare(monkeypatch, capsys):
