@@ -205,6 +205,8 @@ class SubCommunicator(Communicator):
             return
         super().close()
         self.group.close()
+        if self._engine is None:        # (else another thread's call still runs on it)
+            self._seg = self.group._seg     # (the closed stand-in: the mapping goes now)
 
     def __repr__(self):
         return f"<shmtree.Communicator rank={self.rank} size={self.size} (split)>"
