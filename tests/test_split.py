@@ -217,7 +217,7 @@ def test_concurrent_collectives_on_disjoint_subs_interleaved_with_the_parent():
 
 def shared_worker(comm):
     sub = comm.split(comm.rank % 2)
-    a = sub.zeros((1000,))
+    a = sub.zeros((1000 + comm.rank % 2,))  # (a collective of the sub's members only)
     a[:] = comm.rank + 1
     sub.allreduce(a, out=a)
     b = sub.empty((3, 5), dtype=np.int32, order="F")
@@ -238,6 +238,30 @@ def test_shared_arrays_on_sub_communicators():
         mates = [r % 2, r % 2 + 2]
         assert out == (sum(m + 1 for m in mates),) * 2 + (mates, float(sum(mates)),
                                                          float(sum(m + 1 for m in mates)))
+
+
+def close_worker(comm):
+    sub = comm.split(0)
+    sub.barrier()
+    if sub.rank == 0:                      # the leader, whose process made the segment
+        sub.close()
+        comm.barrier()
+        return "closed"
+    comm.barrier()
+    try:
+        sub.barrier(timeout=20)
+        return "returned"
+    except shmtree.ShmtreeError as exc:
+        return error_name(exc), "left the group" in str(exc)
+    finally:
+        sub.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_sub_is_local_even_for_its_leader():
+    """The others' next call fails because a member left (not because the group was closed
+    for everyone), as in a group of its own."""
+    assert run_ok(close_worker, 3) == ["closed"] + [("ShmtreeError", True)] * 2
 
 
 # ---------------------------------------------------------------------------------------------
