@@ -262,7 +262,7 @@ def make_split(comm, color, key=None):
     """comm.split(color, key) (front.Front.split): see the module docstring."""
     color = _check_color(color)
     key = _check_key(key, comm.rank)
-    ask = np.zeros((), _ASK)
+    ask = np.zeros(1, _ASK)
     ask["shmtree_split_color"], ask["shmtree_split_key"] = color, key
     table = _round(comm, ask)
     colors, keys = table["shmtree_split_color"].tolist(), table["shmtree_split_key"].tolist()
@@ -285,7 +285,7 @@ def make_split(comm, color, key=None):
     me = members.index(comm.rank) if members is not None else -1
     group = sub = None
     err = None
-    offer = np.zeros((), _OFFER)
+    offer = np.zeros(1, _OFFER)
     try:
         try:
             if members is not None:
@@ -318,7 +318,7 @@ def make_split(comm, color, key=None):
                     group.release_descriptor()      # (the leader's stays until round 3)
         except Exception as exc:
             err = exc
-        done = np.zeros((), _DONE)
+        done = np.zeros(1, _DONE)
         done["shmtree_split_ok"] = 0 if err is None else 1
         oks = _round(comm, done)["shmtree_split_ok"].tolist()
     except BaseException as exc:
@@ -346,7 +346,7 @@ def make_split(comm, color, key=None):
 def _round(comm, record):
     """One allgather of the split's agreement over `comm`; a mismatch says it was a split."""
     try:
-        return comm.allgather(record)
+        return comm.allgather(record)[:, 0]
     except CollectiveMismatchError as exc:
         raise CollectiveMismatchError(
             f"shmtree: split (a collective over the parent communicator, agreed through "
