@@ -312,6 +312,31 @@ def test_split_in_pool_workers():
     assert sorted(results) == [(0, 2, 4), (0, 4, 4), (1, 2, 4), (1, 4, 4)]
 
 
+def stall_task(i):
+    sub = shmtree.current().split(0)
+    if shmtree.rank() != 0:
+        return "idle"                     # (its sub is dropped unclosed: never left it)
+    t = time.monotonic()
+    try:
+        sub.allreduce(np.ones(2))
+        return "returned"
+    except shmtree.ShmtreeError as exc:
+        return error_name(exc), "idle" in str(exc), time.monotonic() - t
+    finally:
+        sub.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_sub_collective_that_a_pool_task_never_makes_fails_by_the_stall_timeout():
+    with shmtree.Pool(2, stall_timeout=1.0) as pool:
+        got = pool.map(stall_task, range(2))
+        again = pool.map(pool_task, range(2))        # the pool's own group is untouched
+    assert sorted(got, key=str)[0][:2] == ("ShmtreeError", True), got
+    assert 1.0 <= sorted(got, key=str)[0][2] < 10, got
+    assert "idle" in got
+    assert sorted(again) == [(0, 0, 2), (0, 1, 2)]
+
+
 def join_member(group, rank, queue):
     try:
         with group.join(rank) as comm:
