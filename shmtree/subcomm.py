@@ -45,6 +45,8 @@ from .communicator import Communicator
 from .errors import CollectiveMismatchError, ShmtreeError
 from .group import MPOL_INTERLEAVE as _MPOL_INTERLEAVE, MPOL_PREFERRED as _MPOL_PREFERRED
 from .group import Group
+from .inter import Link
+from .nodes import Spanning
 from .plan import Plan
 from .topology import Topology
 from .transport import create_memfd, new_nonce
@@ -225,6 +227,32 @@ class SubCommunicator(Communicator):
                 for r, st in absent]
 
 
+class SubSpanning(Spanning):
+    """A sub-communicator across nodes: a Spanning around this node's part (a
+    SubCommunicator), the leaders' Link on an MPI communicator split from the parent's; its
+    own MPI communicator (`_mpi`, kept for splitting it again) is freed when it closes."""
+
+    _mpi = None
+
+    def close(self):
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            mpi, self._mpi = self._mpi, None
+            if mpi is not None:
+                try:
+                    from mpi4py import MPI
+                    if not MPI.Is_finalized():
+                        mpi.Free()
+                except Exception:
+                    pass
+
+    def __repr__(self):
+        return super().__repr__()[:-1] + " (split)>"
+
+
 # ---------------------------------------------------------------------------------------------
 # split
 
@@ -273,15 +301,19 @@ def make_split(comm, color, key=None):
     for c in groups:
         groups[c].sort(key=lambda r: (keys[r], r))
     nodes, local_ranks, local = _where(comm)
-    spanning = {c: m for c, m in groups.items() if len({nodes[r] for r in m}) > 1}
-    if spanning:                        # (every rank sees the same table: every rank raises)
-        c, m = min(spanning.items())
+    spanning = sorted(c for c, m in groups.items() if len({nodes[r] for r in m}) > 1)
+    if spanning and getattr(comm, "_mpi", None) is None:
+        # (every rank sees the same table: every rank raises, before anything is made)
+        m = groups[spanning[0]]
         raise ShmtreeError(
-            f"shmtree: split: a sub-communicator that spans nodes is not supported yet (color "
-            f"{c}: ranks {ranks_text(m).removeprefix('ranks ').removeprefix('rank ')} are on "
-            f"nodes {sorted({nodes[r] for r in m})}); split within each node, e.g. "
+            f"shmtree: split: a sub-communicator that spans nodes needs MPI in every process "
+            f"(from_mpi); with a launcher per node (inter=) it is not supported yet (color "
+            f"{spanning[0]}: ranks {ranks_text(m).removeprefix('ranks ').removeprefix('rank ')}"
+            f" are on nodes {sorted({nodes[r] for r in m})}); split within each node, e.g. "
             f"split_by('node') first")
-    members = groups.get(color) if color >= 0 else None
+    # the node-local part of each new communicator: its members on this rank's node
+    members = [r for r in groups[color] if nodes[r] == nodes[comm.rank]] if color >= 0 \
+        else None
     me = members.index(comm.rank) if members is not None else -1
     group = sub = None
     err = None
@@ -329,9 +361,11 @@ def make_split(comm, color, key=None):
         raise
     if group is not None:
         group.release_descriptor()
+    if spanning:                        # (every rank takes part in MPI's splits)
+        sub = _across_nodes(comm, sub, color, groups, nodes, spanning, oks)
     if members is None:
         return None
-    failed = [r for r in members if oks[r]]
+    failed = [r for r in groups[color] if oks[r]]
     if failed:
         _discard(sub, group)
         text = (f"shmtree: split: the sub-communicator of color {color} could not be made: "
@@ -341,6 +375,32 @@ def make_split(comm, color, key=None):
                                f"{str(err).removeprefix('shmtree: ')})") from err
         raise ShmtreeError(text)
     return sub
+
+
+def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
+    """The communicators that span nodes (from_mpi's): around each node-local part (`part`,
+    this rank's), a Spanning whose leaders' Link is made by splitting comm's MPI communicator
+    (collective over it: every rank of comm, in the same order).  The new one's own MPI
+    communicator (its ranks in its order) is kept for splitting it again."""
+    from mpi4py import MPI
+    mine = groups[color] if color >= 0 and color in spanning else None
+    if mine is not None and any(oks[r] for r in mine):
+        mine = None                     # (it failed: its members raise, after the splits)
+    sub_mpi = comm._mpi.Split(spanning.index(color) if mine is not None else MPI.UNDEFINED,
+                              key=mine.index(comm.rank) if mine is not None else 0)
+    if mine is None:
+        if sub_mpi != MPI.COMM_NULL:
+            sub_mpi.Free()
+        return part
+    order = list(dict.fromkeys(nodes[r] for r in mine))     # nodes by their smallest new rank
+    node = order.index(nodes[comm.rank])
+    members = [[k for k, r in enumerate(mine) if nodes[r] == n] for n in order]
+    leaders = sub_mpi.Split(0 if part.rank == 0 else MPI.UNDEFINED, key=node)
+    link = Link(leaders, part.group) if part.rank == 0 else None
+    span = SubSpanning(part, link, mine.index(comm.rank), members, node, comm._segment)
+    span._mpi = sub_mpi
+    span.parent_ranks = tuple(mine)
+    return span
 
 
 def _round(comm, record):

@@ -18,7 +18,7 @@ import shmtree
 W = MPI.COMM_WORLD
 
 
-def check(comm):
+def check(comm, across=False):
     """Splits of `comm` (a communicator across nodes): node-local ones work, one that would
     span nodes raises ShmtreeError on every rank, and comm stays usable throughout."""
     g = comm.rank
@@ -40,21 +40,53 @@ def check(comm):
     if out is not None:
         assert out.allgather(np.array(g)).tolist() == [r for r in mine if r != 0]
         out.close()
-    if comm.nodes > 1:
+    if comm.nodes > 1 and not across:
         try:
-            comm.split(g % 2)                             # every rank of a node ... spans nodes
+            comm.split(g % 2)                             # even and odd ranks: across nodes
             raise AssertionError("a split across nodes returned")
         except shmtree.ShmtreeError as exc:
             assert "spans nodes" in str(exc) and "not supported" in str(exc), exc
+    elif comm.nodes > 1:
+        check_across(comm)
     assert int(comm.allreduce(np.array([1]))[0]) == comm.size
     return g
+
+
+def check_across(comm):
+    """Splits whose new communicators span nodes (from_mpi): every collective of them, nested
+    splits of them (across nodes again, and node-local), and the parent meanwhile."""
+    g = comm.rank
+    for color_of, key_of in ((lambda r: r % 2, lambda r: r), (lambda r: 0, lambda r: -r),
+                             (lambda r: None if r == 1 else r % 3, lambda r: r)):
+        want = sorted((r for r in range(comm.size) if color_of(r) == color_of(g)
+                       and color_of(r) is not None), key=lambda r: (key_of(r), r))
+        sub = comm.split(color_of(g), key=key_of(g))
+        if color_of(g) is None:
+            assert sub is None
+            assert int(comm.allreduce(np.array([1]))[0]) == comm.size    # (as the others)
+            continue
+        assert (sub.rank, sub.size) == (want.index(g), len(want)), (sub, want)
+        assert sub.allgather(np.array(g)).tolist() == want
+        x = np.arange(100_000, dtype=np.float64) * (g + 1)
+        assert float(sub.allreduce(x)[-1]) == 99_999.0 * sum(r + 1 for r in want)
+        b = sub.broadcast(np.array([g]) if sub.rank == sub.size - 1 else None,
+                          root=sub.size - 1)
+        assert int(b[0]) == want[-1]
+        req = sub.iallreduce(np.array([g]))
+        assert int(comm.allreduce(np.array([1]))[0]) == comm.size   # the parent meanwhile
+        assert int(req.wait(30)[0]) == sum(want)
+        with sub.dup() as again:                   # a split of a split, across nodes again
+            assert again.allgather(np.array(g)).tolist() == want
+        with sub.split_by("node") as here:         # and node-local
+            assert set(here.allgather(np.array(g)).tolist()) <= set(want)
+        sub.close()
 
 
 def main():
     mode, n = sys.argv[1], int(sys.argv[2])
     if mode == "from_mpi":
         comm = shmtree.from_mpi(W, node_size=n)
-        check(comm)
+        check(comm, across=True)
         comm.close()
     else:
         got = shmtree.run(check, n, inter=W)
