@@ -28,9 +28,11 @@ restores every thread shmtree pinned, the sub's progress thread included), and c
 local and frees its mapping at once.  A member's death is seen by the group's own liveness
 checks, so every communicator the member belongs to fails and the others go on.
 
-Across nodes (nodes.Spanning), a split whose every new group lies within one node is made the
-same way (the agreement crosses the nodes; each group is a node-local shmtree group); a group
-that would span nodes raises ShmtreeError on every rank (not supported yet).
+Across nodes (nodes.Spanning), the rounds cross the nodes, and each new communicator's members
+on one node form its node-local part, made as above.  One that spans nodes (from_mpi's only:
+its processes have MPI) is a SubSpanning around this node's part, whose leaders' Link is made by
+splitting the parent's MPI communicator; with a launcher per node (inter=), whose workers have
+no MPI, such a split raises ShmtreeError on every rank (not supported yet).
 """
 from __future__ import annotations
 
