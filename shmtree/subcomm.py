@@ -195,12 +195,19 @@ class SubCommunicator(Communicator):
 
     _restores_mask = False              # (never pinned: see the module docstring)
 
-    def __init__(self, group, rank, parent, parent_ranks):
+    def __init__(self, group, rank, parent_ranks, local, local_ranks):
+        """`local`: the parent's communicator on this node (the parent itself on one machine),
+        `local_ranks`: the members' ranks in it."""
         super().__init__(group, rank)
         self.parent_ranks = tuple(parent_ranks)
-        local = getattr(parent, "local", parent)       # (across nodes: the node's own)
-        self._parent_local = weakref.ref(local)
-        self._local_ranks = None        # the members' ranks in the parent's node group
+        # the joined communicator at the root of the splits (a Pool worker's), and the members'
+        # ranks in it: whose member states (idle in the pool) the stall detector reads
+        if isinstance(local, SubCommunicator):
+            self._root = local._root
+            self._root_ranks = [local._root_ranks[r] for r in local_ranks]
+        else:
+            self._root = weakref.ref(local)
+            self._root_ranks = list(local_ranks)
 
     def close(self):
         """Leave (local, not a collective): as Communicator.close, and this process's mapping
@@ -219,13 +226,13 @@ class SubCommunicator(Communicator):
         """As Communicator's, with the state a member has in a Pool's group: a member idle in
         the pool (its task done) is idle here too, for the stall detector."""
         absent = super()._absent(seq)
-        if not absent or self._local_ranks is None:
+        if not absent:
             return absent
-        local = self._parent_local()
-        if local is None or local._closed or local.group.closed:
+        root = self._root()
+        if root is None or root._closed or root.group.closed:
             return absent
-        seg = local._seg
-        return [(r, ST_IDLE if seg.state(self._local_ranks[r]) == ST_IDLE else st)
+        seg = root._seg
+        return [(r, ST_IDLE if seg.state(self._root_ranks[r]) == ST_IDLE else st)
                 for r, st in absent]
 
 
@@ -342,12 +349,9 @@ def make_split(comm, color, key=None):
                                             int(o["shmtree_split_fd"]),
                                             bytes(o["shmtree_split_nonce"]))
                 rank = group._admit(me)
-                sub = SubCommunicator(group, rank, comm, members)
+                sub = SubCommunicator(group, rank, members, local,
+                                      [local_ranks[r] for r in members])
                 group._comm = weakref.ref(sub)
-                if local is not comm:
-                    sub._local_ranks = [local_ranks[r] for r in members]
-                else:
-                    sub._local_ranks = list(members)
                 if me != 0:
                     group.release_descriptor()      # (the leader's stays until round 3)
         except Exception as exc:

@@ -312,8 +312,11 @@ def test_split_in_pool_workers():
     assert sorted(results) == [(0, 2, 4), (0, 4, 4), (1, 2, 4), (1, 4, 4)]
 
 
-def stall_task(i):
+def stall_task(nested):
     sub = shmtree.current().split(0)
+    if nested:                            # (a split of a split: the pool's states still count)
+        outer, sub = sub, sub.split(0)
+        outer.close()
     if shmtree.rank() != 0:
         return "idle"                     # (its sub is dropped unclosed: never left it)
     t = time.monotonic()
@@ -327,9 +330,10 @@ def stall_task(i):
 
 
 @pytest.mark.timeout(90)
-def test_a_sub_collective_that_a_pool_task_never_makes_fails_by_the_stall_timeout():
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_sub_collective_that_a_pool_task_never_makes_fails_by_the_stall_timeout(nested):
     with shmtree.Pool(2, stall_timeout=1.0) as pool:
-        got = pool.map(stall_task, range(2))
+        got = pool.map(stall_task, [nested] * 2)
         again = pool.map(pool_task, range(2))        # the pool's own group is untouched
     assert sorted(got, key=str)[0][:2] == ("ShmtreeError", True), got
     assert 1.0 <= sorted(got, key=str)[0][2] < 10, got
