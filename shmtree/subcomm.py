@@ -53,7 +53,8 @@ from .plan import Plan
 from .topology import Topology
 from .transport import create_memfd, new_nonce
 
-__all__ = ["make_split", "split_by_color", "sub_plan", "SubCommunicator", "LEVELS"]
+__all__ = ["make_split", "make_split_by", "level_color", "sub_plan", "SubGroup",
+           "SubCommunicator", "SubSpanning", "LEVELS"]
 
 LEVELS = ("socket", "numa", "l3", "node")
 _I8_MAX = (1 << 63) - 1
@@ -401,8 +402,13 @@ def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
     order = list(dict.fromkeys(nodes[r] for r in mine))     # nodes by their smallest new rank
     node = order.index(nodes[comm.rank])
     members = [[k for k, r in enumerate(mine) if nodes[r] == n] for n in order]
-    leaders = sub_mpi.Split(0 if part.rank == 0 else MPI.UNDEFINED, key=node)
-    link = Link(leaders, part.group) if part.rank == 0 else None
+    try:
+        leaders = sub_mpi.Split(0 if part.rank == 0 else MPI.UNDEFINED, key=node)
+        link = Link(leaders, part.group) if part.rank == 0 else None
+    except BaseException:
+        _discard(part, None)
+        sub_mpi.Free()
+        raise
     span = SubSpanning(part, link, mine.index(comm.rank), members, node, comm._segment)
     span._mpi = sub_mpi
     span.parent_ranks = tuple(mine)
