@@ -83,12 +83,22 @@ class _MemberTopology(Topology):
         return [self._members[i % len(self._members)] for i in range(nranks)]
 
 
+def _default_spin_ns(size, ncpus):
+    return 0 if size > ncpus else int(_plan.DEFAULT_SPIN_US * 1000)
+
+
+def _default_small_bytes(size, ncpus):
+    return _plan.OVERSUBSCRIBED_SMALL_BYTES if size > ncpus else _plan.DEFAULT_SMALL_BYTES
+
+
 def sub_plan(parent: Plan, members) -> Plan:
     """The plan of the group of `members` (ranks of the parent's group, in the new ranks'
-    order): the parent's options (tree kind, placement, chunk bytes, slots, inline limit,
-    spinning, streaming stores, NUMA policy, stall timeout; the machine's usable cores) laid
-    on the members' slots; never pinned (the members keep their cores).  A pure function of
-    the parent's plan: every member computes the same plan (its digest is in the header)."""
+    order): the parent's options (tree kind, placement, chunk bytes, slots, streaming stores,
+    NUMA policy, stall timeout; the machine's usable cores) laid on the members' slots; the
+    inline limit and spinning as given to the parent, or where the parent had its size's
+    defaults, the defaults of a group of this size; never pinned (the members keep their
+    cores).  A pure function of the parent's plan: every member computes the same plan (its
+    digest is in the header)."""
     members = list(members)
     n = len(members)
     where = parent.topology.placement(parent.size, parent.placement)
@@ -96,14 +106,22 @@ def sub_plan(parent: Plan, members) -> Plan:
     if len(name) > 120:
         name = f"{parent.topology.name}, {n} of {parent.size} ranks"
     topo = _MemberTopology([where[r] for r in members], name)
+    # the waiting policy and the inline limit a group of n ranks gets by default (no spinning
+    # and the larger limit when ranks outnumber the cores), where the parent had its own
+    # size's defaults: a sub-communicator of 2 of an oversubscribed parent of 4 on 2 cores
+    # spins as a group of 2 does (its 8-byte allreduce took 3-4 times as long without)
+    spin_ns, small_bytes = parent.spin_ns, parent.small_bytes
+    if spin_ns == _default_spin_ns(parent.size, parent.ncpus):
+        spin_ns = _default_spin_ns(n, parent.ncpus)
+    if small_bytes == _default_small_bytes(parent.size, parent.ncpus):
+        small_bytes = _default_small_bytes(n, parent.ncpus)
     small, large, schedule = _plan._trees(parent.tree_kind, n, topo, parent.placement,
-                                          parent.small_bytes, parent.chunk_bytes, parent.ncpus)
+                                          small_bytes, parent.chunk_bytes, parent.ncpus)
     return Plan(size=n, topology=topo, tree_kind=parent.tree_kind, placement=parent.placement,
                 ncpus=parent.ncpus, small_tree=small, large_tree=large, large_schedule=schedule,
                 chunk_bytes=parent.chunk_bytes,
                 slots=max(parent.slots, 2) if schedule == "ring" else parent.slots,
-                small_bytes=parent.small_bytes, nt_bytes=parent.nt_bytes,
-                spin_ns=parent.spin_ns, pin=False,
+                small_bytes=small_bytes, nt_bytes=parent.nt_bytes, spin_ns=spin_ns, pin=False,
                 cpu_of=tuple(parent.cpu_of[r] if parent.pin else None for r in members),
                 node_of=tuple(parent.node_of[r] for r in members), numa=parent.numa,
                 stall_timeout=parent.stall_timeout)

@@ -49,6 +49,37 @@ PATTERNS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# the plan of a sub-communicator (pure data)
+
+
+def test_sub_plan_lies_on_the_members_slots():
+    from shmtree.plan import plan_group
+    from shmtree.subcomm import sub_plan
+    parent = plan_group(4, topology="2x2", ncpus=4)       # sockets {0, 1} and {2, 3}
+    across = sub_plan(parent, [2, 0])                      # one rank on each socket
+    assert across.size == 2 and across.topology.nsockets == 2
+    assert across.small_tree.kind == "topology" and across.pin is False
+    assert [s.socket for s in across.topology.placement(2)] == [1, 0]
+    within = sub_plan(parent, [3, 2])
+    assert within.topology.nsockets == 1
+    assert sub_plan(parent, [2, 0]).digest() == across.digest()        # every member alike
+    assert within.digest() != across.digest()
+
+
+def test_sub_plan_takes_its_own_sizes_defaults_unless_the_parent_was_given_values():
+    from shmtree.plan import DEFAULT_SMALL_BYTES, OVERSUBSCRIBED_SMALL_BYTES, plan_group
+    from shmtree.subcomm import sub_plan
+    over = plan_group(4, topology="4", ncpus=2)           # 4 ranks on 2 cores: no spinning
+    assert over.spin_ns == 0 and over.small_bytes == OVERSUBSCRIBED_SMALL_BYTES
+    two = sub_plan(over, [0, 1])                          # 2 ranks fit: a group of 2's defaults
+    assert two.spin_ns == 20_000 and two.small_bytes == DEFAULT_SMALL_BYTES
+    assert sub_plan(over, [0, 1, 2]).spin_ns == 0         # 3 do not
+    given = plan_group(4, topology="4", ncpus=2, spin_us=5, small_bytes=100, chunk_bytes=4096)
+    sub = sub_plan(given, [0, 1])
+    assert (sub.spin_ns, sub.small_bytes, sub.chunk_bytes) == (5000, 100, 4096)
+
+
 def patterns_worker(comm):
     seen = {}
     for name, (color_of, key_of) in PATTERNS.items():
