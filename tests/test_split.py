@@ -533,6 +533,31 @@ def test_a_rank_that_never_splits_fails_the_others():
     assert got[1] == "left" and {got[0], got[2]} <= {"ShmtreeError", "PeerLostError"}, got
 
 
+def interrupt_worker(comm):
+    """Rank 1 is interrupted between two rounds of the split (as it attaches): the others,
+    waiting for it in the next round, fail at once instead of waiting for ever."""
+    from shmtree import subcomm
+    if comm.rank == 1:
+        def attach(*args):
+            raise KeyboardInterrupt
+        subcomm.SubGroup.attach = attach
+    t = time.monotonic()
+    try:
+        comm.split(0)
+        return "returned"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt", comm.group.aborted()
+    except shmtree.ShmtreeError as exc:
+        return error_name(exc), "interrupted inside split" in str(exc), time.monotonic() - t < 5
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_between_the_rounds_aborts_the_parent():
+    got = run_ok(interrupt_worker, 3)
+    assert got == [("PeerLostError", True, True), ("KeyboardInterrupt", True),
+                   ("PeerLostError", True, True)], got
+
+
 # ---------------------------------------------------------------------------------------------
 # lifetime: pinning, leaks
 
