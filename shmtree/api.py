@@ -32,6 +32,7 @@ from .communicator import (Communicator, Request, allgather, allreduce, barrier,
                            wait_all, zeros)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from . import joining  # noqa: F401  (registers Group.join's maker)
+from . import subcomm  # noqa: F401  (registers Front.split's makers)
 from .launch import run
 from .pool import Pool
 

@@ -56,6 +56,8 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 class Communicator(Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
+    _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
+
     def __init__(self, group: Group, rank: int):
         self.group = group
         self.rank = int(rank)
@@ -283,7 +285,8 @@ class Communicator(Front, Executors):
                     self._seg.set_state(self.rank, ST_LEFT)
             except ShmtreeError:
                 pass
-            _plan.unpin()
+            if self._restores_mask:   # (a sub-communicator never pinned: subcomm.py)
+                _plan.unpin()
         if self._shared is not None:
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine
