@@ -46,6 +46,8 @@ ROW = 10                       # int64 per rank in the agreement table
 LANES_BYTES = 4 << 20          # from_mpi, nodes of one size: reductions from this size are
                                # cut among the lanes (_reduce_lanes), smaller ones run whole on
                                # every lane after the node's allreduce (_reduce_small_lanes)
+_EXECUTED = (calls.ALLREDUCE, calls.REDUCE, REDUCE_SCATTER, BROADCAST, ALLGATHER, BARRIER)
+                                 # (the collectives Spanning has executors for; the others raise)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (multinode)
 # a node's own step in its messages ("broadcast(root=0) #2"), and the messages of the links
 # (already in the words of the whole communicator)
@@ -126,6 +128,9 @@ class Spanning(Front, Pipelines):
 
     def _executor(self, spec):
         """The function that runs a parsed call across the nodes (its `call`: its name)."""
+        if spec.coll not in _EXECUTED:
+            raise ShmtreeError(f"shmtree: {spec.name} is not available on a communicator "
+                               f"across nodes yet (only within one node)")
         return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
                 BARRIER: self._exec_barrier}.get(spec.coll, self._exec_reducing)(spec)
 
