@@ -141,12 +141,12 @@ class Communicator(Front, Executors):
                                         None if start is None else start + timeout)
         return result
 
-    def _bind(self, spec):
+    def _bind(self, spec, slow):
         """A persistent call's engine call with its arguments bound (persistent.py): for a
         plain ndarray call of an engine collective, a function of no arguments that makes the
-        call as _quick would (its result), or returns DECLINED when it cannot (the communicator
-        unusable, nonblocking calls outstanding, the engine declines the arrays: the bound
-        spec then runs as a parsed call).  None for the other calls."""
+        call as _quick would and returns its result, or runs slow() (the bound spec, parsed
+        already, through _start) when it cannot: the communicator unusable, nonblocking calls
+        outstanding, the engine declining the arrays.  None for the other calls."""
         coll = spec.coll
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None):
             return None
@@ -156,22 +156,40 @@ class Communicator(Front, Executors):
             return None
         tag = _dtype_digest(a.dtype) if coll == ALLGATHER else 0
         root = spec.root or 0
-        args = (coll, a, out, (spec.opc, spec.dtc) if spec.opc >= 0 else None, root, spec.kind,
-                timeout, tag)
-        eng, group, kind = self._engine, self.group, spec.kind
-        done = _engine.DONE
+        op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
+        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
+        claim = out if a is None else a
 
-        def quick():
+        if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
+            def run():
+                progress = self._progress
+                if self._closed or group._closed or self._gen != session._fork_gen or (
+                        progress is not None and (progress.outstanding
+                                                  or progress.is_current_thread())):
+                    return slow()
+                try:
+                    got = eng.call(coll, a, out, op, root, kind, None, tag)
+                    if got is None:
+                        return slow()
+                    if got[0] != done:
+                        return self._finish(eng, got[0], None, got[1])
+                except BaseException as exc:
+                    self._interrupted(eng, exc)
+                    raise
+                return got[1]
+            return run
+
+        def run():
             if self._closed or group._closed or self._gen != session._fork_gen:
-                return DECLINED
+                return slow()
             progress = self._progress
             if progress is not None and (progress.outstanding or progress.is_current_thread()):
-                return DECLINED
+                return slow()
             try:
                 start = None if timeout is None else time.monotonic()
-                got = eng.call(*args)
+                got = eng.call(coll, a, out, op, root, kind, timeout, tag)
                 if got is None:
-                    return DECLINED
+                    return slow()
                 rc, result = got
                 if rc != done:
                     result = self._finish(eng, rc, None if start is None else start + timeout,
@@ -180,10 +198,10 @@ class Communicator(Front, Executors):
                 self._interrupted(eng, exc)
                 raise
             if type(result) is tuple:         # (a broadcast whose data did not come yet)
-                return self._broadcast_rest(result, out if a is None else a, root, out, kind,
+                return self._broadcast_rest(result, claim, root, out, kind,
                                             None if start is None else start + timeout)
             return result
-        return quick
+        return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
         """One engine call of a normalised message (collectives.py), by the thread that holds

@@ -19,10 +19,11 @@ and, optionally,
                    the other ranks, and return the exception to raise;
     _shared_array(shape, dtype, order, how)
                    empty / zeros: shared arrays;
-    _bind(spec)    a persistent call's engine call with its arguments bound (Communicator:
-                   a function of no arguments that runs it, or returns DECLINED when it cannot
-                   run that way now), or None: the Persistent then runs the bound spec through
-                   _start every time.
+    _bind(spec, slow)
+                   a persistent call's engine call with its arguments bound (Communicator:
+                   a function of no arguments that runs it, or slow() - the bound spec through
+                   _start - when it cannot run that way now), or None: the Persistent then
+                   runs the bound spec through _start every time.
 
 Persistent calls (the *_init forms) parse once, bind their output (out=, or one made at init;
 where its shape is the peers' to say, the first call's result), and run the bound call each
@@ -317,7 +318,7 @@ class Front:
     def _local_error(self, spec):
         return spec.error
 
-    def _bind(self, spec):
+    def _bind(self, spec, slow):
         return None
 
 
