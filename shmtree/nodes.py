@@ -535,8 +535,9 @@ class Spanning(Front, Pipelines):
                     f"shmtree: ranks disagree on the collective call across nodes: "
                     f"scatter(root={root}): the root passed shape {tuple(shape)} and dtype "
                     f"{calls.dtype_text(calls.dtype_digest(dtype))}; " + "; ".join(
-                        f"rank {g} (node {self._where[g][0]}) passed out= "
-                        f"{_describe(table[g]).split('(', 1)[1][:-1]}" for g in wrong))
+                        f"rank {g} (node {self._where[g][0]}) passed out= of shape "
+                        f"{_shape_text(table[g])} and dtype {calls.dtype_text(table[g, 3])}, "
+                        f"its block has shape {blocks[g]}" for g in wrong))
             result, copy_back = calls.out_for(out, blocks[me], dtype, "scatter")
             nb = [dtype.itemsize * int(np.prod(blk, dtype=np.int64)) for blk in blocks]
             B = np.zeros((P, P), np.int64)
@@ -668,6 +669,13 @@ def _apart(src, dst):
 _NOTHING = np.empty(0, np.uint8)
 
 
+def _shape_text(r):
+    """A row's shape in words: its first two dimensions, '...' for more."""
+    ndim = int(r[6])
+    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
+    return "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+
+
 def _describe(r):
     kind, root, opc = int(r[0]), int(r[1]), int(r[2])
     name = KIND_NAMES.get(kind, "collective")
@@ -679,9 +687,7 @@ def _describe(r):
         return (f"{name}(root={root})" if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
                                                     KIND_SCATTER) else name) + \
             " with an argument it cannot take (its own error raised there)"
-    ndim = int(r[6])
-    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
-    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+    shape = _shape_text(r)
     parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
                                          KIND_SCATTER) else []
     if kind == KIND_ALLTOALL and opc:

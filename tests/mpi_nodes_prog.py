@@ -2,7 +2,8 @@
 
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
-from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, set, parsed, mismatch,
+from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks; MODE-rr: ranks dealt round-robin
+over as many nodes): collectives, set, set-rr, parsed, mismatch,
 failure, kill, sigint, formfail, earlyclose, linktimeout, spin.  Launcher modes (N launchers, one per
 node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-set,
@@ -413,7 +414,7 @@ def _set_mismatches(c, check):
     of every node, the same text everywhere, naming the last rank; the group stays usable."""
     P, me = c.size, c.rank
     bad = P - 1
-    last = c.nodes - 1
+    last = int(c.allgather(np.array([c.node]))[bad, 0])      # (bad's node)
     calls = {
         "counts": lambda: c.alltoall(np.zeros((P, 2)), counts=[1] * P) if me == bad
         else c.alltoall(np.zeros((P, 2))),
@@ -888,6 +889,23 @@ def main_closebusy():
         print("OK closebusy", flush=True)
 
 
+class _RoundRobin(MPI.Intracomm):
+    """COMM_WORLD whose first Split (from_mpi's grouping into simulated nodes of node_size
+    consecutive ranks) deals the ranks round-robin over `nodes` nodes instead: node n holds
+    ranks n, n + nodes, ... (a placement mpiexec makes with --map-by node)."""
+
+    def __new__(cls, comm, nodes):
+        self = super().__new__(cls, comm)
+        self._nodes, self._first = nodes, True
+        return self
+
+    def Split(self, color=0, key=0):
+        if self._first:
+            self._first = False
+            color = self.Get_rank() % self._nodes
+        return super().Split(color, key)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
     if mode == "closebusy":
@@ -898,7 +916,13 @@ def main():
         return main_launcher(mode[len("launch-"):], node_size)
     if mode == "formfail":
         return main_formfail(node_size)
-    c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
+    if mode.endswith("-rr"):        # nodes of ranks dealt round-robin (not consecutive)
+        mode = mode[:-3]
+        c = shmtree.from_mpi(_RoundRobin(W, -(-W.size // node_size)), node_size=node_size,
+                             **SEGMENT)
+        assert c.node == W.rank % c.nodes and c._in_order == (c.nodes == 1)
+    else:
+        c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
     if mode not in ("failure", "sigint", "linktimeout"):
         c.close()
