@@ -932,4 +932,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1].startswith(("set", "launch-set")):
+        try:          # (a failed check must end the job, not leave the other ranks waiting
+            main()    # in MPI's own collectives, which the set modes compare against)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            W.Abort(1)
+    else:
+        main()
