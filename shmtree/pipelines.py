@@ -265,7 +265,10 @@ class Pipelines:
           3. in the node: the leader sends each member what came for it from the other nodes
              (in global order of the sources).
         Each member then puts its blocks in source order.  A step in which no rank of the node
-        moves a byte to another is skipped (every rank knows B: the same choice everywhere)."""
+        moves a byte to another is skipped (every rank knows B: the same choice everywhere).
+        With lanes (from_mpi, nodes of one size): _exchange_lanes."""
+        if self._lane is not None:
+            return self._exchange_lanes(src, dst, B, deadline)
         P, node, members = self.size, self.node, self._members
         mine = members[node]
         k, j, me = len(mine), self.node_rank, self.rank
@@ -329,6 +332,42 @@ class Pipelines:
                 a = at_out[s]
                 piece = got3[from3[a]:from3[a] + n]
             dst[into[s]:into[s] + n] = piece
+
+    def _exchange_lanes(self, src, dst, B, deadline):
+        """_exchange_nodes on the lanes (nodes of one size k): every rank carries 1/k of its
+        node's traffic between the nodes, and nothing passes through a leader.
+          1. in the node (an alltoall with counts): each member sends local rank q its blocks
+             for the ranks of local rank q on every node (in node order);
+          2. on the lanes (Link.exchange): local rank q sends lane peer m, for each member of
+             its node in local order, that member's block for node m's rank of local rank q.
+        Each rank then holds every block for itself, and puts them in source order."""
+        P, N, k = self.size, self.nodes, self.node_size
+        members, node, r, me = self._members, self.node, self.node_rank, self.rank
+        mine = members[node]
+        off, into = _offsets(B[me]), _offsets(B[:, me])
+        lanes = [[members[m][q] for m in range(N)] for q in range(k)]   # lane q's ranks
+        C1 = np.array([[int(B[g, lanes[q]].sum()) for q in range(k)] for g in mine], np.int64)
+        send = _joined([src[off[g]:off[g + 1]] for q in range(k) for g in lanes[q]],
+                       int(C1[r].sum()))
+        if (C1 - np.diag(np.diag(C1))).any():
+            got1 = self.local.run(calls.alltoall(self.local, send, tuple(C1[r].tolist()), None,
+                                                 self._remaining(deadline)))
+        else:
+            got1 = send
+        from1 = _offsets(C1[:, r])
+        at = [[from1[x] + o for o in _offsets(B[g, lanes[r]])] for x, g in enumerate(mine)]
+        sends, recvs = [], []
+        for m in range(N):
+            sends.append(_joined([got1[at[x][m]:at[x][m + 1]] for x in range(k)],
+                                 int(B[mine, lanes[r][m]].sum())))
+            recvs.append(np.empty(int(B[members[m], me].sum()), np.uint8))
+        self._lane.run(Link.exchange, sends, recvs, deadline=deadline)
+        for m in range(N):
+            at_m = 0
+            for s in members[m]:
+                n = int(B[s, me])
+                dst[into[s]:into[s] + n] = recvs[m][at_m:at_m + n]
+                at_m += n
 
     def _leaders_exchange(self, got1, from1, C1, B, mine, outside, at_out, deadline):
         """Step 2 of _exchange_nodes, on the leader: got1 holds, for each member x (local
