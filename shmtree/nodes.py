@@ -17,6 +17,9 @@ Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
      inter-node step on the leader's link thread, broadcast in the node; the leader's main
      thread works on segment i+1 in the node while its link thread carries segment i between
      the nodes, so a large message costs about the larger of the two steps, not their sum.
+     alltoall, gather, scatter, scan and exscan are exchanges across nodes instead
+     (pipelines._exchange_nodes: in the node, between the leaders or on the lanes, in the
+     node; not cut into segments).
 
 The reduction order is fixed by this plan (the node's own tree order, then nodes in order), not
 by MPI: the same bits on every rank of every node.
@@ -64,8 +67,9 @@ _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other node
 class Spanning(Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
-    allgather, reduce_scatter, barrier, their i-forms, empty and zeros: Front's); ranks are
-    global.  With one node, the node's own communicator makes every call."""
+    allgather, reduce_scatter, alltoall, gather, scatter, scan, exscan, barrier, their i-forms
+    and persistent forms, empty and zeros: Front's); ranks are global.  With one node, the
+    node's own communicator makes every call."""
 
     def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
                  lane=None):
