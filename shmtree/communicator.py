@@ -154,6 +154,8 @@ class Communicator(Front, Executors):
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
             return None
+        if coll == BROADCAST and a is None and out is None:
+            return None                       # (its output is the first call's: not bound yet)
         tag = _dtype_digest(a.dtype) if coll == ALLGATHER else 0
         root = spec.root or 0
         op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
