@@ -120,7 +120,12 @@ def gather_worker(comm, cases):
         x = inp(dtype, m * 2, r, i).reshape(m, 2)
         if how == "strided":
             x = np.repeat(x, 2, axis=0)[::2]
-        if how == "out" and r == root:
+        if how == "inplace" and r == root:                   # the input is out[root]
+            o = np.empty((P,) + x.shape, x.dtype)
+            o[root] = x
+            got = comm.gather(o[root], root=root, out=o)
+            assert got is o
+        elif how == "out" and r == root:
             total = sum(n + (s % 3) * (s != 1) if s != 1 else 0 for s in range(P)) \
                 if axis == 0 else None
             o = np.empty((total, 2) if axis == 0 else (P, n, 2), x.dtype)
@@ -174,12 +179,14 @@ def test_gather_and_scatter_every_root(P):
              for n in SIZES for axis in (None, 0)]
     cases += [(d, n, axis, root, how) for root in range(P) for d in MOVED[1:3]
               for n in (1, 4099) for axis in (None, 0) for how in ("out", "strided")]
+    cases += [("int32", n, None, root, "inplace") for root in range(P) for n in (3, 4099)]
     outs = run_ok(gather_worker, P, args=(cases,), **CHUNK)
     for i, (dtype, n, axis, root, how) in enumerate(cases):
         want = gather_expected(P, dtype, n, axis, i)
         got = unwire(outs[root][i])
         assert got.shape == want.shape and got.dtype == want.dtype, (dtype, n, axis, root)
         assert same_bytes(got, want), (dtype, n, axis, root, how)
+    cases = cases[:-2 * P]
     outs = run_ok(scatter_worker, P, args=(cases,), **CHUNK)
     for i, (dtype, n, axis, root, how) in enumerate(cases):
         full = inp(dtype, (P * n if axis is None else n) * 2, root, i)
