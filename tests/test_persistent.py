@@ -155,9 +155,12 @@ def life_worker(comm):
             out.append(str(exc))
     # a timeout counts from each call, not from init
     t = comm.allreduce_init(x, timeout=0.5)
-    for _ in range(3):
-        time.sleep(0.3)
+    u = comm.scan_init(x, timeout=0.5)             # (made of engine calls: the general path)
+    for _ in range(3):                             # rank 0 waits in each call for rank 1
+        time.sleep(0.3 if r else 0.05)
         t()
+        time.sleep(0.3 if r else 0.05)
+        u()
     # module level
     m = shmtree.scan_init(x)
     out.append(m().tolist())
@@ -191,7 +194,7 @@ def life_worker(comm):
     try:
         t()
     except shmtree.ShmtreeError as exc:
-        out.append("closed" if "closed" in str(exc) else str(exc))
+        out.append("closed" if "communicator is closed" in str(exc) else str(exc))
     return out
 
 
