@@ -87,6 +87,7 @@ include "engine/alg_inline.pxi"
 include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
+include "engine/alg_exchange.pxi"
 
 import pickle
 
@@ -237,7 +238,7 @@ def clash(a, b):
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
-VERSION = 3
+VERSION = 4
 # the layout constants, for transport.py (one definition: layout.h)
 LINE_BYTES = SHM_LINE
 PAGE_BYTES = SHM_PAGE
@@ -301,8 +302,8 @@ _register(COLL_ALLREDUCE, ALG_INLINE, inline_setup, inline_ready, inline_step, t
 _register(COLL_ALLREDUCE, ALG_TREE, tree_setup, tree_ready, tree_step, tree_done)
 _register(COLL_ALLREDUCE, ALG_RING, ring_setup, ring_ready, ring_step, ring_done)
 assert (DIRECT_ALLREDUCE, DIRECT_BROADCAST, DIRECT_REDUCE, DIRECT_REDUCE_SCATTER,
-        DIRECT_ALLGATHER) == (COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER,
-                              COLL_ALLGATHER)
+        DIRECT_ALLGATHER, DIRECT_ALLTOALL) == (COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE,
+                                               COLL_REDUCE_SCATTER, COLL_ALLGATHER, COLL_ALLTOALL)
 for _c in range(N_COLL):
     _register(_c, ALG_DIRECT, direct_setup, direct_ready, direct_step, direct_done)
 for _c in range(1, N_COLL):           # every call's channel-0 round: descriptors, no data
@@ -311,6 +312,7 @@ _register(COLL_BROADCAST, ALG_RING, chain_setup, chain_ready, chain_step, chain_
 _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_done)
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
 _register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
+_register(COLL_ALLTOALL, ALG_RING, xchg_setup, xchg_ready, xchg_step, xchg_done)
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
@@ -594,6 +596,10 @@ cdef class Engine:
     cdef object bc_buf                # the last first round (reused by the next)
     cdef object bc_result, bc_out     # its output (given before the round, or made after it)
                                       # and the caller's out=
+    cdef object x_full, x_out         # an exchange that travels inline: every rank's blocks,
+                                      # and its output (filled from them when the call ends:
+                                      # xchg_inline_finish)
+    cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
@@ -604,10 +610,11 @@ cdef class Engine:
 
     def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
                  int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0,
-                 int64_t slice_ns=20000000):
+                 int64_t slice_ns=20000000, exchange=None):
         """channels: per channel a transport.ChannelSpec (parent, index, children, up, down,
         child_up, parent_down: segment offsets, -1 for none; nslots, stride, payload; ring,
-        ring_pos).  selection: Plan.selection(), by collective (inline limit, algorithm)."""
+        ring_pos).  selection: Plan.selection(), by collective (inline limit, algorithm).
+        exchange: transport.Layout.exchange_spec() (the outboxes; None in a group of one)."""
         self.seg = seg
         self.e.base = seg.base
         self.e.rank = rank
@@ -628,6 +635,7 @@ cdef class Engine:
         self.e.chans[0].pair = self.e.nranks == 2 and not self.e.chans[0].ring
         self._select(selection)
         scratch_setup(self, maxchild)
+        exchange_setup(self, exchange)
 
     # the waiting policy (wait.pxi), in ns
     @property
@@ -715,6 +723,8 @@ cdef class Engine:
             rc = msg_allgather(self, array, out, kind, tag, dims, offs)
         elif coll == COLL_BROADCAST:
             rc = msg_broadcast(self, array, out, root, kind, tag)
+        elif coll == COLL_ALLTOALL:
+            rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
         elif coll == COLL_ERROR:
             rc = msg_error(self, kind, array)
         else:
@@ -784,6 +794,9 @@ cdef class Engine:
             place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
             place(self, seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
+        elif coll == COLL_ALLTOALL:
+            place(self, seq, src_p, src_p, self.x_src_n, True)    # (every rank's input alone:
+                                                                  # each reads its peers')
         elif coll == COLL_REDUCE_SCATTER or dst_p == NULL:
             place(self, seq, src_p, src_p, nbytes, True)     # (every rank's input alone; reduce
         else:                                                # away from the root)
@@ -927,6 +940,9 @@ cdef class Engine:
                 self.ncalls += 1
                 if self.fin_n:
                     memcpy(self.fin_to, self.fin_from, self.fin_n)
+                if self.x_full is not None:
+                    xchg_inline_finish(&self.e, <const char *>cnp.PyArray_DATA(self.x_full),
+                                       <char *>cnp.PyArray_DATA(self.x_out))
                 if self.bc.root >= 0:
                     self.result = bcast_ended(self)
             self._end_call()
@@ -941,6 +957,7 @@ cdef class Engine:
         self.busy = 0
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
+        self.x_full = self.x_out = None
         self.place_keep = self.place_keep_out = None
         self.fin_n = 0
         self.bc.root = -1

@@ -76,7 +76,7 @@ class Communicator(Front, Executors):
         self._seg = group._seg
         self._engine = _engine.Engine(group._seg, rank, specs, group.plan.selection(),
                                       spin_ns=group.plan.spin_ns, nt_bytes=group.plan.nt_bytes,
-                                      slice_ns=SLICE_NS)
+                                      slice_ns=SLICE_NS, exchange=group.layout.exchange_spec())
         # the ranks this one waits for (tree parent and children; ring predecessor, successor)
         self._neighbours = sorted({r for spec in specs for r in [spec.parent, *spec.children]
                                    if r >= 0})

@@ -18,6 +18,8 @@ NUMA node of the process that uses it most):
     then, per channel and per rank r:
         up ring of edge r -> parent(r)      (absent at the root)   head | tail | S slots
         down ring of r's results            (absent at a leaf)     head | tail per child | S slots
+    then, per rank r (a group of several):
+        r's outbox for the exchange         (read by any rank)     S slots, no counters
 
 A slot is a 64-byte slot header (call seq, descriptor digest, chunk index, flags) followed by the
 chunk payload.  Channel 0 is the latency channel (small slots, a flat tree): every call starts with
@@ -94,7 +96,27 @@ class Layout:
                     off += plan.ring_bytes(nchild)
             self.up.append(up)
             self.down.append(down)
+        # the exchange's outboxes (engine/alg_exchange.pxi): one per rank, read by any rank,
+        # slots of the bandwidth channel's geometry, no counters (each slot has its own words)
+        self.outbox: list[int] = [-1] * nranks
+        self.box_plan = channels[min(1, len(channels) - 1)]
+        if nranks > 1:
+            for r in range(nranks):
+                self.outbox[r] = off
+                off += self.outbox_bytes
         self.total = off
+
+    @property
+    def outbox_bytes(self) -> int:
+        return round_up(self.box_plan.nslots * self.box_plan.stride, PAGE)
+
+    def exchange_spec(self):
+        """What every rank's engine needs of the exchange: (every rank's outbox offset, nslots,
+        stride, payload); None in a group of one."""
+        if self.nranks == 1:
+            return None
+        plan = self.box_plan
+        return (tuple(self.outbox), plan.nslots, plan.stride, plan.payload)
 
     def engine_spec(self, ch: int, rank: int) -> "ChannelSpec":
         """What rank needs to run channel ch: its neighbours and the offsets of their rings."""
@@ -145,6 +167,9 @@ class Layout:
                 yield spec.up, plan.ring_bytes(1), [spec.parent]
             if spec.down >= 0:
                 yield spec.down, plan.ring_bytes(len(spec.children)), list(spec.children)
+        if self.outbox[rank] >= 0:                  # (read by every other rank)
+            yield (self.outbox[rank], self.outbox_bytes,
+                   [r for r in range(self.nranks) if r != rank])
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,18 @@ typedef struct shm_desc {
     int64_t dims[SHM_MAX_DIMS]; /*  32 the first SHM_MAX_DIMS dims (for messages) */
 } shm_desc;                     /* 128 */
 
-/* The header of every ring slot, followed by the chunk payload. */
+/* The header of every ring slot, followed by the chunk payload.  The rings' flow control is
+ * their head and tail counters; the exchange's outboxes (alg_exchange.pxi: slots read by any
+ * rank, no counters) use the slot's own two words instead: `ready`, the ticket of the item the
+ * slot holds (written by its producer, release, after the payload), and `freed`, the ticket of
+ * the item its consumer has taken out (written by that consumer, release, after its copy). */
 typedef struct shm_slot_hdr {
     shm_desc_head desc;         /*  0 the producer's call descriptor (its compared part) */
     uint64_t chunk;             /* 32 chunk (tree) or item (ring) index within the call */
     uint32_t flags;             /* 40 SHM_FLAG_* */
-    uint8_t pad[20];            /* 44 */
+    uint32_t pad;               /* 44 */
+    uint64_t ready;             /* 48 exchange: ticket of the item held (producer) */
+    uint64_t freed;             /* 56 exchange: ticket of the item taken out (its consumer) */
 } shm_slot_hdr;                 /* 64 */
 
 /* The segment header (first page). */
@@ -110,6 +116,8 @@ SHM_ASSERT_AT(shm_desc, dims, 32);
 _Static_assert(sizeof(shm_desc) == 128, "descriptor is 128 bytes");
 SHM_ASSERT_AT(shm_slot_hdr, chunk, 32);
 SHM_ASSERT_AT(shm_slot_hdr, flags, 40);
+SHM_ASSERT_AT(shm_slot_hdr, ready, 48);
+SHM_ASSERT_AT(shm_slot_hdr, freed, 56);
 _Static_assert(sizeof(shm_slot_hdr) == 64, "slot header is 64 bytes");
 SHM_ASSERT_AT(shm_seg_hdr, version, 8);
 SHM_ASSERT_AT(shm_seg_hdr, nranks, 12);

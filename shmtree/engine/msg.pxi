@@ -328,3 +328,100 @@ cdef void write_desc(Engine self, uint64_t seq, uint64_t nbytes, int kind, int o
     for i in range(nkept):
         d.dims[i] = dims[i]
     self.e.call.desc = d.head
+
+
+cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
+                      offs) except -2:
+    """alltoall, and every exchange of blocks between ranks (alg_exchange.pxi).
+    offs None: equal blocks - array a C-contiguous, aligned ndarray without Python objects whose
+    first dimension is the group's size (block q goes to rank q); out None (a new array) or a
+    writable C-contiguous, aligned ndarray of its dtype and shape; the descriptor's shape is
+    array.shape + (itemsize, digest).  offs given: the byte matrix B (P*P uint64, B[p*P + q]:
+    bytes rank p sends rank q, the same on every rank), array this rank's sends back to back in
+    destination order, out a writable C-contiguous ndarray for its receives back to back in
+    source order, dims the descriptor's shape (the same on every rank).  array and out share no
+    memory (an in-place call is copied first by the caller).  Selection: inline (one bitwise-or
+    round of every rank's sends; the blocks are taken out at the end), the exchange, or the
+    single copy when every rank's input lies in a shared array."""
+    cdef int P = self.e.nranks, me = self.e.rank, i, p, nd, rc, alg
+    cdef cnp.ndarray a, o, bmat
+    cdef uint64_t *bp
+    cdef uint64_t total = 0, sent = 0, got = 0, row = 0, block
+    cdef int64_t given[MAX_NDIM]
+    if type(array) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+        return -1
+    a = <cnp.ndarray>array
+    if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+            or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1):
+        return -1
+    if offs is None:
+        nd = cnp.PyArray_NDIM(a)
+        if nd < 1 or nd + 2 > MAX_NDIM or cnp.PyArray_DIMS(a)[0] != P:
+            return -1
+        if out is None:
+            out = empty_like(a, -1)
+        o = <cnp.ndarray>out
+        if (cnp.PyArray_NDIM(o) != nd
+                or memcmp(cnp.PyArray_DIMS(o), cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
+                or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
+                or not cnp.PyArray_ISWRITEABLE(o)
+                or not cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(a),
+                                              <cnp.dtype>cnp.PyArray_DESCR(o))):
+            return -1
+        block = cnp.PyArray_NBYTES(a) // P
+        bmat = np.full(P * P, block, np.uint64)
+        for i in range(nd):
+            given[i] = cnp.PyArray_DIMS(a)[i]
+        given[nd] = cnp.PyArray_ITEMSIZE(a)
+        given[nd + 1] = digest
+        nd += 2
+    else:
+        if (type(offs) is not np.ndarray or out is None or type(dims) is not list
+                or len(dims) > MAX_NDIM):
+            return -1
+        bmat = <cnp.ndarray>offs
+        o = <cnp.ndarray>out
+        if (cnp.PyArray_TYPE(bmat) != cnp.NPY_UINT64 or cnp.PyArray_SIZE(bmat) != P * P
+                or not cnp.PyArray_IS_C_CONTIGUOUS(bmat) or not cnp.PyArray_IS_C_CONTIGUOUS(o)
+                or not cnp.PyArray_ISWRITEABLE(o)):
+            return -1
+        nd = len(dims)
+        for i in range(nd):
+            given[i] = dims[i]
+    bp = <uint64_t *>cnp.PyArray_DATA(bmat)
+    for p in range(P):
+        for i in range(P):
+            total += bp[p * P + i]
+            if p == me:
+                sent += bp[p * P + i]
+            if i == me:
+                got += bp[p * P + i]
+    if sent != <uint64_t>cnp.PyArray_NBYTES(a) or got != <uint64_t>cnp.PyArray_NBYTES(o):
+        return -1
+    if sent and got and _ranges_overlap(a, o):
+        return -1                         # (the caller copies the input first)
+    alg = ALG_INLINE if P == 1 else select(self, COLL_ALLTOALL, total)
+    self.result = o
+    rc = self.may_begin()
+    if rc != RC_DONE:
+        return rc
+    self.offs_ref = bmat
+    self.e.x.m = xchg_tables(&self.e, bp)
+    if alg == ALG_INLINE:                 # every rank's sends in one bitwise-or round
+        full = np.zeros(total, np.uint8)
+        for p in range(me):
+            for i in range(P):
+                row += bp[p * P + i]
+        if sent:
+            memcpy(<char *>cnp.PyArray_DATA(full) + row, cnp.PyArray_DATA(a), sent)
+        self.x_full = full
+        self.x_out = o
+        self.begin_call(full, full, <const char *>cnp.PyArray_DATA(full),
+                        <char *>cnp.PyArray_DATA(full), total, 1, OP_BOR, DT_U1, kind, nd, given,
+                        COLL_ALLREDUCE, ALG_INLINE)
+        return RC_DONE
+    self.x_src_n = sent
+    self.begin_call(a, o, <const char *>cnp.PyArray_DATA(a) if sent else NULL,
+                    <char *>cnp.PyArray_DATA(o) if got else NULL, total, 1, OP_BOR, DT_U1, kind,
+                    nd, given, COLL_ALLTOALL, ALG_RING)
+    return RC_DONE

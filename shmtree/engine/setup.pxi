@@ -81,6 +81,41 @@ cdef scratch_setup(Engine self, int maxchild):
     d.ring = 1
     for i in range(self.e.nranks):
         d.order[i] = i
+    cdef Xchg *x = &self.e.x
+    cdef int P = self.e.nranks
+    x.to_at = <uint64_t *>calloc(P, sizeof(uint64_t))
+    x.from_at = <uint64_t *>calloc(P, sizeof(uint64_t))
+    x.dst_at = <uint64_t *>calloc(P + 1, sizeof(uint64_t))
+    x.first = <uint64_t *>calloc(P, sizeof(uint64_t))
+    x.got = <uint64_t *>calloc(P, sizeof(uint64_t))
+    x.need = <uint64_t *>calloc(P, sizeof(uint64_t))
+    x.box = <char **>calloc(P, sizeof(char *))
+    if (x.to_at == NULL or x.from_at == NULL or x.dst_at == NULL or x.first == NULL
+            or x.got == NULL or x.need == NULL or x.box == NULL):
+        raise MemoryError()
+
+
+cdef exchange_setup(Engine self, exchange):
+    """The outboxes of the exchange (alg_exchange.pxi), from transport.Layout.exchange_spec():
+    (every rank's outbox offset, nslots, stride, payload), or None in a group of one."""
+    cdef Xchg *x = &self.e.x
+    cdef int r
+    if exchange is None:
+        if self.e.nranks > 1:
+            raise ValueError("shmtree: a group of several ranks needs the exchange's outboxes")
+        return
+    offsets, nslots, stride, payload = exchange
+    if len(offsets) != self.e.nranks or nslots < 1 or stride < payload + sizeof(shm_slot_hdr) \
+            or payload < 64:
+        raise ValueError("shmtree: bad exchange geometry")
+    x.nslots = nslots
+    x.stride = stride
+    x.payload = payload
+    for r in range(self.e.nranks):
+        x.box[r] = seg_ptr(self, offsets[r], <uint64_t>nslots * stride)
+    x.last = <uint64_t *>calloc(nslots, sizeof(uint64_t))
+    if x.last == NULL:
+        raise MemoryError()
 
 
 cdef void engine_free(Engine self) noexcept:
@@ -104,6 +139,15 @@ cdef void engine_free(Engine self) noexcept:
     free(self.share_start)
     free(self.share_len)
     free(self.share_bases)
+    cdef Xchg *x = &self.e.x
+    free(x.to_at)
+    free(x.from_at)
+    free(x.dst_at)
+    free(x.first)
+    free(x.got)
+    free(x.need)
+    free(x.box)
+    free(x.last)
 
 
 cdef direct_order_set(Engine self, list ring, list children, int root):

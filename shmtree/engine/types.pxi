@@ -50,6 +50,8 @@ cdef extern from "_csrc/layout.h" nogil:
         shm_desc_head desc
         uint64_t chunk
         uint32_t flags
+        uint64_t ready
+        uint64_t freed
     ctypedef struct shm_seg_hdr:
         uint64_t magic
         uint32_t version
@@ -161,8 +163,33 @@ cdef struct Direct:
     char **outs           # every rank's output [P]
     int pairwise          # fold two operands at a time (float16 and bfloat16 under the ring)
     uint64_t lo, hi, off  # this rank's part of the message (bytes), and how far it is done
+    int cur               # alltoall: the source of the piece at off
     int published         # this rank's part is written and said so
     int finished          # every rank's part is
+
+
+cdef struct Xchg:
+    # The exchange (alg_exchange.pxi): every rank's outbox of nslots slots (no counters: each
+    # slot's ready / freed words), and the call's blocks.  B[p*P + q]: bytes rank p sends rank q
+    # (the same matrix on every rank); blocks are packed in rank order in src (by destination)
+    # and dst (by source).
+    char **box            # every rank's outbox [P] (NULL: a group of one)
+    uint64_t nslots, stride, payload
+    uint64_t epoch        # tickets of the next exchange start here (the same on every rank)
+    uint64_t base         # the call's: item j of any rank's sequence has ticket base + j + 1
+    uint64_t m            # the call's: the most items any rank sends (the epoch's advance)
+    uint64_t *last        # [nslots] the ticket this rank last put into each of its slots
+    const uint64_t *B     # the call's byte matrix [P*P]
+    uint64_t *to_at       # [P] where the block for rank q starts in this rank's src
+    uint64_t *from_at     # [P] where rank p's block for this rank starts in p's src
+    uint64_t *dst_at      # [P + 1] where the block from rank p starts in this rank's dst
+    uint64_t *first       # [P] index, in rank p's item sequence, of its first item for us
+    uint64_t *got         # [P] items taken from rank p so far
+    uint64_t *need        # [P] items to take from rank p
+    uint64_t nsend, sent  # items this rank sends, and has sent
+    int round, in_round   # the next item to send: destination me + round, its index there
+    int own_done          # this rank's own block copied
+    int src_next          # the source looked at first by the next ready() (round robin)
 
 
 cdef struct Eng:
@@ -181,6 +208,7 @@ cdef struct Eng:
                                   # tree) a ring around it for the other collectives
     Call call
     Direct dir
+    Xchg x
 
 
 # An algorithm runs one channel of a call in steps.  ready() says which step can run now without
