@@ -584,6 +584,34 @@ def small_worker(comm):
             comm.scatter(x if r == 0 else None).tolist())
 
 
+def eight_worker(comm):
+    P, r = comm.size, comm.rank
+    x = np.arange(P * 3.0).reshape(P, 3) + 100 * r
+    counts = [(r + q) % 3 for q in range(P)]
+    return (comm.alltoall(x).tolist(), comm.alltoall(np.full((sum(counts), 1), r), counts=counts)
+            .ravel().tolist(), comm.scan(x[0]).tolist(), comm.exscan(np.array([r + 1]),
+                                                                    op="prod").tolist(),
+            comm.scatter(x if r == 5 else None, root=5).tolist(),
+            comm.gather(np.arange(r), root=7, axis=0))
+
+
+@pytest.mark.timeout(120)
+def test_eight_ranks():
+    P = 8
+    outs = run_ok(eight_worker, P)
+    xs = [np.arange(P * 3.0).reshape(P, 3) + 100 * s for s in range(P)]
+    for r, (a2a, a2av, sc, ex, sca, ga) in enumerate(outs):
+        assert a2a == [xs[s][r].tolist() for s in range(P)]
+        assert a2av == [s for s in range(P) for _ in range((s + r) % 3)]
+        assert sc == np.add.accumulate([x[0] for x in xs])[r].tolist()
+        assert ex == [int(np.prod(np.arange(1, r + 1)))]
+        assert sca == xs[5][r].tolist()
+        if r == 7:
+            assert ga.tolist() == [v for s in range(P) for v in range(s)]
+        else:
+            assert ga is None
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_start_methods(method):
@@ -603,11 +631,16 @@ def test_spanning_refuses_collectives_it_has_no_executor_for():
 
 
 def _killed_member(group, rank, victim, n, queue):
+    """The victim is SIGKILLed from a thread of its own while it waits inside the alltoall
+    (rank 2 arrives late)."""
+    import threading
     comm = group.join(rank)
     x = np.ones((group.size, n))
     if rank == victim:
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=lambda: (time.sleep(0.3), os.kill(os.getpid(),
+                                                                   signal.SIGKILL))).start()
+    elif rank == 2:
+        time.sleep(0.6)
     try:
         comm.alltoall(x)
         queue.put((rank, "returned", time.monotonic()))
