@@ -432,7 +432,6 @@ class Executors:
 _NOTHING = np.empty(0, np.uint8)
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
            "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
-_OP_CODE = {name: code for code, name in OP_NAMES.items()}
 
 
 def error_words(exc) -> bytes:
