@@ -194,8 +194,8 @@ def alltoall(comm, array, counts=None, out=None, timeout=None, posted=False):
 
 def gather(comm, array, root=0, axis=None, out=None, timeout=None, posted=False):
     """gather: the root gets what allgather would give; out= matters on the root only.  An
-    array whose dtype holds Python objects is a local error said in the call's round (every
-    other rank could not see it: DESIGN section 6)."""
+    array whose dtype holds Python objects, or the root's out= that does not fit, is a local
+    error said in the call's round (the other ranks cannot see it: DESIGN section 6)."""
     root = check_root(root, comm.size)
     if axis is not None and axis != 0:
         raise ValueError(f"shmtree: gather: axis must be None or 0, got {axis!r}")
@@ -203,30 +203,28 @@ def gather(comm, array, root=0, axis=None, out=None, timeout=None, posted=False)
     mine = comm.rank == root
     if not mine:
         out = None                    # (ignored away from the root)
-    try:
+    try:                              # (an object dtype, the root's out=: said in the round)
         a = movable(array, "gather")
-    except TypeError as exc:
+        if axis == 0 and a.ndim == 0:
+            raise ValueError("shmtree: gather(axis=0) needs arrays of at least 1 dimension")
+        if out is not None and axis is None:
+            check_out(out, (comm.size,) + a.shape, a.dtype, "gather")
+        elif out is not None:
+            check_rows_out(out, a.shape[1:], a.dtype, "gather")
+    except (TypeError, ValueError) as exc:
         return CallSpec("gather", GATHER, kind, None, None, root=root, axis=axis,
                         timeout=timeout, deadline=_checked_deadline(timeout, exc),
                         posted=posted, error=exc)
-    dl = deadline_of(timeout)
-    if axis is None:
-        if out is not None:
-            check_out(out, (comm.size,) + a.shape, a.dtype, "gather")
-    else:
-        if a.ndim == 0:
-            raise ValueError("shmtree: gather(axis=0) needs arrays of at least 1 dimension")
-        if out is not None:
-            check_rows_out(out, a.shape[1:], a.dtype, "gather")
     return CallSpec("gather", GATHER, kind, a, out, root=root, axis=axis, timeout=timeout,
-                    deadline=dl, posted=posted)
+                    deadline=deadline_of(timeout), posted=posted)
 
 
 def scatter(comm, array, root=0, axis=None, out=None, timeout=None, posted=False):
     """scatter: the root's array, (size, *rest) with axis=None, split along axis 0
     (np.array_split) with axis=0; elsewhere None (out= may claim the block: an ndarray, checked
-    against the root's once its shape is known).  The root's dtype holding Python objects is a
-    local error said in the call's round."""
+    against the root's once its shape is known).  The root's errors (no array, a dtype holding
+    Python objects, a shape or out= that does not fit) are local errors said in the call's
+    round: the other ranks cannot see them."""
     root = check_root(root, comm.size)
     if axis is not None and axis != 0:
         raise ValueError(f"shmtree: scatter: axis must be None or 0, got {axis!r}")
@@ -240,26 +238,32 @@ def scatter(comm, array, root=0, axis=None, out=None, timeout=None, posted=False
             raise ValueError("shmtree: scatter: out is read-only")
     a = None
     if comm.rank == root:
-        if array is None:
-            raise ValueError("shmtree: scatter: the root must pass the array")
-        try:
-            a = movable(array, "scatter")
-        except TypeError as exc:
+        try:                          # (errors only the root can see: said in the round)
+            a = _scattered(array, out, axis, P, root)
+        except (TypeError, ValueError) as exc:
             return CallSpec("scatter", SCATTER, kind, None, out, root=root, axis=axis,
                             timeout=timeout, deadline=_checked_deadline(timeout, exc),
                             posted=posted, error=exc)
-        if a.ndim == 0:
-            raise ValueError("shmtree: scatter: the root's array needs at least 1 dimension")
-        if axis is None and a.shape[0] != P:
-            raise ValueError(f"shmtree: scatter: the root's array must have shape[0] == size "
-                             f"{P} (one block per rank), got shape {a.shape}; axis=0 splits "
-                             f"any length")
-        if out is not None:
-            b = split_bounds(a.shape[0], P) if axis == 0 else None
-            shape = a.shape[1:] if axis is None else (b[root + 1] - b[root],) + a.shape[1:]
-            check_out(out, shape, a.dtype, "scatter")
     return CallSpec("scatter", SCATTER, kind, a, out, root=root, axis=axis, timeout=timeout,
                     deadline=deadline_of(timeout), posted=posted)
+
+
+def _scattered(array, out, axis, P, root):
+    """scatter's checks of the root's array (and out=): the array to send."""
+    if array is None:
+        raise ValueError("shmtree: scatter: the root must pass the array")
+    a = movable(array, "scatter")
+    if a.ndim == 0:
+        raise ValueError("shmtree: scatter: the root's array needs at least 1 dimension")
+    if axis is None and a.shape[0] != P:
+        raise ValueError(f"shmtree: scatter: the root's array must have shape[0] == size "
+                         f"{P} (one block per rank), got shape {a.shape}; axis=0 splits "
+                         f"any length")
+    if out is not None:
+        b = split_bounds(a.shape[0], P) if axis == 0 else None
+        shape = a.shape[1:] if axis is None else (b[root + 1] - b[root],) + a.shape[1:]
+        check_out(out, shape, a.dtype, "scatter")
+    return a
 
 
 def scan(comm, array, op="sum", out=None, timeout=None, posted=False):

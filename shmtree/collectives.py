@@ -175,11 +175,10 @@ class Executors:
         a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
         P, me = self.size, self.rank
         digest = calls.dtype_digest(a.dtype)
-        if spec.counts is None:
+        if spec.counts is None:               # (equal blocks: the engine's own form)
             result, copy_back = calls.out_for(out, a.shape, a.dtype, "alltoall")
             src = _apart(_plain(a), result)
-            self._exchange(src, result, self._even(a.nbytes // P if P else 0), kind,
-                           a.shape + (a.dtype.itemsize, digest), deadline)
+            self._call(ALLTOALL, src, result, None, 0, kind, deadline, digest)
             return calls.finish(result, copy_back)
         rest = a.shape[1:]
         table = self._counts_round(spec.counts, a, None, kind, deadline)
@@ -304,35 +303,11 @@ class Executors:
         return result
 
     def _exchange(self, src, dst, B, kind, dims, deadline):
-        """One exchange (above): B[p*P + q] bytes from rank p to rank q; src this rank's
-        outgoing bytes (C-contiguous), dst (C-contiguous, writable, not sharing memory with
-        src) its incoming; dims the descriptor's shape, the same on every rank.
-
-        TEMPORARY (until the engine's alltoall lands): an allgather of every rank's outgoing
-        bytes, from which each rank takes what is its own."""
-        P, me = self.size, self.rank
-        Bm = B.reshape(P, P)
-        sent = Bm.sum(axis=1)
-        offsets = [0] + np.cumsum(sent).tolist()
-        full = np.empty(offsets[-1], np.uint8)
-        self._call(ALLGATHER, calls.bytes_of(src), full, None, 0, kind, deadline, 0, dims,
-                   self._by_position(offsets))
-        view = dst.reshape(-1).view(np.uint8) if dst.size else _NOTHING
-        at = 0
-        for p in range(P):
-            lo = offsets[p] + int(Bm[p, :me].sum())
-            k = int(Bm[p, me])
-            view[at:at + k] = full[lo:lo + k]
-            at += k
-
-    def _even(self, block):
-        """B of an exchange of equal blocks (kept: the same call shapes come back)."""
-        got = self._evens.get(block)
-        if got is None:
-            if len(self._evens) > 64:
-                self._evens.clear()
-            got = self._evens[block] = np.full(self.size * self.size, block, np.uint64)
-        return got
+        """One exchange (above), the engine's alltoall: B[p*P + q] bytes from rank p to rank q
+        (P*P uint64, C-contiguous, the same on every rank); src this rank's outgoing bytes
+        (C-contiguous), dst (C-contiguous, writable, sharing no memory with src) its incoming;
+        dims the descriptor's shape, the same on every rank."""
+        self._call(ALLTOALL, src, dst, None, 0, kind, deadline, 0, list(dims), B)
 
     def _counts_round(self, counts, a, root, kind, deadline):
         """A round of counts before a call whose blocks differ in size (alltoall(counts=),
@@ -457,7 +432,6 @@ class Executors:
 _NOTHING = np.empty(0, np.uint8)
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
            "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
-_OP_CODE = {name: code for code, name in OP_NAMES.items()}
 
 
 def error_words(exc) -> bytes:

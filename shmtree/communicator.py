@@ -29,7 +29,7 @@ from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_S
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from . import calls
-from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
+from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
 from .collectives import Executors, error_words
 from .front import DECLINED, Front, Persistent
@@ -90,7 +90,6 @@ class Communicator(Front, Executors):
         self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
                                   [list(c) for c in tree.children], tree.root)
         self._positions = {}                 # block offsets by ring position, per call shape
-        self._evens = {}                     # an exchange's B of equal blocks, per block size
         self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather
 
     def __reduce__(self):
@@ -115,7 +114,7 @@ class Communicator(Front, Executors):
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
-        elif coll == ALLGATHER:
+        elif coll == ALLGATHER or coll == ALLTOALL:
             if type(array) is not np.ndarray:
                 return DECLINED
             dt = array.dtype
@@ -148,13 +147,16 @@ class Communicator(Front, Executors):
         already, through _start) when it cannot: the communicator unusable, nonblocking calls
         outstanding, the engine declining the arrays.  None for the other calls."""
         coll = spec.coll
-        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None):
+        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
+                coll == ALLTOALL and spec.counts is not None):
             return None
         a, out, timeout = spec.array, spec.out, spec.timeout
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
             return None
-        tag = _dtype_digest(a.dtype) if coll == ALLGATHER else 0
+        if coll == BROADCAST and a is None and out is None:
+            return None                       # (its output is the first call's: not bound yet)
+        tag = _dtype_digest(a.dtype) if coll == ALLGATHER or coll == ALLTOALL else 0
         root = spec.root or 0
         op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
         eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
@@ -561,7 +563,7 @@ class Communicator(Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
-_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, calls.BARRIER)
+_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER)
                                                    # (the engine collectives a Persistent binds)
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
           KIND_ALLTOALL, KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)

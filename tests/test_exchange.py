@@ -101,3 +101,39 @@ def inline_then_large_worker(comm):
 
 def test_inline_exchanged_and_single_copy_calls_mixed():
     assert run_ok(inline_then_large_worker, 3, chunk_bytes=4096) == [[]] * 3
+
+
+def killed_inside_exchange(comm, shared):
+    import os
+    import signal
+    import threading
+    import time
+
+    import shmtree
+
+    P = comm.size
+    n = (8 << 20) // P                               # 64 MiB of float64 each: many items
+    x = comm.empty((P, n)) if shared else np.empty((P, n))
+    x[...] = 1.0
+    comm.barrier()
+    if comm.rank == 1:                               # dies a few ms into the call
+        threading.Timer(0.004, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            comm._call(calls.ALLTOALL, x, None, None, 0, KIND_ALLTOALL, None,
+                       calls.dtype_digest(x.dtype))
+    except shmtree.PeerLostError:
+        return "PeerLostError", time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared", [False, True])
+def test_dead_peer_inside_an_exchange(shared):
+    """SIGKILL of a rank while the others wait on its outbox (or read its shared input): the
+    run names the dead rank, and no one hangs."""
+    import shmtree
+    with pytest.raises(shmtree.WorkerError) as info:
+        shmtree.run(killed_inside_exchange, 3, args=(shared,), chunk_bytes=65536)
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value), info.value
