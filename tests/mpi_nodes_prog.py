@@ -3,7 +3,7 @@
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks; MODE-rr: ranks dealt round-robin
-over as many nodes): collectives, set, set-rr, parsed, mismatch,
+over as many nodes): collectives, set, set-rr, setfail, parsed, mismatch,
 failure, kill, sigint, formfail, earlyclose, linktimeout, spin.  Launcher modes (N launchers, one per
 node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-set,
@@ -495,6 +495,35 @@ def mode_failure(c):
     c2.close()
 
 
+def mode_setfail(c):
+    """Rank 0 fails inside an alltoall's exchange across nodes (before its first step): every
+    rank of every node raises (rank 0 its error, the others PeerLostError naming the call),
+    none waits, whether it waited in its node or between the nodes (Link.exchange); later
+    calls fail at once."""
+    import types
+    P, me = c.size, c.rank
+    c.alltoall(np.zeros((P, 4)))
+    if me == 0:
+        def broken(self, *args):
+            raise RuntimeError("injected: rank 0 fails inside the exchange")
+        c._exchange_nodes = types.MethodType(broken, c)
+    t0 = time.monotonic()
+    try:
+        c.alltoall(np.zeros((P, 1 << 14)))
+    except (RuntimeError, shmtree.PeerLostError) as exc:
+        took = time.monotonic() - t0
+        assert took < HANG_S, took
+        assert me == 0 or "alltoall #2 across nodes" in str(exc), exc
+        print(f"rank {me} raised {type(exc).__name__} after {took:.1f} s: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: no error")
+    try:
+        c.scan(np.ones(3))
+    except shmtree.PeerLostError:
+        pass
+    else:
+        raise AssertionError(f"rank {me}: the communicator still works after a failure")
+
 def mode_sigint(c):
     """Nodes of 2: rank 1 (node 0) is interrupted by SIGINT inside an allreduce (PROG_BYTES
     bytes) that rank 2 (node 1's leader: rank 0's partner between the nodes) has not entered:
@@ -924,7 +953,7 @@ def main():
     else:
         c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode not in ("failure", "sigint", "linktimeout"):
+    if mode not in ("failure", "sigint", "linktimeout", "setfail"):
         c.close()
     W.Barrier()
     if W.rank == 0:

@@ -7,7 +7,7 @@ MPI's own Alltoall(v), Gather(v), Scatter(v), Scan and Exscan on the same inputs
 on every rank; an i-form of each and persistent forms; then a mismatch of each kind in one
 node, raising CollectiveMismatchError on every rank of every node with the same text."""
 import pytest
-from test_multinode import _launch
+from test_multinode import _launch, _reports
 
 pytest.importorskip("mpi4py")
 
@@ -32,3 +32,14 @@ def test_the_complete_set_in_a_launchers_small_slots():
     rounds, and the agreement's tables node by node."""
     rc, out, _ = _launch(2, "launch-set", 1, segment=4096)
     assert rc == 0 and "OK launch-set" in out, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size", [(5, 3), (4, 2)], ids=["leaders 3+2", "lanes 2x2"])
+def test_a_failure_inside_an_exchange_reaches_every_node(nprocs, node_size):
+    """Rank 0 fails inside alltoall's exchange across nodes: every rank of every node raises
+    (none waits in its node or in Link.exchange between the nodes), naming the call."""
+    rc, out, _ = _launch(nprocs, "setfail", node_size, timeout=90)
+    assert rc == 0 and "OK setfail" in out, out[-4000:]
+    raised = _reports(out, r"rank \d+ raised ")
+    assert sorted(int(r.split()[1]) for r in raised) == list(range(nprocs)), out[-4000:]
