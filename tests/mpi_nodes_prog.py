@@ -496,7 +496,8 @@ def mode_failure(c):
 
 
 def mode_setfail(c):
-    """Rank 0 fails inside an alltoall's exchange across nodes (before its first step): every
+    """Rank 0 fails inside an alltoall's exchange across nodes (1 s in, before its first step,
+    while the other nodes' leaders or lanes wait for it in Link.exchange): every
     rank of every node raises (rank 0 its error, the others PeerLostError naming the call),
     none waits, whether it waited in its node or between the nodes (Link.exchange); later
     calls fail at once."""
@@ -504,7 +505,8 @@ def mode_setfail(c):
     P, me = c.size, c.rank
     c.alltoall(np.zeros((P, 4)))
     if me == 0:
-        def broken(self, *args):
+        def broken(self, *args):      # (late: the other leaders wait in Link.exchange)
+            time.sleep(1.0)
             raise RuntimeError("injected: rank 0 fails inside the exchange")
         c._exchange_nodes = types.MethodType(broken, c)
     t0 = time.monotonic()
