@@ -302,6 +302,9 @@ def mode_set(c, launched=False):
         starts = [np.concatenate([[0], np.cumsum(counts[s])]) for s in range(P)]
         want = np.concatenate([data[s][starts[s][me]:starts[s][me + 1]] for s in range(P)])
         assert got.shape == want.shape and np.array_equal(got, want), (seed, got, want)
+        out = np.empty_like(want)
+        assert c.alltoall(data[me], counts=counts[me].tolist(), out=out) is out
+        assert np.array_equal(out, want)
         if mpi:
             ref = np.empty_like(want)
             rb = 8
@@ -322,6 +325,9 @@ def mode_set(c, launched=False):
         got0 = c.gather(ys[me], root=root, axis=0)
         if me == root:
             assert np.array_equal(got0, np.concatenate(ys)), root
+        out = np.empty((sum(len(y) for y in ys), 3))
+        assert c.gather(ys[me], root=root, axis=0, out=out) is (out if me == root else None)
+        assert me != root or np.array_equal(out, np.concatenate(ys))
         if mpi:
             ref = np.empty((P, 3, 2), np.float32) if me == root else None
             W.Gather([xs[me], MPI.FLOAT], [ref, MPI.FLOAT] if ref is not None else None,
