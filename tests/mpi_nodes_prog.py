@@ -412,6 +412,12 @@ def mode_set(c, launched=False):
             assert np.array_equal(r2[:, 0], np.arange(P) + k)
     p.free()
     q.free()
+    # persistent forms whose output's shape is the peers' to say: bound from the first call
+    pa = c.alltoall_init(np.arange(P, dtype=np.int32) + 10 * me, counts=[1] * P)
+    ps = c.scatter_init(np.arange(P * 2).reshape(P, 2) if me == 0 else None, root=0)
+    for k in range(3):
+        assert np.array_equal(pa(), np.arange(P, dtype=np.int32) * 10 + me), k
+        assert np.array_equal(ps.start().wait(), [2 * me, 2 * me + 1]), k
     _set_mismatches(c, check)
 
 
