@@ -441,20 +441,22 @@ def _set_mismatches(c, check):
                                       out=np.empty((P + 1 if me == bad else P, 1))),
         "objects": lambda: c.gather(np.array([None, 1], object) if me == bad
                                     else np.zeros(2), root=0),
+        "rootshape": lambda: c.scatter(np.zeros((P + 1, 2)) if me == bad else None, root=bad),
     }
+    own = {"objects": TypeError, "rootshape": ValueError}     # (the bad rank's own error)
     for what, call in calls.items():
         try:
             call()
         except shmtree.CollectiveMismatchError as exc:
             text = str(exc)
             assert f"rank {bad}" in text and f"node {last}" in text, (what, text)
-            if what == "objects":               # (the rank that passed objects: its own error)
+            if what in own:
                 assert me != bad and "cannot take" in text, text
                 text = ""
             same_everywhere(np.frombuffer(text.encode(), np.uint8), f"the {what} message",
                             check)
-        except TypeError as exc:
-            assert what == "objects" and me == bad, (what, exc)
+        except (TypeError, ValueError) as exc:
+            assert me == bad and isinstance(exc, own.get(what, ())), (what, exc)
             same_everywhere(np.frombuffer(b"", np.uint8), f"the {what} message", check)
         else:
             raise AssertionError(f"rank {me}: no mismatch raised for {what}")
