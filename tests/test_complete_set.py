@@ -619,17 +619,6 @@ def test_start_methods(method):
     assert outs[1] == ([[2.0, 3.0], [3.0, 4.0]], [3], [2.0, 3.0])
 
 
-def test_spanning_refuses_collectives_it_has_no_executor_for():
-    from shmtree import calls, nodes
-
-    class Fake:
-        size, rank = 4, 0
-    for name in ("alltoall", "gather", "scatter", "scan", "exscan"):
-        spec = getattr(calls, name)(Fake(), np.zeros((4, 2)))
-        with pytest.raises(shmtree.ShmtreeError, match=f"{name} is not available"):
-            nodes.Spanning._executor(object(), spec)
-
-
 def _killed_member(group, rank, victim, n, queue):
     """The victim is SIGKILLed from a thread of its own while it waits inside the alltoall
     (rank 2 arrives late)."""
