@@ -36,6 +36,7 @@ from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
+from .messages import Messages                       # point-to-point (issue 24)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -53,7 +54,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Front, Executors):
+class Communicator(Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     def __init__(self, group: Group, rank: int):
@@ -276,6 +277,7 @@ class Communicator(Front, Executors):
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
+        self._messages_close()        # (messages.py: before leaving, so receivers can map)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:

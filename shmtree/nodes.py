@@ -34,6 +34,7 @@ from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, 
                     KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ranks_text)
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
+from .messages import SpanningMessages             # point-to-point (issue 24)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import Link, global_ranks
@@ -54,7 +55,7 @@ _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
-class Spanning(Front, Pipelines):
+class Spanning(SpanningMessages, Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
     allgather, reduce_scatter, barrier, their i-forms, empty and zeros: Front's); ranks are
