@@ -313,6 +313,60 @@ cdef class Ring:
                     ring_bell(self.pbell, self.psleepers)
         return done
 
+    cdef void _copy_in(self, uint64_t h, const char *src, uint64_t k) noexcept nogil:
+        cdef uint64_t pos = h & self.mask, first = min(k, self.size - pos)
+        memcpy(self.data + pos, src, first)
+        if k > first:
+            memcpy(self.data, src + first, k - first)
+
+    cdef void _copy_out(self, uint64_t t, char *dst, uint64_t k) noexcept nogil:
+        cdef uint64_t pos = t & self.mask, first = min(k, self.size - pos)
+        memcpy(dst, self.data + pos, first)
+        if k > first:
+            memcpy(dst + first, self.data, k - first)
+
+    def put_record(self, const unsigned char[::1] header, size_t addr, uint64_t nbytes,
+                   uint64_t pad):
+        """A whole small record at once (header, payload, padding), published once: True, or
+        False (nothing written) when the ring has not the room."""
+        cdef uint64_t n = header.shape[0]
+        cdef uint64_t h = shm_load_relaxed64(self.head)
+        if self.size - (h - shm_load_acquire64(self.tail)) < n + nbytes + pad:
+            return False
+        self._copy_in(h, <const char *>&header[0], n)
+        if nbytes:
+            with nogil:
+                self._copy_in(h + n, <const char *>addr, nbytes)
+        shm_store_release64(self.head, h + n + nbytes + pad)
+        ring_bell(self.pbell, self.psleepers)
+        return True
+
+    def envelope(self):
+        """(magic, tag, payload bytes, description bytes, header bytes, data available, flags,
+        address) of the record at the tail, or None when its envelope is not all there."""
+        cdef uint64_t t = shm_load_relaxed64(self.tail)
+        cdef uint64_t have = shm_load_acquire64(self.head) - t
+        cdef uint64_t env[8]
+        if have < GRANULE:
+            return None
+        self._copy_out(t, <char *>env, GRANULE)
+        return env[0], env[1], env[2], env[3], env[4], have, env[5], env[6]
+
+    def description(self, uint64_t meta_len):
+        """The description bytes of the record at the tail (its header must be there)."""
+        cdef bytes b = bytes(meta_len)
+        self._copy_out(shm_load_relaxed64(self.tail) + GRANULE, <char *>b, meta_len)
+        return b
+
+    def take_record(self, uint64_t hdr_len, size_t addr, uint64_t nbytes, uint64_t pad):
+        """Consume a whole record that is all there: its payload into addr."""
+        cdef uint64_t t = shm_load_relaxed64(self.tail)
+        if nbytes:
+            with nogil:
+                self._copy_out(t + hdr_len, <char *>addr, nbytes)
+        shm_store_release64(self.tail, t + hdr_len + nbytes + pad)
+        ring_bell(self.pbell, self.psleepers)
+
     def skip_read(self, uint64_t n):
         """Release n bytes (padding, or a record read by peeking)."""
         shm_store_release64(self.tail, shm_load_relaxed64(self.tail) + n)
@@ -364,3 +418,37 @@ def set_receiver(m, uint64_t pid, uint64_t home_fd):
 
 def receiver_of(m):
     return (<uint64_t *>(_b(m) + OFF_RPID))[0], (<uint64_t *>(_b(m) + OFF_RHOME))[0]
+
+
+# ---- single copy of large messages: the receiver reads the sender's memory (CMA) ----
+
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t process_vm_readv(int pid, const iovec *local, unsigned long liovcnt,
+                             const iovec *remote, unsigned long riovcnt, unsigned long flags)
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+
+
+def cma_read(long pid, size_t remote, size_t local, size_t n):
+    """Copy n bytes at `remote` in process pid to `local` here (process_vm_readv, the GIL
+    released): 0, or the errno of the failure."""
+    cdef iovec l, r
+    cdef ssize_t got
+    cdef size_t done = 0
+    cdef int err = 0
+    with nogil:
+        while done < n:
+            l.iov_base = <void *>(local + done)
+            l.iov_len = n - done
+            r.iov_base = <void *>(remote + done)
+            r.iov_len = n - done
+            got = process_vm_readv(<int>pid, &l, 1, &r, 1, 0)
+            if got <= 0:
+                err = errno if got < 0 else 5
+                break
+            done += got
+    return err

@@ -41,13 +41,15 @@ from collections import deque
 import numpy as np
 
 from . import _moving, _p2p, session
-from .codes import ABORT_CORRUPT, ABORT_DIED, ABORT_LEFT, ABORT_STALL, ABORT_TIMEOUT, ST_IDLE, ST_LEFT
+from .codes import ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL, ABORT_TIMEOUT, ST_IDLE, ST_LEFT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .requests import Request
 
 __all__ = ["Messages", "Transport"]
 
 RING_BYTES = 1 << 20        # a channel's ring (pages are committed as they are first written)
+CMA_BYTES = 256 << 10       # from this size the receiver copies straight from the sender's
+                            # memory (process_vm_readv): one copy, no ring
 SLICE_S = 0.02              # between two checks of the peers, the deadline, the group
 SLICE_NS = int(SLICE_S * 1e9)
 _ENVELOPE = struct.Struct("<8Q")
@@ -95,6 +97,25 @@ def _parse(meta: bytes):
     return got
 
 
+_headers = {}               # (dtype, shape, tag) -> the record's header (the sender's cache)
+
+
+def _header(dtype, shape, tag, nbytes, address=0) -> bytes:
+    """A record's header; address: the payload stays in the sender's memory, where the
+    receiver reads it (single copy, flag _CMA)."""
+    key = (dtype, shape, tag)
+    got = None if address else _headers.get(key)
+    if got is None:
+        meta = _describe(dtype, shape)
+        hdr_len = _G + _up(len(meta))
+        got = _ENVELOPE.pack(_MAGIC, tag, nbytes, len(meta), hdr_len, _CMA if address else 0,
+                             address, 0) + meta
+        got += bytes(hdr_len - len(got))
+        if len(_headers) < 4096 and not address:
+            _headers[key] = got
+    return got
+
+
 # ---------------------------------------------------------------------------------------------
 # operations
 
@@ -121,22 +142,22 @@ class _Op:
 
 
 class _Send(_Op):
-    __slots__ = ("header", "payload", "nbytes", "pos", "phase", "pad")
+    __slots__ = ("header", "payload", "nbytes", "pos", "phase", "pad", "cma")
 
-    def __init__(self, peer, tag, deadline, array):
+    def __init__(self, peer, tag, deadline, array, cma=False):
         super().__init__("send", peer, tag, deadline)
-        meta = _describe(array.dtype, array.shape)
-        hdr_len = _G + _up(len(meta))
         nbytes = array.nbytes
-        head = _ENVELOPE.pack(_MAGIC, tag, nbytes, len(meta), hdr_len, 0, 0, 0) + meta
-        self.header = np.frombuffer(head + bytes(hdr_len - len(head)), np.uint8)
         if nbytes:
             if not array.flags.c_contiguous:
                 array = np.array(array, order="C", copy=True)
-            self.payload = array.reshape(-1).view(np.uint8) if array.ndim else \
-                array.reshape(1).view(np.uint8)
+            self.payload = _flat(array)
         else:
             self.payload = None
+        self.cma = cma = cma and nbytes >= CMA_BYTES
+        self.header = np.frombuffer(_header(array.dtype, array.shape, tag, nbytes,
+                                            _addr(self.payload) if cma else 0), np.uint8)
+        if cma:                   # (the receiver reads the payload where it is)
+            nbytes = 0
         self.nbytes = nbytes
         self.pad = _up(nbytes) - nbytes
         self.pos = 0
@@ -165,10 +186,13 @@ class _Kept:
 class _Incoming:
     """The message being read from one source."""
     __slots__ = ("tag", "dtype", "shape", "nbytes", "pad", "pos", "dest", "flat", "op",
-                 "kept", "out")
+                 "kept", "out", "cma")
 
 
 _DISCARD = object()
+_NOTHING = object()
+_CMA = 1                    # envelope flag: the payload is read from the sender's memory
+_QUICK_BYTES = RING_BYTES // 2
 
 
 def _check_out(out, dtype, shape):
@@ -209,6 +233,9 @@ class Transport:
         self.home_fd, self.home_map = self._memfd(f"h{self.rank}", _p2p.PAGE_BYTES)
         _p2p.init_home(self.home_map, self.nonce, self.rank)
         self.home = _p2p.Home(self.home_map)
+        probe = np.zeros(1, np.uint8)        # may this process read another's memory (CMA)?
+        self.cma = _p2p.cma_read(self.pid, _addr(np.ones(1, np.uint8)), _addr(probe), 1) == 0 \
+            and os.environ.get("SHMTREE_P2P_CMA", "1") != "0"
         self.out = {}               # dest -> (fd, mapping, ring)
         self.inn = {}               # source -> (mapping, ring, sender's home mapping)
         self.sends = {}             # dest -> deque of _Send (the head one is being written)
@@ -326,8 +353,75 @@ class Transport:
         ring.set_peer(home)
         _p2p.set_receiver(m, self.pid, self.home_fd)
         ring.attach()
-        self.inn[src] = (m, ring, home)
+        self.inn[src] = (m, ring, home, pid)
         return ring
+
+    # ---- the quick paths of the blocking calls: a whole record at once ----
+
+    def quick_send(self, array, dest, tag):
+        """Nothing else is being sent to dest and the whole message fits in the ring now:
+        write it (one copy, one publication).  False: take the general path."""
+        nbytes = array.nbytes
+        if nbytes > _QUICK_BYTES:
+            return False
+        with self.lock:
+            if dest in self.sends or self.closed:
+                return False
+            ring = self._out_ring(dest)
+            if not ring.has_peer and ring.is_attached():
+                self._link_receiver(ring, dest)
+            if nbytes and not array.flags.c_contiguous:
+                array = np.array(array, order="C", copy=True)
+            done = ring.put_record(_header(array.dtype, array.shape, tag, nbytes),
+                                   _addr(array) if nbytes else 0, nbytes, _up(nbytes) - nbytes)
+            if done and not ring.has_peer and ring.is_attached():
+                self._link_receiver(ring, dest)
+            return done
+
+    def quick_recv(self, src, tag, out, deadline):
+        """Nothing else is being received from src: take the next record from it when it is
+        the one wanted and all there (waiting for it up to one slice, natively).  _NOTHING:
+        take the general path."""
+        waited = False
+        while True:
+            with self.lock:
+                if src in self.recvs or src in self.incoming or self.kept.get(src) \
+                        or self.closed:
+                    return _NOTHING
+                ring = self._in_ring(src)
+                if ring is None:
+                    return _NOTHING
+                env = ring.envelope()
+                if env is not None:
+                    magic, etag, nbytes, meta_len, hdr_len, have, flags, address = env
+                    cma = flags & _CMA
+                    if magic != _MAGIC or etag != tag or \
+                            have < hdr_len + (0 if cma else _up(nbytes)):
+                        return _NOTHING
+                    dtype, shape = _parse(ring.description(meta_len))
+                    if out is not None:
+                        wrong = _check_out(out, dtype, shape)
+                        if wrong or not out.flags.c_contiguous:
+                            return _NOTHING
+                        dest = out
+                    else:
+                        dest = np.empty(shape, dtype)
+                    if cma:
+                        if nbytes:
+                            err = _p2p.cma_read(self.inn[src][3], address, _addr(dest), nbytes)
+                            if err:
+                                self._cma_failed(src, err)
+                        ring.skip_read(hdr_len)
+                    else:
+                        ring.take_record(hdr_len, _addr(dest) if nbytes else 0, nbytes,
+                                         _up(nbytes) - nbytes)
+                    return dest
+            if waited:
+                return _NOTHING
+            budget = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
+            if budget <= 0:
+                return _NOTHING
+            waited = not self.home.wait([(ring, _G)], int(budget * 1e9), self.spin_ns)
 
     # ---- posting (under the lock) ----
 
@@ -412,6 +506,12 @@ class Transport:
                 if ring.room() < op.pad:
                     return moved
                 ring.skip_write(op.pad)
+                op.pad = 0
+            if op.cma:            # done once the receiver has read it (and freed the record)
+                if not ring.has_peer and ring.is_attached():
+                    self._link_receiver(ring, op.peer)
+                if ring.unread():
+                    return moved
             op.payload = None
             op.finish()
             if not ring.has_peer and ring.is_attached():
@@ -440,24 +540,27 @@ class Transport:
             moved = True
 
     def _envelope(self, src, ring):
-        if ring.avail() < _G:
+        env = ring.envelope()
+        if env is None:
             return None
-        env = np.empty(8, np.uint64)
-        ring.read(_addr(env), _G, False)
-        magic, tag, nbytes, meta_len, hdr_len = (int(v) for v in env[:5])
+        magic, tag, nbytes, meta_len, hdr_len, have, flags, address = env
         if magic != _MAGIC or hdr_len != _G + _up(meta_len) or hdr_len > ring.capacity:
             self.group.abort(ABORT_CORRUPT, self.rank)
             raise ShmtreeError(f"shmtree: rank {self.rank}: the channel from rank {src} holds "
                                "no message where one should begin (corrupted shared memory)")
-        if ring.avail() < hdr_len:
+        if have < hdr_len:
             return None
-        head = np.empty(hdr_len, np.uint8)
-        ring.read(_addr(head), hdr_len)
-        dtype, shape = _parse(head[_G:_G + meta_len].tobytes())
+        dtype, shape = _parse(ring.description(meta_len))
+        cma = None
+        if flags & _CMA:            # (the header stays until the payload is read)
+            cma = (self.inn[src][3], address, hdr_len)
+        else:
+            ring.skip_read(hdr_len)
         inc = _Incoming()
         inc.tag, inc.dtype, inc.shape, inc.nbytes = tag, dtype, shape, nbytes
         inc.pad, inc.pos, inc.out = _up(nbytes) - nbytes, 0, None
         inc.op = inc.kept = None
+        inc.cma = cma
         posted = self.recvs.get(src)
         op = None
         if posted:
@@ -494,7 +597,15 @@ class Transport:
 
     def _payload(self, src, ring, inc):
         """Copy what is there of the message's payload; True when the message is complete."""
-        if inc.pos < inc.nbytes:
+        if inc.cma is not None:
+            pid, address, hdr_len = inc.cma
+            if inc.dest is not _DISCARD and inc.nbytes:
+                err = _p2p.cma_read(pid, address, _addr(inc.flat), inc.nbytes)
+                if err:
+                    self._cma_failed(src, err)
+            ring.skip_read(hdr_len)
+            inc.pos, inc.pad = inc.nbytes, 0
+        elif inc.pos < inc.nbytes:
             if inc.dest is _DISCARD:
                 if self.scratch is None:
                     self.scratch = np.empty(_p2p.PIECE, np.uint8)
@@ -530,6 +641,13 @@ class Transport:
                 self._deliver(k.claimant, k.array)
         return True
 
+    def _cma_failed(self, src, err):
+        text = (f"rank {self.rank} cannot read rank {src}'s message from its memory "
+                f"(process_vm_readv: {os.strerror(err)}); ranks must run as the same user, and "
+                "the kernel must allow it (ptrace access)")
+        self._abort(ABORT_FAILED, text)
+        raise ShmtreeError(f"shmtree: {text}; the group is aborted")
+
     # ---- waiting ----
 
     def conds(self):
@@ -540,16 +658,28 @@ class Transport:
             got = self.out.get(dest)
             if got is not None and q:
                 op = q[0]
-                need = 1 if op.phase < 2 else max(op.pad, 1)
-                conds.append((got[2], need))
+                if op.phase == 0:
+                    need = op.header.size - op.pos
+                elif op.phase == 1:
+                    need = min(op.nbytes - op.pos, _p2p.PIECE)
+                elif op.cma and not op.pad:
+                    need = got[2].capacity          # (the ring empty: the record read)
+                else:
+                    need = op.pad
+                conds.append((got[2], max(1, min(need, got[2].capacity))))
         for src in set(self.recvs) | set(self.incoming):
             got = self.inn.get(src)
             if got is None:
                 missing = True
                 continue
             inc = self.incoming.get(src)
-            need = _G if inc is None else max(1, min(inc.nbytes - inc.pos, 1) or inc.pad)
-            conds.append((got[1], need))
+            if inc is None:
+                need = _G
+            elif inc.pos < inc.nbytes:
+                need = min(inc.nbytes - inc.pos, _p2p.PIECE)
+            else:
+                need = inc.pad
+            conds.append((got[1], max(1, need)))
         return conds, missing
 
     def peers_waited_for(self):
@@ -867,8 +997,10 @@ class Messages:
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
         tr = self._p2p()
-        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
-                   _send_array(array))
+        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
+        if tr.quick_send(array, dest, tag):
+            return None
+        op = _Send(dest, tag, _deadline(timeout), array, tr.cma)
         with tr.lock:
             tr.post_send(op)
         tr.run([op])
@@ -881,8 +1013,12 @@ class Messages:
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
         tr = self._p2p()
-        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
-                   _out_arg(out))
+        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
+        deadline = _deadline(timeout)
+        got = tr.quick_recv(source, tag, out, deadline)
+        if got is not _NOTHING:
+            return got
+        op = _Recv(source, tag, deadline, out)
         with tr.lock:
             tr.post_recv(op)
         tr.run([op])
@@ -896,7 +1032,7 @@ class Messages:
         tr = self._p2p()
         deadline = _deadline(timeout)
         s = _Send(_rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag"), deadline,
-                  _send_array(array))
+                  _send_array(array), tr.cma)
         r = _Recv(_rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag"), deadline,
                   _out_arg(out))
         with tr.lock:
@@ -912,7 +1048,7 @@ class Messages:
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
         tr = self._p2p()
         op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
-                   _send_array(array))
+                   _send_array(array), tr.cma)
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
