@@ -711,14 +711,6 @@ class Transport:
             p = op.peer
             if p == self.rank:
                 continue
-            how = group.death_of(p)
-            if how:
-                group.abort(ABORT_DIED, p)
-                self.fail_all(PeerLostError(f"shmtree: rank {self.rank}: rank {p} died ({how}) "
-                                            f"while rank {self.rank} waited in {op.kind} "
-                                            f"{'to' if op.kind == 'send' else 'from'} it; the "
-                                            "group is aborted"), op)
-                return
             state = group._seg.state(p)
             if state == ST_LEFT and self._never(op):
                 text = (f"rank {p} left the group (closed its communicator or returned from its "
@@ -727,6 +719,14 @@ class Transport:
                 self._abort(ABORT_LEFT, text)
                 self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group is "
                                            "aborted"), op)
+                return
+            how = group.death_of(p)
+            if how:
+                group.abort(ABORT_DIED, p)
+                self.fail_all(PeerLostError(f"shmtree: rank {self.rank}: rank {p} died ({how}) "
+                                            f"while rank {self.rank} waited in {op.kind} "
+                                            f"{'to' if op.kind == 'send' else 'from'} it; the "
+                                            "group is aborted"), op)
                 return
             if op.deadline is not None and now >= op.deadline:
                 text = (f"rank {self.rank} timed out in {op.kind} "
