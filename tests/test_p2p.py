@@ -95,6 +95,22 @@ def test_sizes_up_to_64_MiB(monkeypatch, cma):
     assert run_ok(_sizes_fn, 2, args=(SIZES,))[1] == [True] * len(SIZES)
 
 
+def _wrap_fn(comm, count):
+    sizes = np.random.default_rng(5).integers(1, 150_000, count)
+    if comm.rank == 0:
+        for i, n in enumerate(sizes):
+            comm.send(_values("u1", (int(n),), i), 1)
+        return None
+    return all(_same(comm.recv(0), _values("u1", (int(n),), i)) for i, n in enumerate(sizes))
+
+
+@pytest.mark.timeout(120)
+def test_records_across_the_ring_end():
+    """Messages of odd sizes (up to 150 KB, so ~15 MB in all: the 1 MiB ring wraps many
+    times, records cut at its end) arrive intact."""
+    assert run_ok(_wrap_fn, 2, args=(200,))[1] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # order, tags, out=, modifying after send
 
