@@ -712,6 +712,11 @@ class Transport:
             if p == self.rank:
                 continue
             state = group._seg.state(p)
+            how = group.death_of(p) if state != ST_LEFT else ""
+            if state == ST_LEFT or how:
+                self.progress()       # (what the peer did before it went counts: look again)
+                if op.done:
+                    continue
             if state == ST_LEFT and self._never(op):
                 text = (f"rank {p} left the group (closed its communicator or returned from its "
                         f"function) while rank {self.rank} waited in {op.kind} "
@@ -720,7 +725,6 @@ class Transport:
                 self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group is "
                                            "aborted"), op)
                 return
-            how = group.death_of(p)
             if how:
                 group.abort(ABORT_DIED, p)
                 self.fail_all(PeerLostError(f"shmtree: rank {self.rank}: rank {p} died ({how}) "
@@ -1031,18 +1035,25 @@ class Messages:
         other to finish): the received array (or `out`)."""
         tr = self._p2p()
         deadline = _deadline(timeout)
-        s = _Send(_rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag"), deadline,
-                  _send_array(array), tr.cma)
-        r = _Recv(_rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag"), deadline,
-                  _out_arg(out))
+        dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
+        source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
+        array, out = _send_array(array), _out_arg(out)
+        if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
+            got = tr.quick_recv(source, recvtag, out, deadline)
+            if got is not _NOTHING:
+                return got
+            ops = [_Recv(source, recvtag, deadline, out)]
+        else:
+            ops = [_Send(dest, sendtag, deadline, array, tr.cma),
+                   _Recv(source, recvtag, deadline, out)]
         with tr.lock:
-            tr.post_send(s)
-            tr.post_recv(r)
-        tr.run([s, r])
-        for op in (s, r):
+            for op in ops:
+                (tr.post_send if op.kind == "send" else tr.post_recv)(op)
+        tr.run(ops)
+        for op in ops:
             if op.error is not None:
                 raise op.error
-        return r.result
+        return ops[-1].result
 
     def isend(self, array, dest, *, tag=0, timeout=None):
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
