@@ -470,3 +470,42 @@ def test_in_the_test_process_nothing_leaks():
             comm.close()
     time.sleep(0.05)
     assert set(threading.enumerate()) <= threads
+
+
+# ---------------------------------------------------------------------------------------------
+# across nodes (from_mpi): within a node as on one machine, between nodes a clear error
+
+@pytest.mark.timeout(120)
+def test_across_simulated_nodes():
+    import subprocess
+    import sys
+    from test_multinode import _import_root, _mpiexec, _reap, _unlink_own_mpich_segments
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    prog = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_p2p_prog.py")
+    before = set(os.listdir("/dev/shm"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, prog, "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec hung:\n{out.decode(errors='replace')[-3000:]}")
+    finally:
+        _reap(proc.pid)
+        _unlink_own_mpich_segments(before)
+    out = out.decode(errors="replace")
+    assert proc.returncode == 0 and "OK p2p" in out, out[-4000:]
+
+
+def test_bench_p2p_runs(capsys):
+    from shmtree.bench.cli import main
+    assert main(["p2p", "--no-mpi", "--rounds", "1", "--pingpong", "8", "--bandwidth",
+                 "64K"]) == 0
+    out = capsys.readouterr().out
+    assert "half round trip" in out and "sendrecv bandwidth" in out
