@@ -783,34 +783,52 @@ class Transport:
     # ---- driving ----
 
     def run(self, ops):
-        """Drive the transport until every op of `ops` is done (the caller's thread)."""
+        """Drive the transport until every op of `ops` is done (the caller's thread), completing
+        the Requests of nonblocking operations as they finish.  Any exception on the way (an
+        interrupt included) may leave messages half-moved: it fails every posted operation and
+        aborts the group, as an interrupted collective does."""
         next_check = time.monotonic() + SLICE_S
-        while True:
-            with self.lock:
-                try:
+        moving = False
+        try:
+            while True:
+                with self.lock:
+                    moving = True
                     self.progress()
-                except BaseException as exc:
-                    self.fail_all(exc if isinstance(exc, ShmtreeError) else
-                                  ShmtreeError(f"shmtree: rank {self.rank}: {exc!r} while "
-                                               "moving messages"))
-                    raise
-                if all(op.done for op in ops):
+                    done = all(op.done for op in ops)
+                    if not done:
+                        now = time.monotonic()
+                        if now >= next_check or any(op.deadline is not None and
+                                                    now >= op.deadline for op in ops):
+                            self.check(now)
+                            next_check = now + SLICE_S
+                            done = all(op.done for op in ops)
                     finished = self._finished_requests()
-                    break
-                now = time.monotonic()
-                if now >= next_check or any(op.deadline is not None and now >= op.deadline
-                                            for op in ops):
-                    self.check(now)
-                    next_check = now + SLICE_S
-                    if all(op.done for op in ops):
-                        finished = self._finished_requests()
-                        break
-                conds, missing = self.conds()
-                budget = SLICE_S
-                for op in ops:
-                    if op.deadline is not None:
-                        budget = min(budget, max(0.0, op.deadline - now))
-            self._wait(conds, missing, budget)
+                    if not done:
+                        conds, missing = self.conds()
+                        budget = SLICE_S
+                        for op in ops:
+                            if op.deadline is not None:
+                                budget = min(budget, max(0.0, op.deadline - now))
+                    moving = False
+                if finished:
+                    self._complete(finished)
+                if done:
+                    return
+                self._wait(conds, missing, budget)
+        except BaseException as exc:
+            if moving or not all(op.done for op in ops):
+                self._broken(exc)
+            raise
+
+    def _broken(self, exc):
+        what = f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
+            else "interrupted in send/recv"
+        if not self.group._closed and not self.group.aborted():
+            self._abort(ABORT_FAILED, f"rank {self.rank}: {what}")
+        with self.lock:
+            self.fail_all(exc if isinstance(exc, ShmtreeError) else
+                          ShmtreeError(f"shmtree: rank {self.rank}: {what}; the group is aborted"))
+            finished = self._finished_requests()
         self._complete(finished)
 
     def _wait(self, conds, missing, budget):

@@ -276,6 +276,25 @@ def test_messages_and_collectives_do_not_block_each_other():
     assert got == [([3.0] * 4, [0.0, 1.0, 2.0], [3.0, 3.0])] * 3
 
 
+def _pending_fn(comm):
+    if comm.rank == 0:
+        never = comm.irecv(1, tag=99)          # not sent until the end
+        reqs = [comm.isend(np.full(10, i), 1, tag=1) for i in range(5)]
+        shmtree.wait_all(reqs, timeout=30)      # done although `never` is still pending
+        first = not never.done()
+        comm.barrier()
+        return first and never.result(30).tolist() == [0.0]
+    got = [int(comm.recv(0, tag=1)[0]) for _ in range(5)]
+    comm.barrier()
+    comm.send(np.zeros(1), 0, tag=99)
+    return got == list(range(5))
+
+
+@pytest.mark.timeout(60)
+def test_a_pending_irecv_does_not_hold_up_other_requests():
+    assert run_ok(_pending_fn, 2) == [True, True]
+
+
 def _self_fn(comm):
     comm.send(np.arange(3), comm.rank, tag=2)
     return comm.recv(comm.rank, tag=2).tolist()
