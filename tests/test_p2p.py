@@ -379,6 +379,55 @@ def test_timeout_aborts_the_group():
     assert b == ("lost",)
 
 
+class _Alarm(Exception):
+    pass
+
+
+def _interrupt_fn(comm):
+    if comm.rank == 0:
+        def ring(signum, frame):
+            raise _Alarm()
+        signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            comm.recv(1, tag=5)                 # never sent: the alarm interrupts it
+        except _Alarm:
+            pass
+        try:
+            comm.send(np.zeros(1), 1)
+        except shmtree.PeerLostError:
+            return "aborted"
+        return "usable"
+    try:
+        comm.barrier(timeout=30)
+    except shmtree.PeerLostError as e:
+        return "lost" if "interrupted" in str(e) or "_Alarm" in str(e) else str(e)
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_recv_aborts_the_group():
+    """An exception in a blocked recv (a signal handler's) cannot leave a receive half-posted:
+    the group is aborted, as for an interrupted collective."""
+    assert run_ok(_interrupt_fn, 2) == ["aborted", "lost"]
+
+
+def _shared_fn(comm, n):
+    x = comm.empty(n, np.float32)
+    out = comm.zeros(n, np.float32)
+    x[:] = np.arange(n, dtype=np.float32) + comm.rank
+    other = 1 - comm.rank
+    got = comm.sendrecv(x, other, other, out=out)
+    return bool(got is out and (out == np.arange(n, dtype=np.float32) + other).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [100, 3_000_000])
+def test_shared_arrays(n):
+    """Arrays of comm.empty as the message and as out= (a single copy from 256 KiB)."""
+    assert run_ok(_shared_fn, 2, args=(n,)) == [True, True]
+
+
 def _args_fn(comm):
     out = []
     for call in (lambda: comm.send(np.zeros(1), 2), lambda: comm.send(np.zeros(1), -1),
