@@ -57,8 +57,8 @@ _MAGIC = 0x3147534d54534d53  # "SMSTMSG1"
 _G = _p2p.RECORD_GRANULE
 
 
-def _up(n, g=_G):
-    return (n + g - 1) // g * g
+def _up(n):
+    return (n + 63) & -64
 
 
 def _addr(a):
@@ -1005,13 +1005,11 @@ class Messages:
 
     def _p2p(self):
         tr = self._p2p_transport
-        if tr is None or tr.pid != os.getpid():
-            if self._closed or self._gen != session._fork_gen or self.group._closed \
-                    or self.group.aborted():
-                self._check_usable()
+        if self._closed or self._gen != session._fork_gen or self.group._closed \
+                or self.group.aborted():
+            self._check_usable()      # (raises: closed, a forked child's, aborted)
+        if tr is None:
             tr = self._p2p_transport = Transport(self)
-        elif self._closed or self.group._closed or self.group.aborted():
-            self._check_usable()
         return tr
 
     def send(self, array, dest, *, tag=0, timeout=None):
@@ -1106,12 +1104,36 @@ class Messages:
 
 
 class SpanningMessages:
-    """Messages across nodes: not yet (a clear error)."""
+    """Messages on a communicator across nodes (nodes.Spanning): between two ranks of the same
+    node they travel as on one machine (the node's communicator, `local`, with the ranks
+    translated); between nodes they are not supported yet (ShmtreeError, said before anything
+    is sent)."""
 
-    def _no_messages(self, *args, **kwargs):
-        raise ShmtreeError("shmtree: point-to-point messages (send, recv, sendrecv, isend, "
-                           "irecv) are not yet supported on a communicator across nodes "
-                           "(from_mpi, inter=); use them on the node's communicator "
-                           "(comm.local) or mpi4py between nodes")
+    def _node_rank(self, r, what):
+        r = _rank_arg(self, r, what)
+        node, local = self._where[r]
+        if node != self.node:
+            raise ShmtreeError(
+                f"shmtree: point-to-point messages between nodes are not supported yet: rank "
+                f"{self.rank} (node {self.node}) and rank {r} (node {node}); messages between "
+                "ranks of one node work, and mpi4py carries them between nodes")
+        return local
 
-    send = recv = sendrecv = isend = irecv = _no_messages
+    def send(self, array, dest, *, tag=0, timeout=None):
+        return self.local.send(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
+
+    def recv(self, source, *, tag=0, out=None, timeout=None):
+        return self.local.recv(self._node_rank(source, "source"), tag=tag, out=out,
+                               timeout=timeout)
+
+    def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
+        return self.local.sendrecv(array, self._node_rank(dest, "dest"),
+                                   self._node_rank(source, "source"), sendtag=sendtag,
+                                   recvtag=recvtag, out=out, timeout=timeout)
+
+    def isend(self, array, dest, *, tag=0, timeout=None):
+        return self.local.isend(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
+
+    def irecv(self, source, *, tag=0, out=None, timeout=None):
+        return self.local.irecv(self._node_rank(source, "source"), tag=tag, out=out,
+                                timeout=timeout)
