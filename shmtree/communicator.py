@@ -277,7 +277,6 @@ class Communicator(Messages, Front, Executors):
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
-        self._messages_close()        # (messages.py: before leaving, so receivers can map)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
@@ -286,6 +285,8 @@ class Communicator(Messages, Front, Executors):
             except ShmtreeError:
                 pass
             _plan.unpin()
+        self._messages_close()        # (messages.py: left already, so that nobody waits for
+                                      # this rank in a collective while it waits for receivers)
         if self._shared is not None:
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine

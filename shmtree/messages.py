@@ -50,6 +50,8 @@ __all__ = ["Messages", "Transport"]
 RING_BYTES = 1 << 20        # a channel's ring (pages are committed as they are first written)
 CMA_BYTES = 256 << 10       # from this size the receiver copies straight from the sender's
                             # memory (process_vm_readv): one copy, no ring
+CLOSE_WAIT_S = 30.0         # how long close() waits for receivers to map a channel that holds
+                            # messages they have not read
 SLICE_S = 0.02              # between two checks of the peers, the deadline, the group
 SLICE_NS = int(SLICE_S * 1e9)
 _ENVELOPE = struct.Struct("<8Q")
@@ -901,11 +903,12 @@ class Transport:
     # ---- closing ----
 
     def close(self):
-        """(Communicator.close.)  Wait until every receiver of a message still in a ring has
-        mapped its channel (else the message would go with this process) while the receiver
-        lives and the group works; fail what is still posted; drop every channel."""
+        """(Communicator.close, once this rank has left.)  Wait until every receiver of a
+        message still in a ring has mapped its channel (else the message would go with this
+        process) while the receiver lives and stays in the group, at most CLOSE_WAIT_S; fail
+        what is still posted; drop every channel."""
         deadline_note = time.monotonic()
-        while True:
+        while time.monotonic() - deadline_note < CLOSE_WAIT_S:
             with self.lock:
                 pending = [d for d, (_, _, ring) in self.out.items()
                            if ring.unread() and not ring.is_attached() and d != self.rank]

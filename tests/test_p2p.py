@@ -468,6 +468,26 @@ def test_a_sender_that_left():
     assert run_ok(_left_fn, 2)[0] == ([0.0, 1.0, 2.0], True)
 
 
+def _left_unread_fn(comm):
+    if comm.rank == 0:
+        comm.send(np.arange(3.0), 1)              # never received; then leaves
+        return time.monotonic()
+    try:
+        comm.barrier(timeout=20)                  # rank 0 never makes it
+    except shmtree.ShmtreeError as e:
+        return "left the group" in str(e) or str(e)
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_leaving_with_an_unread_message_is_seen_as_gone():
+    """Its close waits for the receiver to map the channel, but as a member that has left: the
+    receiver's collective fails at once (it does not wait for the sender, nor the sender for it)."""
+    start = time.monotonic()
+    got = run_ok(_left_unread_fn, 2)
+    assert got[1] is True and time.monotonic() - start < 15
+
+
 # ---------------------------------------------------------------------------------------------
 # memory: channels only between the pairs that talk
 
