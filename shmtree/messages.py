@@ -41,7 +41,8 @@ from collections import deque
 import numpy as np
 
 from . import _moving, _p2p, session
-from .codes import ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL, ABORT_TIMEOUT, ST_IDLE, ST_LEFT
+from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
+                    ABORT_TIMEOUT, ST_IDLE, ST_LEFT)
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .requests import Request
 

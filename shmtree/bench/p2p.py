@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-
-import numpy as np
 
 from .harness import BenchError
 from .mpi import OPEN_MPI_ENV, find_mpiexec, run_job
