@@ -268,8 +268,7 @@ class Transport:
     def _peer_pid(self, r):
         if r == self.rank:
             return self.pid
-        joined, pid, _ = self.group._seg.member(r)
-        return pid if joined else None
+        return self.comm._p2p_pid(r)
 
     def _lookup(self, r, name):
         """The descriptor number under which rank r's process holds the memfd `name`, or None."""
@@ -1006,6 +1005,13 @@ class Messages:
         """What names this communicator's channels: its group's nonce (a sub-communicator
         has a group, and so a nonce, of its own)."""
         return self.group._nonce
+
+    def _p2p_pid(self, r):
+        """The pid of rank r's process (0 while it has not joined): from its join record in
+        the group's segment.  (A communicator whose ranks are not its group's overrides this
+        and _p2p_nonce.)"""
+        joined, pid, _ = self.group._seg.member(r)
+        return pid if joined else 0
 
     def _p2p(self):
         tr = self._p2p_transport
