@@ -277,6 +277,7 @@ class Communicator(Messages, Front, Executors):
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
+        self._messages_drain()        # (messages.py: outstanding isends finish first)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:

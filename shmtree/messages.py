@@ -902,6 +902,29 @@ class Transport:
 
     # ---- closing ----
 
+    def drain_sends(self):
+        """(Communicator.close, before leaving.)  Let the outstanding isends finish (as close
+        waits for outstanding collectives): while their receivers live and stay in the group,
+        at most CLOSE_WAIT_S.  Outstanding irecvs are not waited for (close fails them)."""
+        limit = time.monotonic() + CLOSE_WAIT_S
+        group = self.group
+        while True:
+            with self.lock:
+                self.progress()
+                finished = self._finished_requests()
+                pending = [op for op in self.nonblocking if op.kind == "send" and not op.done
+                           and op.peer != self.rank]
+                if pending and not (group._closed or group.aborted()):
+                    pending = [op for op in pending if not group.death_of(op.peer)
+                               and group._seg.state(op.peer) != ST_LEFT]
+                else:
+                    pending = []
+                conds, _ = self.conds()
+            self._complete(finished)
+            if not pending or time.monotonic() >= limit:
+                return
+            self.home.wait(conds, SLICE_NS, self.spin_ns)
+
     def close(self):
         """(Communicator.close, once this rank has left.)  Wait until every receiver of a
         message still in a ring has mapped its channel (else the message would go with this
@@ -1105,6 +1128,11 @@ class Messages:
                 tr.post_recv(op)
             tr.post_nonblocking(op, request)
         return request
+
+    def _messages_drain(self):
+        tr = self._p2p_transport
+        if tr is not None and tr.pid == os.getpid() and tr.nonblocking:
+            tr.drain_sends()
 
     def _messages_close(self):
         tr = self._p2p_transport

@@ -488,6 +488,23 @@ def test_a_sender_leaving_with_an_unread_message_is_seen_as_gone():
     assert got[1] is True and time.monotonic() - start < 15
 
 
+def _isend_then_close_fn(comm, n):
+    if comm.rank == 0:
+        comm.isend(np.full(n, 5.0), 1, tag=1)     # not waited for: close (at return) finishes it
+        comm.isend(np.full(3, 6.0), 1, tag=2)
+        return None
+    time.sleep(0.5)
+    a = comm.recv(0, tag=1)
+    b = comm.recv(0, tag=2)
+    return bool((a == 5.0).all() and a.size == n and b.tolist() == [6.0] * 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [10, 2_000_000])
+def test_close_finishes_outstanding_isends(n):
+    assert run_ok(_isend_then_close_fn, 2, args=(n,))[1] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # memory: channels only between the pairs that talk
 
