@@ -288,21 +288,29 @@ class Transport:
                 continue
         return pid, None
 
-    @staticmethod
-    def _map(pid, fd, size=None):
-        """Map a peer's memfd through /proc (None when it is gone)."""
+    def _map(self, pid, fd, name, least):
+        """Map a peer's memfd `name` through /proc (None when it is gone).  The descriptor
+        opened is checked to be that memfd, of at least `least` bytes (its size is sealed):
+        the peer may have closed the number meanwhile and reused it for another file, whose
+        mapping could be shorter than what is read (a SIGBUS)."""
         try:
             peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return None
         try:
-            if size is None:
-                size = os.fstat(peer_fd).st_size
+            if os.readlink(f"/proc/self/fd/{peer_fd}") != self._link_text(name):
+                return None
+            size = os.fstat(peer_fd).st_size
+            if size < least:
+                return None
             return _moving.Mapping(peer_fd, size)
         except OSError:
             return None
         finally:
             os.close(peer_fd)
+
+    def _link_text(self, name):
+        return f"/memfd:shmtree-p2p-{self.key}-{name} (deleted)"
 
     # ---- channels ----
 
@@ -317,7 +325,7 @@ class Transport:
         # the receiver may already wait for this channel (on its home bell): tell it
         pid, hfd = self._lookup(dest, f"h{dest}")
         if hfd is not None:
-            home = self._map(pid, hfd, _p2p.PAGE_BYTES)
+            home = self._map(pid, hfd, f"h{dest}", _p2p.PAGE_BYTES)
             if home is not None and _p2p.check_home(home, self.nonce, dest):
                 ring.set_peer(home)
                 _p2p.Home(home).ring()
@@ -327,7 +335,7 @@ class Transport:
         """The receiver has attached: map its home (it is rung from now on)."""
         m = self.out[dest][1]
         pid, hfd = _p2p.receiver_of(m)
-        home = self._map(pid, hfd, _p2p.PAGE_BYTES)
+        home = self._map(pid, hfd, f"h{dest}", _p2p.PAGE_BYTES)
         if home is None or not _p2p.check_home(home, self.nonce, dest):
             return False
         ring.set_peer(home)
@@ -341,14 +349,14 @@ class Transport:
         pid, fd = self._lookup(src, f"{src}-{self.rank}")
         if fd is None:
             return None
-        m = self._map(pid, fd)
+        m = self._map(pid, fd, f"{src}-{self.rank}", _p2p.HEADER_BYTES + _G)
         if m is None:
             return None
         head = _p2p.channel_header(m)
         nonce, ok, s, d, ring_bytes, spid, shome = head
         if not (ok and nonce == self.nonce and s == src and d == self.rank and spid == pid):
             return None
-        home = self._map(pid, shome, _p2p.PAGE_BYTES)
+        home = self._map(pid, shome, f"h{src}", _p2p.PAGE_BYTES)
         if home is None or not _p2p.check_home(home, self.nonce, src):
             return None
         ring = _p2p.Ring(m, False)
