@@ -40,6 +40,7 @@ from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL,
 from .collectives import _fold, _identity
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
+from .messages import SpanningMessages             # point-to-point (issue 24)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import Link, global_ranks
@@ -64,7 +65,7 @@ _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|alltoall(?:
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
-class Spanning(Front, Pipelines):
+class Spanning(SpanningMessages, Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
     allgather, reduce_scatter, alltoall, gather, scatter, scan, exscan, barrier, their i-forms
