@@ -60,6 +60,17 @@ _MAGIC = 0x3147534d54534d53  # "SMSTMSG1"
 _G = _p2p.RECORD_GRANULE
 
 
+def _yama_allows() -> bool:
+    """May a rank read a sibling's memory?  Reading its own (the probe) always works, but the
+    Yama LSM (Ubuntu's default: ptrace_scope 1) lets a process read only its descendants', so
+    two workers of one pool could not: then large messages stream through the ring instead."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except (OSError, ValueError):
+        return True                          # (no Yama: the usual same-user check)
+
+
 def _up(n):
     return (n + 63) & -64
 
@@ -238,7 +249,7 @@ class Transport:
         self.home = _p2p.Home(self.home_map)
         probe = np.zeros(1, np.uint8)        # may this process read another's memory (CMA)?
         self.cma = _p2p.cma_read(self.pid, _addr(np.ones(1, np.uint8)), _addr(probe), 1) == 0 \
-            and os.environ.get("SHMTREE_P2P_CMA", "1") != "0"
+            and os.environ.get("SHMTREE_P2P_CMA", "1") != "0" and _yama_allows()
         self.out = {}               # dest -> (fd, mapping, ring)
         self.inn = {}               # source -> (mapping, ring, sender's home mapping)
         self.sends = {}             # dest -> deque of _Send (the head one is being written)
