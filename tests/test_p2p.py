@@ -619,3 +619,24 @@ def test_bench_p2p_runs(capsys):
                  "64K"]) == 0
     out = capsys.readouterr().out
     assert "half round trip" in out and "sendrecv bandwidth" in out
+
+
+def test_no_direct_copy_where_yama_forbids_reading_a_sibling(monkeypatch, tmp_path):
+    """Yama's ptrace_scope 1 (Ubuntu's default) lets a process read only its descendants'
+    memory: then large messages must stream through the ring, not abort on process_vm_readv."""
+    import builtins
+
+    from shmtree import messages
+    real_open = builtins.open
+    for scope, allowed in (("0\n", True), ("1\n", False), ("2\n", False), (None, True)):
+        def fake_open(path, *a, _scope=scope, **k):
+            if path == "/proc/sys/kernel/yama/ptrace_scope":
+                if _scope is None:
+                    raise FileNotFoundError(path)
+                f = tmp_path / "scope"
+                f.write_text(_scope)
+                return real_open(f, *a, **k)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert messages._yama_allows() is allowed, scope
+        monkeypatch.setattr(builtins, "open", real_open)
