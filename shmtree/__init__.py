@@ -14,9 +14,14 @@ from ._version import __version__
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
                      WorkerError)
 from .topology import Topology
-from .api import (Communicator, Group, Pool, Request, allgather, allreduce, barrier, broadcast,
-                  current, empty, iallgather, iallreduce, ibarrier, ibroadcast, ireduce,
-                  ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all, zeros)
+from .api import (Communicator, Group, Persistent, Pool, Request, allgather, allreduce, barrier,
+                  broadcast, current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
+                  ireduce, ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all,
+                  zeros,
+                  alltoall, gather, scatter, scan, exscan, ialltoall, igather, iscatter, iscan,
+                  iexscan, allreduce_init, broadcast_init, reduce_init, allgather_init,
+                  reduce_scatter_init, alltoall_init, gather_init, scatter_init, scan_init,
+                  exscan_init, barrier_init)
 from .multinode import from_mpi
 
 __all__ = [
@@ -25,7 +30,11 @@ __all__ = [
     "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier", "rank", "size",
     "current",
     "iallreduce", "ibroadcast", "ireduce", "iallgather", "ireduce_scatter", "ibarrier",
-    "Request", "wait_all", "empty", "zeros", "from_mpi",
+    "alltoall", "gather", "scatter", "scan", "exscan",
+    "ialltoall", "igather", "iscatter", "iscan", "iexscan",
+    "allreduce_init", "broadcast_init", "reduce_init", "allgather_init", "reduce_scatter_init",
+    "alltoall_init", "gather_init", "scatter_init", "scan_init", "exscan_init", "barrier_init",
+    "Request", "Persistent", "wait_all", "empty", "zeros", "from_mpi",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
     "WorkerError",

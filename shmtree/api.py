@@ -9,10 +9,12 @@ imports point one way, down:
     multinode     from_mpi; NodeGroup, what Group(size, inter=mpi_comm) makes
     nodes         Spanning, the communicator across nodes
     communicator  Communicator; allreduce, broadcast, reduce, allgather, reduce_scatter,
-                  barrier, their i-forms, empty, zeros (made from front's), rank, size
+                  alltoall, gather, scatter, scan, exscan, barrier, their i- and _init forms,
+                  empty, zeros (made from front's), rank, size
     requests      Request, wait_all, the progress thread
-    collectives   broadcast, reduce, allgather, reduce_scatter (Communicator's executors)
-    front, calls  the public collectives written once; one parser per collective (CallSpec)
+    collectives   Communicator's executors (allreduce ... scan, exscan)
+    front, calls  the public collectives written once; one parser per collective (CallSpec);
+                  persistent: Persistent, a call bound once
     group         Group
     session       current(): this process's communicator; the fork generation
     plan, transport, liveness
@@ -26,16 +28,25 @@ hands it to joining.join; Group(..., inter=) makes a multinode.NodeGroup.
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.
 """
-from .communicator import (Communicator, Request, allgather, allreduce, barrier, broadcast,
-                           current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
-                           ireduce, ireduce_scatter, rank, reduce, reduce_scatter, size,
-                           wait_all, zeros)
+from .communicator import (Communicator, Persistent, Request, allgather, allreduce, barrier,
+                           broadcast, current, empty, iallgather, iallreduce, ibarrier,
+                           ibroadcast, ireduce, ireduce_scatter, rank, reduce, reduce_scatter,
+                           size, wait_all, zeros,
+                           alltoall, gather, scatter, scan, exscan, ialltoall, igather,
+                           iscatter, iscan, iexscan, allreduce_init, broadcast_init,
+                           reduce_init, allgather_init, reduce_scatter_init, alltoall_init,
+                           gather_init, scatter_init, scan_init, exscan_init, barrier_init)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from . import joining  # noqa: F401  (registers Group.join's maker)
+from . import subcomm  # noqa: F401  (registers Front.split's makers)
 from .launch import run
 from .pool import Pool
 
 __all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "broadcast", "reduce",
            "allgather", "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce",
            "iallgather", "ireduce_scatter", "ibarrier", "Request", "wait_all", "empty", "zeros",
-           "rank", "size", "current"]
+           "rank", "size", "current", "Persistent",
+           "alltoall", "gather", "scatter", "scan", "exscan", "ialltoall", "igather", "iscatter",
+           "iscan", "iexscan", "allreduce_init", "broadcast_init", "reduce_init",
+           "allgather_init", "reduce_scatter_init", "alltoall_init", "gather_init",
+           "scatter_init", "scan_init", "exscan_init", "barrier_init"]

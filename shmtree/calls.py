@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import pickle
 import sys
 import time
@@ -25,12 +26,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from .codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_REDUCE,
-                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP)
+from .codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST,
+                    KIND_EXSCAN, KIND_GATHER, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP,
+                    KIND_SCAN, KIND_SCATTER)
 from .ops import reduction_codes
 
 __all__ = ["CallSpec", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
-           "barrier", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
+           "barrier", "alltoall", "gather", "scatter", "scan", "exscan", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
 
 # the collectives by number: the engine's own (Engine.call takes these numbers: _engine.ALLREDUCE
 # ... _engine.BARRIER), then those whose executors are made of engine calls
@@ -69,6 +71,7 @@ class CallSpec(NamedTuple):
     deadline: Any = None
     posted: bool = False
     error: Any = None
+    counts: Any = None
 
     @property
     def request_name(self) -> str:
@@ -153,7 +156,7 @@ def allgather(comm, array, axis=None, out=None, timeout=None, posted=False):
     a = movable(array, "allgather")
     if axis is None and out is not None:
         check_out(out, (comm.size,) + a.shape, a.dtype, "allgather")
-    elif a.ndim == 0:
+    elif axis == 0 and a.ndim == 0:
         raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
     return CallSpec("allgather", ALLGATHER, KIND_ALLGATHER, a, out, axis=axis, timeout=timeout,
                     deadline=dl, posted=posted)
@@ -164,7 +167,155 @@ def barrier(comm, timeout=None, posted=False):
                     deadline=deadline_of(timeout), posted=posted)
 
 
+def alltoall(comm, array, counts=None, out=None, timeout=None, posted=False):
+    """alltoall: counts None, equal blocks (array.shape[0] == size: row s goes to rank s); or
+    counts, `size` non-negative ints summing to array.shape[0] (counts[s] rows go to rank s).
+    Every rank's out= is checked here as far as this rank can see it (with counts=, its length
+    is known only once every rank's counts are: the executor checks it then)."""
+    dl = deadline_of(timeout)
+    a = movable(array, "alltoall")
+    P = comm.size
+    if a.ndim == 0:
+        raise ValueError("shmtree: alltoall needs an array of at least 1 dimension")
+    if counts is None:
+        if a.shape[0] != P:
+            raise ValueError(f"shmtree: alltoall: array.shape[0] must be the group's size {P} "
+                             f"(one block per rank), got shape {a.shape}; pass counts= for "
+                             f"blocks of other sizes")
+        if out is not None:
+            check_out(out, a.shape, a.dtype, "alltoall")
+    else:
+        counts = check_counts(counts, P, a.shape[0])
+        if out is not None:
+            check_rows_out(out, a.shape[1:], a.dtype, "alltoall")
+    return CallSpec("alltoall", ALLTOALL, KIND_ALLTOALL, a, out, timeout=timeout, deadline=dl,
+                    posted=posted, counts=counts)
+
+
+def gather(comm, array, root=0, axis=None, out=None, timeout=None, posted=False):
+    """gather: the root gets what allgather would give; out= matters on the root only.  An
+    array whose dtype holds Python objects, or the root's out= that does not fit, is a local
+    error said in the call's round (the other ranks cannot see it: DESIGN section 6)."""
+    root = check_root(root, comm.size)
+    if axis is not None and axis != 0:
+        raise ValueError(f"shmtree: gather: axis must be None or 0, got {axis!r}")
+    kind = KIND_GATHER + KIND_ROOT_STEP * root
+    mine = comm.rank == root
+    if not mine:
+        out = None                    # (ignored away from the root)
+    try:                              # (an object dtype, the root's out=: said in the round)
+        a = movable(array, "gather")
+        if axis == 0 and a.ndim == 0:
+            raise ValueError("shmtree: gather(axis=0) needs arrays of at least 1 dimension")
+        if out is not None and axis is None:
+            check_out(out, (comm.size,) + a.shape, a.dtype, "gather")
+        elif out is not None:
+            check_rows_out(out, a.shape[1:], a.dtype, "gather")
+    except (TypeError, ValueError) as exc:
+        return CallSpec("gather", GATHER, kind, None, None, root=root, axis=axis,
+                        timeout=timeout, deadline=_checked_deadline(timeout, exc),
+                        posted=posted, error=exc)
+    return CallSpec("gather", GATHER, kind, a, out, root=root, axis=axis, timeout=timeout,
+                    deadline=deadline_of(timeout), posted=posted)
+
+
+def scatter(comm, array, root=0, axis=None, out=None, timeout=None, posted=False):
+    """scatter: the root's array, (size, *rest) with axis=None, split along axis 0
+    (np.array_split) with axis=0; elsewhere None (out= may claim the block: an ndarray, checked
+    against the root's once its shape is known).  The root's errors (no array, a dtype holding
+    Python objects, a shape or out= that does not fit) are local errors said in the call's
+    round: the other ranks cannot see them."""
+    root = check_root(root, comm.size)
+    if axis is not None and axis != 0:
+        raise ValueError(f"shmtree: scatter: axis must be None or 0, got {axis!r}")
+    kind = KIND_SCATTER + KIND_ROOT_STEP * root
+    P = comm.size
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise ValueError(f"shmtree: scatter: out must be a numpy array, got "
+                             f"{type(out).__name__}")
+        if not out.flags.writeable:
+            raise ValueError("shmtree: scatter: out is read-only")
+    a = None
+    if comm.rank == root:
+        try:                          # (errors only the root can see: said in the round)
+            a = _scattered(array, out, axis, P, root)
+        except (TypeError, ValueError) as exc:
+            return CallSpec("scatter", SCATTER, kind, None, out, root=root, axis=axis,
+                            timeout=timeout, deadline=_checked_deadline(timeout, exc),
+                            posted=posted, error=exc)
+    return CallSpec("scatter", SCATTER, kind, a, out, root=root, axis=axis, timeout=timeout,
+                    deadline=deadline_of(timeout), posted=posted)
+
+
+def _scattered(array, out, axis, P, root):
+    """scatter's checks of the root's array (and out=): the array to send."""
+    if array is None:
+        raise ValueError("shmtree: scatter: the root must pass the array")
+    a = movable(array, "scatter")
+    if a.ndim == 0:
+        raise ValueError("shmtree: scatter: the root's array needs at least 1 dimension")
+    if axis is None and a.shape[0] != P:
+        raise ValueError(f"shmtree: scatter: the root's array must have shape[0] == size "
+                         f"{P} (one block per rank), got shape {a.shape}; axis=0 splits "
+                         f"any length")
+    if out is not None:
+        b = split_bounds(a.shape[0], P) if axis == 0 else None
+        shape = a.shape[1:] if axis is None else (b[root + 1] - b[root],) + a.shape[1:]
+        check_out(out, shape, a.dtype, "scatter")
+    return a
+
+
+def scan(comm, array, op="sum", out=None, timeout=None, posted=False):
+    """scan: rank r gets the reduction of ranks 0..r in rank order (the dtypes and ops of
+    allreduce)."""
+    return _scanning(comm, "scan", SCAN, KIND_SCAN, array, op, out, timeout, posted)
+
+
+def exscan(comm, array, op="sum", out=None, timeout=None, posted=False):
+    """exscan: rank r gets the reduction of ranks 0..r-1; rank 0 the op's identity."""
+    return _scanning(comm, "exscan", EXSCAN, KIND_EXSCAN, array, op, out, timeout, posted)
+
+
+def _scanning(comm, name, coll, kind, array, op, out, timeout, posted):
+    a = _not_masked(array)
+    opc, dtc = reduction_codes(op, a.dtype)
+    if out is not None:
+        check_destination(a, out)
+    return CallSpec(name, coll, kind, a, out, op, opc, dtc, timeout=timeout,
+                    deadline=deadline_of(timeout), posted=posted)
+
+
 # ---- the rules the parsers apply ----
+
+
+def check_counts(counts, size, rows):
+    """alltoall's counts=: `size` ints >= 0 summing to `rows` (the input's length), as a tuple."""
+    try:
+        got = tuple(operator.index(c) for c in counts)
+    except TypeError:
+        raise ValueError(f"shmtree: alltoall: counts must be a sequence of {size} ints, got "
+                         f"{counts!r}") from None
+    if len(got) != size or any(c < 0 for c in got):
+        raise ValueError(f"shmtree: alltoall: counts must be {size} ints >= 0 (one per rank), "
+                         f"got {list(got)}")
+    if sum(got) != rows:
+        raise ValueError(f"shmtree: alltoall: counts sum to {sum(got)}, the array has {rows} "
+                         f"rows along axis 0")
+    return got
+
+
+def check_rows_out(out, rest, dtype, what):
+    """The checks of an out= whose length along axis 0 is known only once every rank has said
+    its part: a writable ndarray of `dtype` whose other dimensions are `rest`."""
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"shmtree: {what}: out must be a numpy array, got {type(out).__name__}")
+    if out.dtype != dtype or out.ndim != len(rest) + 1 or out.shape[1:] != tuple(rest):
+        raise ValueError(f"shmtree: {what}: out has shape {out.shape} and dtype {out.dtype}; the "
+                         f"result has shape (n, {', '.join(map(str, rest))}) and dtype "
+                         f"{np.dtype(dtype)}".replace(", )", ")"))
+    if not out.flags.writeable:
+        raise ValueError(f"shmtree: {what}: out is read-only")
 
 
 def check_root(root, size):

@@ -21,8 +21,9 @@ KIND_SCATTER = 10
 KIND_SCAN = 11
 KIND_EXSCAN = 12
 KIND_COUNTS = 13               # a round of counts before a call whose blocks differ in size
-                               # (alltoall(counts=), gather/scatter(axis=0)): its kind's own
-                               # round says which call it precedes by its root step
+                               # (alltoall(counts=), gather(axis=0)): its "root step" is the
+                               # kind of the call it precedes (KIND_COUNTS + KIND_ROOT_STEP *
+                               # KIND_ALLTOALL), so the rounds of different calls differ
 KIND_SCAN_BACK = 14            # scan / exscan's second exchange (the prefixes going back)
 KIND_ROOT_STEP = 16
 KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier", KIND_BROADCAST: "broadcast",
@@ -35,8 +36,10 @@ ROOTED = (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER, KIND_SCATTER)
 
 
 def kind_name(kind) -> str:
-    """'allreduce', 'broadcast(root=2)': a descriptor's kind for people."""
+    """'allreduce', 'broadcast(root=2)', 'alltoall(counts)': a descriptor's kind for people."""
     base, root = kind % KIND_ROOT_STEP, kind // KIND_ROOT_STEP
+    if base == KIND_COUNTS and root:
+        return f"{KIND_NAMES.get(root, 'collective')}(counts)"
     name = KIND_NAMES.get(base, "collective")
     return f"{name}(root={root})" if base in ROOTED else name
 

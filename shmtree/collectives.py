@@ -23,12 +23,13 @@ import pickle
 
 import numpy as np
 
-from . import _engine, _moving, calls
-from .calls import ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER
-from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER,
-                    WORDS_BYTES, grouped, ranks_text)
+from . import _engine, _kernels, _moving, calls
+from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, EXSCAN, GATHER, REDUCE,
+                    REDUCE_SCATTER, SCAN, SCATTER, CallSpec)
+from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER, KIND_COUNTS,
+                    KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name, ranks_text)
 from .errors import CollectiveMismatchError
-from .ops import dtype_words as _dtype_words
+from .ops import OP_NAMES, dtype_words as _dtype_words
 
 __all__ = ["Executors"]
 
@@ -65,6 +66,14 @@ class Executors:
             return functools.partial(self._allgather, spec)
         if coll == REDUCE_SCATTER:
             return functools.partial(self._reduce_scatter, spec)
+        if coll == ALLTOALL:
+            return functools.partial(self._alltoall, spec)
+        if coll == GATHER:
+            return functools.partial(self._gather, spec)
+        if coll == SCATTER:
+            return functools.partial(self._scatter, spec)
+        if coll == SCAN or coll == EXSCAN:
+            return functools.partial(self._scan, spec)
         return functools.partial(self._call, calls.BARRIER, None, None, None, 0, KIND_BARRIER,
                                  spec.deadline)
 
@@ -153,6 +162,187 @@ class Executors:
                 + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
         return [int(n) - 1 for n in table[:, 0]]
 
+    # ---- alltoall, gather, scatter, scan, exscan: made of exchanges (_exchange) ----
+    #
+    # An exchange moves B[p*P + q] bytes from rank p to rank q (B: P*P uint64, the same on every
+    # rank), from each rank's outgoing bytes back to back in destination order into its incoming
+    # bytes back to back in source order.  Each executor below is: agree on what is not known
+    # locally (a counts round, or the root's shape and dtype), lay out B, exchange, and (scan)
+    # fold and exchange back.  A local error found only after an agreement round (an out= of
+    # the wrong length) is said in place of the next round (_said), so every rank's call ends.
+
+    def _alltoall(self, spec):
+        a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
+        P, me = self.size, self.rank
+        digest = calls.dtype_digest(a.dtype)
+        if spec.counts is None:               # (equal blocks: the engine's own form)
+            result, copy_back = calls.out_for(out, a.shape, a.dtype, "alltoall")
+            src = _apart(_plain(a), result)
+            self._call(ALLTOALL, src, result, None, 0, kind, deadline, digest)
+            return calls.finish(result, copy_back)
+        rest = a.shape[1:]
+        table = self._counts_round(spec.counts, a, None, kind, deadline)
+        n = int(table[:, me].sum())
+        if out is not None and out.shape[0] != n:
+            self._said(ValueError(f"shmtree: alltoall: out has {out.shape[0]} rows; this rank "
+                                  f"receives {n}"), kind, deadline)
+        result, copy_back = calls.out_for(out, (n,) + rest, a.dtype, "alltoall")
+        src = _apart(_plain(a), result)
+        B = (table * _row_bytes(a)).astype(np.uint64).reshape(-1)
+        self._exchange(src, result, B, kind, rest + (a.dtype.itemsize, digest), deadline)
+        return calls.finish(result, copy_back)
+
+    def _gather(self, spec):
+        a, out, deadline, kind, root = spec.array, spec.out, spec.deadline, spec.kind, spec.root
+        P, me = self.size, self.rank
+        mine = me == root
+        digest = calls.dtype_digest(a.dtype)
+        src = _plain(a)
+        if spec.axis is None:
+            shape = (P,) + a.shape
+            if a.nbytes * P <= self._plan.small_bytes:     # one round: the engine's allgather
+                result, copy_back = (calls.out_for(out, shape, a.dtype, "gather") if mine
+                                     else (np.empty(shape, a.dtype), None))
+                if not _is_row(src, result, me) and _engine.clash(src, result):
+                    src = src.copy()
+                self._call(ALLGATHER, src, result, None, 0, kind, deadline, digest)
+                return calls.finish(result, copy_back) if mine else None
+            B = np.zeros((P, P), np.uint64)
+            B[:, root] = a.nbytes
+            dims = a.shape + (a.dtype.itemsize, digest)
+        else:
+            rest = a.shape[1:]
+            table = self._counts_round((a.shape[0],), a, root, kind, deadline)
+            n = int(table[:, 0].sum())
+            if mine and out is not None and out.shape[0] != n:
+                self._said(ValueError(f"shmtree: gather: out has {out.shape[0]} rows; the "
+                                      f"ranks send {n}"), kind, deadline)
+            shape = (n,) + rest
+            B = np.zeros((P, P), np.uint64)
+            B[:, root] = table[:, 0] * _row_bytes(a)
+            dims = rest + (a.dtype.itemsize, digest)
+        if mine:
+            result, copy_back = calls.out_for(out, shape, a.dtype, "gather")
+            src = _apart(src, result)
+        else:
+            result, copy_back = _NOTHING, None
+        self._exchange(src, result, B.reshape(-1), kind, dims, deadline)
+        return calls.finish(result, copy_back) if mine else None
+
+    def _scatter(self, spec):
+        a, out, deadline, kind, root = spec.array, spec.out, spec.deadline, spec.kind, spec.root
+        P, me = self.size, self.rank
+        mine = me == root
+        # the root's shape and dtype: a broadcast of an empty array of them
+        meta = self._broadcast(CallSpec("broadcast", BROADCAST, kind,
+                                        np.empty((0,) + a.shape, a.dtype) if mine else None,
+                                        root=root, deadline=deadline))
+        shape, dtype = meta.shape[1:], meta.dtype
+        row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        if spec.axis is None:
+            rows = [1] * P
+        else:
+            b = calls.split_bounds(shape[0], P)
+            rows = [b[q + 1] - b[q] for q in range(P)]
+        block = (rows[me],) + shape[1:] if spec.axis == 0 else shape[1:]
+        try:
+            result, copy_back = calls.out_for(out, block, dtype, "scatter")
+        except ValueError as exc:             # (a rank's out= against the root's block)
+            self._said(exc, kind, deadline)
+        B = np.zeros((P, P), np.uint64)
+        B[root] = np.array(rows, np.uint64) * row
+        src = _apart(_plain(a), result) if mine else _NOTHING
+        self._exchange(src, result, B.reshape(-1), kind,
+                       shape + (dtype.itemsize, calls.dtype_digest(dtype)), deadline)
+        return calls.finish(result, copy_back)
+
+    def _scan(self, spec):
+        """scan / exscan.  Small: one allgather of the inputs, each rank folds the rows it
+        needs.  Else the transpose scheme: exchange 1 sends block b (np.array_split of the
+        items into P) of every rank to rank b, which folds its P rows in rank order; exchange 2
+        sends prefix row r back to rank r.  Bytes sent per rank: 2(P-1)/P x."""
+        a, deadline, kind = spec.array, spec.deadline, spec.kind
+        P, me = self.size, self.rank
+        dt = a.dtype
+        exclusive = spec.coll == EXSCAN
+        result, dst, copy_back = calls.destination(a, spec.out)
+        src = _plain(a)
+        shape = a.shape if a.ndim <= 32 else (a.size,)
+        dims = shape + (spec.opc, dt.itemsize, calls.dtype_digest(dt))
+        if a.nbytes * P <= self._plan.small_bytes:
+            stack = np.empty((P,) + a.shape, dt)
+            offsets = [r * a.nbytes for r in range(P + 1)]
+            self._call(ALLGATHER, calls.bytes_of(src), calls.bytes_of(stack), None, 0, kind,
+                       deadline, 0, dims, self._by_position(offsets))
+            upto = me if exclusive else me + 1
+            if upto == 0:
+                dst[...] = _identity(spec.opc, dt, ())
+            else:
+                dst[...] = _fold(stack[:upto], spec.opc)[-1]
+            if copy_back is not None:
+                copy_back[...] = dst.reshape(copy_back.shape)
+            return result
+        n = a.size
+        b = calls.split_bounds(n, P)
+        sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.uint64) * dt.itemsize
+        m = b[me + 1] - b[me]
+        rows = np.empty((P, m), dt)
+        self._exchange(_apart(src, dst).reshape(-1), rows, np.tile(sizes, P), kind, dims,
+                       deadline)
+        if exclusive:
+            prefix = np.empty((P, m), dt)
+            prefix[0] = _identity(spec.opc, dt, (m,))
+            if P > 1:
+                prefix[1:] = _fold(rows[:P - 1], spec.opc)
+        else:
+            prefix = _fold(rows, spec.opc)
+        self._exchange(prefix, dst.reshape(-1), np.repeat(sizes, P), KIND_SCAN_BACK, dims,
+                       deadline)
+        if copy_back is not None:
+            copy_back[...] = dst.reshape(copy_back.shape)
+        return result
+
+    def _exchange(self, src, dst, B, kind, dims, deadline):
+        """One exchange (above), the engine's alltoall: B[p*P + q] bytes from rank p to rank q
+        (P*P uint64, C-contiguous, the same on every rank); src this rank's outgoing bytes
+        (C-contiguous), dst (C-contiguous, writable, sharing no memory with src) its incoming;
+        dims the descriptor's shape, the same on every rank."""
+        self._call(ALLTOALL, src, dst, None, 0, kind, deadline, 0, list(dims), B)
+
+    def _counts_round(self, counts, a, root, kind, deadline):
+        """A round of counts before a call whose blocks differ in size (alltoall(counts=),
+        gather(axis=0)): every rank's counts, as a (P, len(counts)) int64 table, after checking
+        that every rank passed the same root, dtype and dimensions after the first (else
+        CollectiveMismatchError on every rank, naming what each passed)."""
+        P, me = self.size, self.rank
+        w = len(counts)
+        table = np.zeros((P, w + 2), np.uint64)
+        table[me, :w] = counts
+        table[me, w] = 0 if root is None else root + 1
+        table[me, w + 1] = _engine.claim(a.dtype, a.shape[1:])
+        raw = table.view(np.uint8).reshape(-1)
+        base = kind % KIND_ROOT_STEP
+        self._call(ALLREDUCE, raw, raw, "bor", 0, KIND_COUNTS + KIND_ROOT_STEP * base, deadline,
+                   0, (P, w + 2))
+        tail = table[:, w:]
+        if (tail != tail[0]).any():
+            said = self._words_round(("" if root is None else f"root={root}, ")
+                                     + f"shape {a.shape} and dtype {_dtype_words(a.dtype)}",
+                                     deadline)
+            what = "the root, " if root is not None else ""
+            raise CollectiveMismatchError(
+                f"shmtree: ranks disagree on the collective call: {kind_name(base)}: "
+                f"{what}the dtype or the dimensions after the first differ: "
+                + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
+        return table[:, :w].astype(np.int64)
+
+    def _said(self, exc, kind, deadline):
+        """A local error this rank found after a round of its call (an out= that does not fit
+        what the round said): said in place of the call's next round, so that every other
+        rank's call ends with CollectiveMismatchError naming it; then raised here."""
+        self._error_round(kind, error_words(exc), deadline)
+        raise exc
+
     # ---- broadcast ----
 
     def _broadcast(self, spec):
@@ -237,6 +427,64 @@ class Executors:
         """One round of a uint8 array in which every rank contributes its own bytes (a bitwise
         or), in place."""
         self._call(ALLREDUCE, buf, buf, "bor", 0, kind, deadline)
+
+
+_NOTHING = np.empty(0, np.uint8)
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
+def error_words(exc) -> bytes:
+    """A local error as an error round carries it (at most _engine.ERROR_TEXT bytes)."""
+    text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
+        "utf-8", "replace")
+    if len(text) > _engine.ERROR_TEXT:
+        text = text[:_engine.ERROR_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
+    return text
+
+
+def _apart(src, dst):
+    """src, or a copy of it when it shares memory with dst (an exchange reads every input
+    while it writes every output)."""
+    return src.copy() if src.size and np.may_share_memory(src, dst) else src
+
+
+def _row_bytes(a):
+    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _fold(rows, opc):
+    """The inclusive prefixes of rows (axis 0) in rank order: numpy's accumulate (bit for bit
+    numpy's, float16 and bfloat16 rounded after every step), except complex products, which
+    follow allreduce's kernel (the textbook formula, DESIGN section 11)."""
+    name = OP_NAMES[opc]
+    dt = rows.dtype
+    if name == "prod" and dt.kind == "c":
+        out = np.empty_like(rows)
+        out[0] = rows[0]
+        for r in range(1, len(rows)):
+            _kernels.reduce_into(out[r], (out[r - 1], np.ascontiguousarray(rows[r])), "prod")
+        return out
+    return _UFUNCS[name].accumulate(rows, axis=0, dtype=dt)
+
+
+def _identity(opc, dt, shape):
+    """exscan's rank 0: the op's identity (sum 0, prod 1, min the largest value or +inf, max
+    the smallest or -inf, band all ones / True, bor and bxor 0)."""
+    name = OP_NAMES[opc]
+    if name in ("sum", "bor", "bxor"):
+        return np.zeros(shape, dt)
+    if name == "prod":
+        return np.ones(shape, dt)
+    if name == "band":
+        return np.invert(np.zeros(shape, dt))
+    low = name == "max"
+    if dt.kind == "b":
+        return np.full(shape, not low, dt)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return np.full(shape, info.min if low else info.max, dt)
+    return np.full(shape, -np.inf if low else np.inf, dt)
 
 
 def _is_row(a, result, me):

@@ -24,23 +24,29 @@ from . import _engine, _kernels, plan as _plan, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
-                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ST_IDLE, ST_LEFT, kind_name,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_GATHER, KIND_SCATTER, KIND_SCAN,
+                    KIND_EXSCAN, KIND_SCAN_BACK, KIND_COUNTS, ROOTED, ST_IDLE, ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from . import calls
-from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
+from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors
-from .front import DECLINED, Front
+from .collectives import Executors, error_words
+from .front import DECLINED, Front, Persistent
 from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
+from .messages import Messages                       # point-to-point (issue 24)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
            "ireduce_scatter", "ibarrier", "Request", "wait_all", "empty", "zeros", "rank",
-           "size"]
+           "size", "Persistent",
+           "alltoall", "gather", "scatter", "scan", "exscan", "ialltoall", "igather", "iscatter",
+           "iscan", "iexscan", "allreduce_init", "broadcast_init", "reduce_init",
+           "allgather_init", "reduce_scatter_init", "alltoall_init", "gather_init",
+           "scatter_init", "scan_init", "exscan_init", "barrier_init"]
 
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
@@ -53,8 +59,10 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Front, Executors):
+class Communicator(Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
+
+    _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
 
     def __init__(self, group: Group, rank: int):
         self.group = group
@@ -109,7 +117,7 @@ class Communicator(Front, Executors):
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
-        elif coll == ALLGATHER:
+        elif coll == ALLGATHER or coll == ALLTOALL:
             if type(array) is not np.ndarray:
                 return DECLINED
             dt = array.dtype
@@ -134,6 +142,71 @@ class Communicator(Front, Executors):
             return self._broadcast_rest(result, claim, root, out, kind,
                                         None if start is None else start + timeout)
         return result
+
+    def _bind(self, spec, slow):
+        """A persistent call's engine call with its arguments bound (persistent.py): for a
+        plain ndarray call of an engine collective, a function of no arguments that makes the
+        call as _quick would and returns its result, or runs slow() (the bound spec, parsed
+        already, through _start) when it cannot: the communicator unusable, nonblocking calls
+        outstanding, the engine declining the arrays.  None for the other calls."""
+        coll = spec.coll
+        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
+                coll == ALLTOALL and spec.counts is not None):
+            return None
+        a, out, timeout = spec.array, spec.out, spec.timeout
+        if (a is not None and type(a) is not np.ndarray) or \
+                (out is not None and type(out) is not np.ndarray):
+            return None
+        if coll == BROADCAST and a is None and out is None:
+            return None                       # (its output is the first call's: not bound yet)
+        tag = _dtype_digest(a.dtype) if coll == ALLGATHER or coll == ALLTOALL else 0
+        root = spec.root or 0
+        op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
+        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
+        claim = out if a is None else a
+
+        if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
+            def run():
+                progress = self._progress
+                if self._closed or group._closed or self._gen != session._fork_gen or (
+                        progress is not None and (progress.outstanding
+                                                  or progress.is_current_thread())):
+                    return slow()
+                try:
+                    got = eng.call(coll, a, out, op, root, kind, None, tag)
+                    if got is None:
+                        return slow()
+                    if got[0] != done:
+                        return self._finish(eng, got[0], None, got[1])
+                except BaseException as exc:
+                    self._interrupted(eng, exc)
+                    raise
+                return got[1]
+            return run
+
+        def run():
+            if self._closed or group._closed or self._gen != session._fork_gen:
+                return slow()
+            progress = self._progress
+            if progress is not None and (progress.outstanding or progress.is_current_thread()):
+                return slow()
+            try:
+                start = None if timeout is None else time.monotonic()
+                got = eng.call(coll, a, out, op, root, kind, timeout, tag)
+                if got is None:
+                    return slow()
+                rc, result = got
+                if rc != done:
+                    result = self._finish(eng, rc, None if start is None else start + timeout,
+                                          result)
+            except BaseException as exc:
+                self._interrupted(eng, exc)
+                raise
+            if type(result) is tuple:         # (a broadcast whose data did not come yet)
+                return self._broadcast_rest(result, claim, root, out, kind,
+                                            None if start is None else start + timeout)
+            return result
+        return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
         """One engine call of a normalised message (collectives.py), by the thread that holds
@@ -230,10 +303,7 @@ class Communicator(Front, Executors):
         round is posted behind the outstanding ones (the posting call raises at once).
         Returns the error, for the caller to raise."""
         exc = spec.error
-        text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
-            "utf-8", "replace")
-        if len(text) > _engine.ERROR_TEXT:    # (what the round's descriptor carries)
-            text = text[:_engine.ERROR_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
+        text = error_words(exc)
         kind, deadline = spec.kind, spec.deadline
         run = lambda: self._error_round(kind, text, deadline)     # noqa: E731
         try:
@@ -276,6 +346,7 @@ class Communicator(Front, Executors):
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
+        self._messages_drain()        # (messages.py: outstanding isends finish first)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
@@ -283,7 +354,10 @@ class Communicator(Front, Executors):
                     self._seg.set_state(self.rank, ST_LEFT)
             except ShmtreeError:
                 pass
-            _plan.unpin()
+            if self._restores_mask:   # (a sub-communicator never pinned: subcomm.py)
+                _plan.unpin()
+        self._messages_close()        # (messages.py: left already, so that nobody waits for
+                                      # this rank in a collective while it waits for receivers)
         if self._shared is not None:
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine
@@ -472,7 +546,7 @@ class Communicator(Front, Executors):
             if dseq == seq and opc == _engine.ERROR_CODE and dtc == _engine.ERROR_CODE:
                 text = b"".join(int(v).to_bytes(8, "little", signed=True) for v in shape
                                 if v is not Ellipsis).rstrip(b"\0")
-                root = kind // KIND_ROOT_STEP if base in (KIND_BROADCAST, KIND_REDUCE) else -1
+                root = kind // KIND_ROOT_STEP if base in ROOTED else -1
                 raised.append(f"rank {r}{' (the root)' if r == root else ''} raised "
                               f"{text.decode('utf-8', 'replace')} in {kind_name(kind)}")
                 what = f"{kind_name(kind)}, which raised a local error"
@@ -496,6 +570,8 @@ class Communicator(Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
+_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER)
+                                                   # (the engine collectives a Persistent binds)
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
           KIND_ALLTOALL, KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)
 
@@ -511,13 +587,17 @@ def _moved_text(kind, shape, nbytes):
     dtype digest the rank passed (the descriptor's last two dims: item size, dtype digest)."""
     name = kind_name(kind)
     base = kind % KIND_ROOT_STEP
-    if len(shape) >= 2 and shape[-1] is not Ellipsis and base == KIND_ALLGATHER:
+    whole = shape and shape[-1] is not Ellipsis
+    if whole and len(shape) >= 3 and base in (KIND_SCAN, KIND_EXSCAN, KIND_SCAN_BACK):
+        return (f"{name}(shape={tuple(shape[:-3])}, dtype {_dtype_text(shape[-1])}, "
+                f"op={OP_NAMES.get(shape[-3], shape[-3])!r})")
+    if whole and len(shape) >= 2 and base in (KIND_ALLGATHER, KIND_ALLTOALL, KIND_GATHER):
         return (f"{name}(shape={tuple(shape[:-2])}, dtype {_dtype_text(shape[-1])}, "
                 f"{shape[-2]}-byte items)")
     if base == KIND_ALLGATHER_LENGTHS:
         return f"{name}(axis=0)"
-    if base == KIND_BROADCAST:          # (its first round's size is the library's, not the call's)
-        return name
+    if base in (KIND_BROADCAST, KIND_SCATTER, KIND_COUNTS):   # (a round's size is the
+        return name                                           # library's, not the call's)
     return f"{name}({nbytes} bytes)"
 
 
