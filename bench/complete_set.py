@@ -72,10 +72,11 @@ def _ratio(a, b, target=None):
 def summary(folder):
     lines = [("collective", "P", "size", "shmtree", "best MPI", "shm/MPI", "shared",
               "best MPI shared", "shared/MPI", "shm/copy", "shared/copy")]
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".json"):
-            continue
-        doc = json.load(open(os.path.join(folder, name)))
+    docs = [json.load(open(os.path.join(folder, name))) for name in os.listdir(folder)
+            if name.endswith(".json")]
+    order = {c: k for k, c in enumerate(COLLECTIVES)}
+    docs.sort(key=lambda d: (order.get(d["collective"], len(order)), d["options"]["nprocs"]))
+    for doc in docs:
         c, P, meta = doc["collective"], doc["options"]["nprocs"], doc["methods"]
         for row in doc["rows"]:
             size = _nominal(doc, row["size"])
