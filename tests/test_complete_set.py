@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shmtree
+from complete_workers import small_worker
 from procutil import run_ok
 from test_collectives import make, same_bytes, unwire, wire
 
@@ -575,13 +576,6 @@ def test_shared_arrays_as_input_and_out():
             [np.arange(n) * (s + 1.0) for s in range(P)])[r])
         assert (g[3] is None) == (r != 0)
         assert np.array_equal(g[4], xs[0][r])
-
-
-def small_worker(comm):
-    P, r = comm.size, comm.rank
-    x = np.arange(P * 2.0).reshape(P, 2) + r
-    return (comm.alltoall(x).tolist(), comm.scan(np.array([r + 1])).tolist(),
-            comm.scatter(x if r == 0 else None).tolist())
 
 
 def eight_worker(comm):
