@@ -624,6 +624,40 @@ def test_spanning_refuses_collectives_it_has_no_executor_for():
             nodes.Spanning._executor(object(), spec)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("node_size", [0, 1])
+def test_from_mpi_one_node_and_across_nodes(node_size):
+    """One node: every call works (its own communicator makes them, persistent calls bound
+    there); across two (simulated) nodes: the new collectives raise ShmtreeError naming the
+    call, and the group goes on (the persistent allreduce works)."""
+    import ast
+    import subprocess
+    import sys
+    from test_multinode import _import_root, _mpiexec, _reports
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    prog = os.path.join(os.path.dirname(__file__), "complete_mpi_prog.py")
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, prog, str(node_size)],
+                          capture_output=True, timeout=100, env=env)
+    text = done.stdout.decode()
+    assert done.returncode == 0, text + done.stderr.decode()
+    reports = dict(line.split(" ", 2)[1:] for line in _reports(text, "REPORT "))
+    for r in range(2):
+        nodes, same, summed, a2a, scan, gather, after = ast.literal_eval(reports[str(r)])
+        assert nodes == (2 if node_size else 1) and same and summed == [3.0] * 3
+        assert after == [3.0] * 3
+        if node_size:
+            for got, name in ((a2a, "alltoall"), (scan, "scan"), (gather, "gather")):
+                assert f"{name} is not available" in got, got
+        else:
+            assert a2a == [[2.0 * r, 2.0 * r + 1]] * 2
+            assert scan == [float(sum(range(1, r + 2)))] * 3
+            assert (gather is None) == (r != 0)
+
+
 def _killed_member(group, rank, victim, n, queue):
     """The victim is SIGKILLed from a thread of its own while it waits inside the alltoall
     (rank 2 arrives late)."""
