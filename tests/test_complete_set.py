@@ -403,6 +403,8 @@ MISMATCHES = {
                             ["alltoall"]),
     "gather0_dtype": (lambda c: c.gather(np.zeros((c.rank, 2), "f8" if c.rank else ">f8"),
                                          axis=0), ["float64", "byte-swapped"]),
+    "gather0_root": (lambda c: c.gather(np.zeros((1, 2)), root=c.rank % 2, axis=0),
+                     ["root=0", "root=1"]),
     "gather_shape": (lambda c: c.gather(np.zeros(3 + c.rank)), ["(3,)", "(4,)"]),
     "scan_op": (lambda c: c.scan(np.ones(3), op="max" if c.rank == 1 else "sum"),
                 ["'max'", "'sum'"]),
