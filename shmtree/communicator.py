@@ -147,10 +147,12 @@ class Communicator(Front, Executors):
         already, through _start) when it cannot: the communicator unusable, nonblocking calls
         outstanding, the engine declining the arrays.  None for the other calls."""
         coll = spec.coll
+        a, out, timeout = spec.array, spec.out, spec.timeout
+        if coll == calls.GATHER:
+            return self._bind_gather(spec, slow)
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
                 coll == ALLTOALL and spec.counts is not None):
             return None
-        a, out, timeout = spec.array, spec.out, spec.timeout
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
             return None
@@ -203,6 +205,36 @@ class Communicator(Front, Executors):
                 return self._broadcast_rest(result, claim, root, out, kind,
                                             None if start is None else start + timeout)
             return result
+        return run
+
+    def _bind_gather(self, spec, slow):
+        """_bind of a small gather (axis=None, what Executors._gather runs as one allgather):
+        that one engine call, into the root's bound output or a scratch array elsewhere."""
+        a, out, P = spec.array, spec.out, self.size
+        mine = self.rank == spec.root
+        if spec.axis is not None or type(a) is not np.ndarray or spec.timeout is not None \
+                or a.nbytes * P > self._plan.small_bytes or (mine and type(out) is not np.ndarray):
+            return None
+        dst = out if mine else np.empty((P,) + a.shape, a.dtype)
+        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
+        tag = _dtype_digest(a.dtype)
+
+        def run():
+            progress = self._progress
+            if self._closed or group._closed or self._gen != session._fork_gen or (
+                    progress is not None and (progress.outstanding
+                                              or progress.is_current_thread())):
+                return slow()
+            try:
+                got = eng.call(ALLGATHER, a, dst, None, 0, kind, None, tag)
+                if got is None:
+                    return slow()
+                if got[0] != done:
+                    self._finish(eng, got[0], None, got[1])
+            except BaseException as exc:
+                self._interrupted(eng, exc)
+                raise
+            return dst if mine else None
         return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
