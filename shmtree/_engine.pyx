@@ -93,6 +93,9 @@ import pickle
 
 import numpy as np
 from shmtree import _kernels
+
+cdef object _NDARRAY = np.ndarray    # (a C static: `type(x) is _NDARRAY` looks nothing up by
+                                     # name, where `np.ndarray` reads a module attribute)
 from shmtree.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
@@ -106,7 +109,9 @@ for _ch in np.typecodes["All"]:
             _TYPENUM_CODE[_dt.num] = _kernels.dtype_code(_dt)
     except (TypeError, ValueError):
         pass
-_OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}     # the kernels' one op table
+cdef dict _OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}   # the kernels' one op
+                                                                        # table
+cdef object _UFUNC = np.ufunc
 
 
 cdef bint _reducible(cnp.ndarray a, op, int *opc, int *dtc):
@@ -117,7 +122,7 @@ cdef bint _reducible(cnp.ndarray a, op, int *opc, int *dtc):
             or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a)
             or not cnp.PyArray_ISALIGNED(a)):
         return False
-    code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is np.ufunc) else None
+    code = _OP_CODE_OF.get(op) if (type(op) is str or type(op) is _UFUNC) else None
     if code is None:
         return False
     opc[0] = code
@@ -133,7 +138,7 @@ cdef object _output(cnp.ndarray a, out, int nd, cnp.npy_intp *dims, int num,
     when it is not (the general path takes the call)."""
     if out is None:
         return cnp.PyArray_EMPTY(nd, dims, num, 0)
-    if type(out) is not np.ndarray:
+    if type(out) is not _NDARRAY:
         return None
     cdef cnp.ndarray res = <cnp.ndarray>out
     if (cnp.PyArray_TYPE(res) != num or cnp.PyArray_NDIM(res) != nd

@@ -38,6 +38,7 @@ from .communicator import (Communicator, Persistent, Request, allgather, allredu
                            gather_init, scatter_init, scan_init, exscan_init, barrier_init)
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from . import joining  # noqa: F401  (registers Group.join's maker)
+from . import subcomm  # noqa: F401  (registers Front.split's makers)
 from .launch import run
 from .pool import Pool
 

@@ -156,7 +156,7 @@ def allgather(comm, array, axis=None, out=None, timeout=None, posted=False):
     a = movable(array, "allgather")
     if axis is None and out is not None:
         check_out(out, (comm.size,) + a.shape, a.dtype, "allgather")
-    elif a.ndim == 0:
+    elif axis == 0 and a.ndim == 0:
         raise ValueError("shmtree: allgather(axis=0) needs arrays of at least 1 dimension")
     return CallSpec("allgather", ALLGATHER, KIND_ALLGATHER, a, out, axis=axis, timeout=timeout,
                     deadline=dl, posted=posted)

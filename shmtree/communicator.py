@@ -37,6 +37,7 @@ from .group import Group
 from .ops import OP_NAMES, OPS, dtype_name
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
+from .messages import Messages                       # point-to-point (issue 24)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -58,8 +59,10 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Front, Executors):
+class Communicator(Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
+
+    _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
 
     def __init__(self, group: Group, rank: int):
         self.group = group
@@ -375,6 +378,7 @@ class Communicator(Front, Executors):
                 raise ShmtreeError("shmtree: a communicator cannot be closed inside a "
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
+        self._messages_drain()        # (messages.py: outstanding isends finish first)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
@@ -382,7 +386,10 @@ class Communicator(Front, Executors):
                     self._seg.set_state(self.rank, ST_LEFT)
             except ShmtreeError:
                 pass
-            _plan.unpin()
+            if self._restores_mask:   # (a sub-communicator never pinned: subcomm.py)
+                _plan.unpin()
+        self._messages_close()        # (messages.py: left already, so that nobody waits for
+                                      # this rank in a collective while it waits for receivers)
         if self._shared is not None:
             self._shared.close()      # (a call in progress keeps the mappings it uses)
         eng = self._engine

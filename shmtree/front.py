@@ -307,6 +307,27 @@ class Front:
         """empty, filled with zeros (fresh shared memory is zero)."""
         return self._shared_array(shape, dtype, order, "zeros")
 
+    # ---- sub-communicators (issue 24: shmtree/subcomm.py, registered into _SPLIT) ----
+
+    def split(self, color, key=None):
+        """A collective over this communicator: the ranks passing the same `color` (an int >= 0)
+        form a new communicator, ranked by (key, rank here) (key defaults to the rank here);
+        color=None takes no part and gets None.  The new communicator is a full one (every
+        collective, shared arrays, split again), with its own group and plan over its members'
+        cores; closing it is local, and closing this one does not close it."""
+        return _split_maker()[0](self, color, key)
+
+    def dup(self):
+        """A new communicator of the same ranks in the same order: split(0)."""
+        return self.split(0)
+
+    def split_by(self, level):
+        """A collective: split by the part of the machine the ranks share, like
+        MPI_Comm_split_type: level "socket", "numa", "l3" (the group of cores sharing a last-
+        level cache) or "node" (the ranks of one machine: everything in a one-machine
+        communicator).  Ranks keep their order."""
+        return _split_maker()[1](self, level)
+
     # ---- the hooks' defaults, and the one dispatch ----
 
     def _start(self, spec):
@@ -351,6 +372,24 @@ def _output(comm, spec):
         b = calls.split_bounds(a.shape[0], comm.size)
         return np.empty((b[comm.rank + 1] - b[comm.rank],) + a.shape[1:], a.dtype)
     return None
+
+
+# sub-communicators: (split, split_by) of shmtree.subcomm, which registers them when imported
+# (shmtree's __init__ imports it, through api): this module imports nothing above it
+_SPLIT = None
+
+
+def _made_by(split, split_by):
+    """Register the makers of Front.split and Front.split_by."""
+    global _SPLIT
+    _SPLIT = (split, split_by)
+
+
+def _split_maker():
+    if _SPLIT is None:
+        from .errors import ShmtreeError
+        raise ShmtreeError("shmtree: split needs shmtree.subcomm (import shmtree)")
+    return _SPLIT
 
 
 PUBLIC = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier",

@@ -37,7 +37,7 @@ from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 
 __all__ = ["Link"]
 
-TAG_RS, TAG_AG, TAG_CTRL = 11, 12, 13
+TAG_RS, TAG_AG, TAG_CTRL, TAG_X = 11, 12, 13, 14
 CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
@@ -417,6 +417,28 @@ class Link:
         self.complete([self.comm.Iallgatherv(
             [_raw(send), self.MPI.BYTE],
             [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
+        return recv
+
+    def exchange(self, send, recv):
+        """Blocks between the leaders, point to point: send[j] (a contiguous uint8 array) to
+        node j, recv[j] (its size known beforehand: node j's send[me]) from node j; an empty
+        one posts nothing, so a pair with nothing to move costs no message (a gather's or a
+        scatter's step involves only the root's node and each other node).  send[me] is
+        copied into recv[me].  Every leader's steps follow the same order on this link, and
+        MPI does not let messages of one pair overtake each other: a step's receives match its
+        own sends."""
+        MPI, me = self.MPI, self.me
+        reqs = []
+        for j in range(self.n):
+            if j != me and recv[j].size:
+                reqs.append(self.comm.Irecv([_raw(recv[j]), MPI.BYTE], source=j, tag=TAG_X))
+        for j in range(self.n):
+            if j != me and send[j].size:
+                reqs.append(self.comm.Isend([_raw(send[j]), MPI.BYTE], dest=j, tag=TAG_X))
+        if recv[me].size:
+            recv[me][...] = send[me]
+        if reqs:
+            self.complete(reqs)
         return recv
 
 

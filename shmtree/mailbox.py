@@ -14,11 +14,13 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
     header  +0  u32 abort request (the leader failed: text at +64)
             +4  u32 failed (the proxy's link failed: text at +1024)
     slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
-            +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV      +12 i32 root
+            +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE   +12 i32 root
             +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)
             +64 op name, +96 dtype (numpy str, or "bfloat16"), 32 bytes each
             +1024 the failure text
-    data    allreduce/bcast: the buffer, in place; allgatherv: N u64 counts, send, receive
+    data    allreduce/bcast: the buffer, in place; allgatherv: N u64 counts, send, receive;
+            exchange: N u64 send sizes, N u64 receive sizes, the sends back to back (node
+            order), the receives back to back
 
 The leader submits to slots in turn (0, 1, 0, ...) and waits for each in order; the proxy serves
 them in the same order.  Words are stored sequentially consistent and waited on with futexes
@@ -42,7 +44,7 @@ __all__ = ["Proxy", "ProxyLink", "Mailbox"]
 PAGE = 4096
 SLOTS = 2
 IDLE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
-ALLREDUCE, BCAST, ALLGATHERV = 1, 2, 3
+ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE = 1, 2, 3, 4
 TEXT = 512
 POLL_S = 0.01               # the proxy looks at the group and the link this often when idle
 WAIT_SLICE_S = 0.05
@@ -168,6 +170,25 @@ class ProxyLink:
             raw, at = None, 8 * n + send.size
             box.put_u64(ctl + 24, recv.size)
             box.put_u64(ctl + 16, send.size)
+        elif fn is Link.exchange:
+            send, recv = args
+            step, out = EXCHANGE, recv
+            n = len(send)
+            ssz = [int(p.size) for p in send]
+            rsz = [int(p.size) for p in recv]
+            need = 16 * n + sum(ssz) + sum(rsz)
+            if need > box.segment:
+                raise ShmtreeError(f"shmtree: {need} bytes do not fit the mailbox's "
+                                   f"{box.segment}")
+            data[:8 * n].view(np.uint64)[:] = ssz
+            data[8 * n:16 * n].view(np.uint64)[:] = rsz
+            at = 16 * n
+            for p in send:
+                data[at:at + p.size] = p
+                at += p.size
+            raw = None
+            box.put_u64(ctl + 24, sum(rsz))
+            box.put_u64(ctl + 16, sum(ssz))
         else:
             raise ShmtreeError(f"shmtree: the proxy has no step {fn!r}")
         if raw is not None:
@@ -196,8 +217,13 @@ class ProxyLink:
         if state == FAILED:
             raise PeerLostError(f"shmtree: {box.get_text(ctl + 1024) or self.failure}")
         data = box.data(job.slot)
-        raw = job.out.reshape(-1).view(np.uint8)
         at = job.at
+        if job.step == EXCHANGE:           # (the receives follow the sends)
+            for part in job.out:
+                part[...] = data[at:at + part.size]
+                at += part.size
+            return job.out
+        raw = job.out.reshape(-1).view(np.uint8)
         if raw.size and raw.__array_interface__["data"][0] != \
                 data[at:].__array_interface__["data"][0]:
             raw[...] = data[at:at + raw.size]
@@ -305,6 +331,17 @@ class Proxy:
                 send = data[8 * n:8 * n + nbytes]
                 recv = data[8 * n + nbytes:8 * n + nbytes + recv_bytes]
                 link.run(Link.allgatherv, send, recv, counts)
+            elif step == EXCHANGE:
+                n = link.n
+                sizes = data[:16 * n].view(np.uint64).astype(np.int64).tolist()
+                at, sends, recvs = 16 * n, [], []
+                for size in sizes[:n]:
+                    sends.append(data[at:at + size])
+                    at += size
+                for size in sizes[n:]:
+                    recvs.append(data[at:at + size])
+                    at += size
+                link.run(Link.exchange, sends, recvs)
             else:
                 raise ShmtreeError(f"shmtree: unknown proxy step {step}")
             self._busy = False               # (before the leader can see it done)

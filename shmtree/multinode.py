@@ -211,6 +211,7 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
             leaders.Free()
     segment = _nodes.SEGMENT_BYTES if segment_bytes is None else segment_bytes
     comm = _nodes.Spanning(local, link, rank, members, node, segment, lane=lane)
+    comm._mpi = mpi_comm          # (split: new communicators that span nodes split it, subcomm)
     session._set_current(comm)
     return comm
 

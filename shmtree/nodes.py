@@ -17,6 +17,9 @@ Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
      inter-node step on the leader's link thread, broadcast in the node; the leader's main
      thread works on segment i+1 in the node while its link thread carries segment i between
      the nodes, so a large message costs about the larger of the two steps, not their sum.
+     alltoall, gather, scatter, scan and exscan are exchanges across nodes instead
+     (pipelines._exchange_nodes: in the node, between the leaders or on the lanes, in the
+     node; not cut into segments).
 
 The reduction order is fixed by this plan (the node's own tree order, then nodes in order), not
 by MPI: the same bits on every rank of every node.
@@ -29,11 +32,15 @@ import weakref
 import numpy as np
 
 from . import _engine, calls, session
-from .calls import ALLGATHER, BARRIER, BROADCAST, REDUCE_SCATTER, split_bounds as _pieces
-from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST,
-                    KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP, ranks_text)
+from .calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
+                    SCATTER, split_bounds as _pieces)
+from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
+                    KIND_BROADCAST, KIND_EXSCAN, KIND_GATHER, KIND_NAMES, KIND_REDUCE,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER, ranks_text)
+from .collectives import _fold, _identity
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
+from .messages import SpanningMessages             # point-to-point (issue 24)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import Link, global_ranks
@@ -42,25 +49,28 @@ from .ops import OP_NAMES
 __all__ = ["Spanning"]
 
 SEGMENT_BYTES = 4 << 20        # bytes per pipelined segment across the node boundary
-ROW = 10                       # int64 per rank in the agreement table
+ROW = 11                       # int64 per rank in the agreement table (_row)
+NONE, LOCAL_ERROR = -1, -3     # a row's byte count: passed None (broadcast, scatter away from
+                               # the root); a local error said in the round (_local_error)
+SCAN_GATHER_BYTES = 64 << 10   # scan / exscan of at most this much (times the ranks): every
+                               # input gathered everywhere, each rank folds its prefix
 LANES_BYTES = 4 << 20          # from_mpi, nodes of one size: reductions from this size are
                                # cut among the lanes (_reduce_lanes), smaller ones run whole on
                                # every lane after the node's allreduce (_reduce_small_lanes)
-_EXECUTED = (calls.ALLREDUCE, calls.REDUCE, REDUCE_SCATTER, BROADCAST, ALLGATHER, BARRIER)
-                                 # (the collectives Spanning has executors for; the others raise)
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (multinode)
 # a node's own step in its messages ("broadcast(root=0) #2"), and the messages of the links
 # (already in the words of the whole communicator)
-_STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|"
-                   r"(?:broadcast|reduce)\(root=\d+\)) #\d+")
+_STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|alltoall(?:\(counts\))?|"
+                   r"scan|exscan|(?:broadcast|reduce|gather|scatter)\(root=\d+\)) #\d+")
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
 
 
-class Spanning(Front, Pipelines):
+class Spanning(SpanningMessages, Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
-    allgather, reduce_scatter, barrier, their i-forms, empty and zeros: Front's); ranks are
-    global.  With one node, the node's own communicator makes every call."""
+    allgather, reduce_scatter, alltoall, gather, scatter, scan, exscan, barrier, their i-forms
+    and persistent forms, empty and zeros: Front's); ranks are global.  With one node, the
+    node's own communicator makes every call."""
 
     def __init__(self, local, link, rank, nodes_ranks, node, segment_bytes=SEGMENT_BYTES,
                  lane=None):
@@ -129,11 +139,29 @@ class Spanning(Front, Pipelines):
 
     def _executor(self, spec):
         """The function that runs a parsed call across the nodes (its `call`: its name)."""
-        if spec.coll not in _EXECUTED:
-            raise ShmtreeError(f"shmtree: {spec.name} is not available on a communicator "
-                               f"across nodes yet (only within one node)")
         return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
-                BARRIER: self._exec_barrier}.get(spec.coll, self._exec_reducing)(spec)
+                BARRIER: self._exec_barrier, ALLTOALL: self._exec_alltoall,
+                GATHER: self._exec_gather, SCATTER: self._exec_scatter,
+                SCAN: self._exec_scan, EXSCAN: self._exec_scan,
+                }.get(spec.coll, self._exec_reducing)(spec)
+
+    def _local_error(self, spec):
+        """A rooted call's local error that only this rank can see (its dtype holds Python
+        objects, or has no kernel): said in the call's agreement round (a row of its own), so
+        that every other rank of every node raises CollectiveMismatchError naming this rank
+        instead of waiting for it; then raised here."""
+        if self.nodes > 1:
+            kind = spec.kind % KIND_ROOT_STEP
+            row = _bare(kind, -1 if spec.root is None else spec.root, 0, LOCAL_ERROR)
+
+            def run():
+                try:
+                    self._check(self._agree(row, spec.deadline))
+                except CollectiveMismatchError:
+                    pass
+            run.call = spec.name
+            self.local._now(self._guarded(run))
+        return spec.error
 
     def stats(self) -> dict:
         return self.local.stats()
@@ -213,10 +241,13 @@ class Spanning(Front, Pipelines):
     # ---- agreement ----
 
     def _agree(self, row, deadline):
-        """Every rank's row, in global rank order (a (size, ROW) int64 table), the same on every
-        rank: gathered in the node, exchanged between the leaders, broadcast back."""
+        """Every rank's row, in global rank order (a (size, len(row)) int64 table), the same on
+        every rank: gathered in the node, exchanged between the leaders, broadcast back.  (Every
+        rank's row has the same length: ROW, or a second round's whose length every rank knew
+        from the first, alltoall's counts.)"""
         P, link = self.size, self._link
         mine = np.asarray(row, np.int64)
+        width = mine.size
         if self.node_size > 1:
             table = self.local.run(calls.allgather(self.local, mine, None, None,
                                                    self._remaining(deadline)))
@@ -224,10 +255,10 @@ class Spanning(Front, Pipelines):
             table = mine[None, :]
         full = table if self.nodes == 1 else None
         if link is not None:
-            counts = [len(m) * ROW * 8 for m in self._members]
-            full = np.empty((P, ROW), np.int64)
-            link.run(Link.allgatherv, table.reshape(-1).view(np.uint8),
-                     full.reshape(-1).view(np.uint8), counts, deadline=deadline)
+            counts = [len(m) * width * 8 for m in self._members]
+            full = np.empty((P, width), np.int64)
+            self._leaders_allgatherv(table.reshape(-1).view(np.uint8),
+                                     full.reshape(-1).view(np.uint8), counts, deadline)
         if self.node_size > 1:
             full = self._intra_bcast(full, None, deadline)
         if not self._in_order:
@@ -240,8 +271,9 @@ class Spanning(Front, Pipelines):
         """Raise CollectiveMismatchError (the same text on every rank) unless every row agrees
         with `compare`'s notion of the same call (by default: equal rows)."""
         seen = {}
-        for g in range(self.size):
-            seen.setdefault(compare(table[g]), []).append(g)
+        for g in range(self.size):       # (a local error said in the round: never the same call)
+            key = ("error", g) if table[g][5] == LOCAL_ERROR else compare(table[g])
+            seen.setdefault(key, []).append(g)
         if len(seen) > 1:
             def text(rs):
                 nodes = ",".join(str(n) for n in sorted({self._where[r][0] for r in rs}))
@@ -301,7 +333,7 @@ class Spanning(Front, Pipelines):
         claims out's shape and dtype (calls.broadcast)."""
         a, root, out, deadline = spec.array, spec.root, spec.out, spec.deadline
         row = _row(KIND_BROADCAST, root, 0, a) if a is not None else \
-            [KIND_BROADCAST, root, 0, 0, 0, -1, 0, 0, 0, 0]
+            _bare(KIND_BROADCAST, root, 0, NONE)
 
         def run():
             table = self._agree(row, deadline)
@@ -369,43 +401,209 @@ class Spanning(Front, Pipelines):
             rowbytes = a.dtype.itemsize * (int(np.prod(a.shape, dtype=np.int64)) if axis is None
                                            else int(np.prod(a.shape[1:], dtype=np.int64)))
             result, copy_back = calls.out_for(out, shape, a.dtype, "allgather")
-            mine = np.ascontiguousarray(a)
-            # this node's blocks, by local rank, on every member
-            if self.node_size > 1:
-                node_blocks = self.local.run(calls.allgather(self.local, mine, axis, None,
-                                                             self._remaining(deadline)))
-            else:
-                node_blocks = mine if axis == 0 else mine[None]
-                if np.may_share_memory(node_blocks, result):
-                    node_blocks = node_blocks.copy()    # (the input overlaps out)
-            sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
-            total = sum(sizes)
-            flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
-            link = self._link
-            if link is not None:
-                gathered = flat if self._in_order else np.empty(total, np.uint8)
-                mine_raw = np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8)
-                room = getattr(link, "capacity", None)
-                # (the same choice on every node: the largest node's block decides)
-                if room is None or 8 * self.nodes + max(sizes) + total <= room:
-                    link.run(Link.allgatherv, mine_raw, gathered, sizes,
-                             deadline=deadline)
-                else:                # (too big for the proxy's mailbox: node by node)
-                    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-                    gathered[starts[self.node]:starts[self.node + 1]] = mine_raw
-                    for m in range(self.nodes):
-                        part = gathered[starts[m]:starts[m + 1]]
-                        for lo in range(0, part.size, room):
-                            link.run(Link.bcast, part[lo:lo + room], m,
-                                     deadline=deadline)
-                if not self._in_order:
-                    self._place(gathered, flat, lengths, rowbytes)
-            if self.node_size > 1 and total:
-                self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
+            self._allgather_data(a, axis, lengths, rowbytes, result, deadline)
             return calls.finish(result, copy_back)
         run.call = "allgather"
         return run
 
+    def _allgather_data(self, a, axis, lengths, rowbytes, result, deadline):
+        """allgather's data (after its agreement): every rank's `a` into `result` (C-contiguous),
+        in global rank order: in the node, between the leaders, broadcast in the node."""
+        mine = np.ascontiguousarray(a)
+        # this node's blocks, by local rank, on every member
+        if self.node_size > 1:
+            node_blocks = self.local.run(calls.allgather(self.local, mine, axis, None,
+                                                         self._remaining(deadline)))
+        else:
+            node_blocks = mine if axis == 0 else mine[None]
+            if np.may_share_memory(node_blocks, result):
+                node_blocks = node_blocks.copy()    # (the input overlaps out)
+        sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
+        total = sum(sizes)
+        flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
+        link = self._link
+        if link is not None:
+            gathered = flat if self._in_order else np.empty(total, np.uint8)
+            mine_raw = np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8)
+            self._leaders_allgatherv(mine_raw, gathered, sizes, deadline)
+            if not self._in_order:
+                self._place(gathered, flat, lengths, rowbytes)
+        if self.node_size > 1 and total:
+            self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
+
+    # ---- alltoall, gather, scatter, scan, exscan: exchanges across nodes ----
+    #
+    # Each is: the agreement (plus, for alltoall(counts=), a second round of every rank's
+    # counts), the byte matrix B of who sends what to whom (from the table: the same on every
+    # rank), and one exchange across nodes (pipelines._exchange_nodes); scan and exscan two.
+
+    def _exec_alltoall(self, spec):
+        """alltoall of a parsed call: equal blocks (counts None), or counts= rows to each rank."""
+        a, out, deadline, counts = spec.array, spec.out, spec.deadline, spec.counts
+        counted = counts is not None
+        row = _row(KIND_ALLTOALL, -1, int(counted), a, free=counted)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table, _free_key if counted else tuple)
+            rowbytes = _row_bytes(a)
+            if counted:      # every rank's counts, and the rows of its out= (-1: none)
+                mine = list(counts) + [-1 if out is None else out.shape[0]]
+                C = self._agree(mine, deadline)
+                got = C[:, :P].sum(axis=0)
+                wrong = [g for g in range(P) if C[g, P] not in (-1, got[g])]
+                if wrong:
+                    raise CollectiveMismatchError(
+                        "shmtree: ranks disagree on the collective call across nodes: "
+                        "alltoall(counts): " + "; ".join(
+                            f"rank {g} (node {self._where[g][0]}) passed out= of {C[g, P]} "
+                            f"rows and receives {got[g]}" for g in wrong))
+                B = C[:, :P] * rowbytes
+                shape = (int(got[me]),) + a.shape[1:]
+            else:
+                B = np.full((P, P), a.nbytes // P if P else 0, np.int64)
+                shape = a.shape
+            result, copy_back = calls.out_for(out, shape, a.dtype, "alltoall")
+            dst = calls.bytes_of(result)
+            self._exchange_nodes(_apart(calls.bytes_of(a), dst), dst, B, deadline)
+            return calls.finish(result, copy_back)
+        run.call = "alltoall(counts)" if counted else "alltoall"
+        return run
+
+    def _exec_gather(self, spec):
+        """gather of a parsed call: to the root's node leader across nodes, in the nodes on
+        either side (the byte count of each rank's block is in its row)."""
+        a, out, deadline, root, axis = spec.array, spec.out, spec.deadline, spec.root, spec.axis
+        free = axis == 0
+        mine = self.rank == root
+        row = _row(KIND_GATHER, root, int(free), a, free=free,
+                   extra=out.shape[0] if mine and free and out is not None else -1)
+
+        def run():
+            P = self.size
+            table = self._agree(row, deadline)
+            self._check(table, _free_key if free else _no_extra)
+            nb = table[:, 5].astype(np.int64)
+            if free:
+                n = int(table[:, 7].sum())
+                want = int(table[root, 10])
+                if want not in (-1, n):
+                    raise CollectiveMismatchError(
+                        f"shmtree: ranks disagree on the collective call across nodes: "
+                        f"gather(root={root}): the root passed out= of {want} rows, the ranks "
+                        f"send {n}")
+                shape = (n,) + a.shape[1:]
+            else:
+                shape = (P,) + a.shape
+            B = np.zeros((P, P), np.int64)
+            B[:, root] = nb
+            if mine:
+                result, copy_back = calls.out_for(out, shape, a.dtype, "gather")
+                dst = calls.bytes_of(result)
+            else:
+                result, copy_back, dst = None, None, _NOTHING
+            self._exchange_nodes(_apart(calls.bytes_of(a), dst), dst, B, deadline)
+            return calls.finish(result, copy_back) if mine else None
+        run.call = f"gather(root={root})"
+        return run
+
+    def _exec_scatter(self, spec):
+        """scatter of a parsed call: from the root's node leader across nodes, in the nodes on
+        either side.  The root's dtype and shape reach every rank first (as a broadcast's do
+        for ranks that passed None); an out= elsewhere claims its block (checked then, on every
+        rank alike)."""
+        a, out, deadline, root, axis = spec.array, spec.out, spec.deadline, spec.root, spec.axis
+        mode = int(axis == 0)
+        if a is not None:
+            row = _row(KIND_SCATTER, root, mode, a)
+        elif out is not None:
+            row = _row(KIND_SCATTER, root, mode, out)
+        else:
+            row = _bare(KIND_SCATTER, root, mode, NONE)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table, lambda r: tuple(r[:3]))
+            rnode, rlocal = self._where[root]
+            src = np.ascontiguousarray(a) if me == root else None
+            dtype, shape = self._meta(src, rnode, rlocal, deadline)
+            if axis is None:
+                blocks = [tuple(shape[1:])] * P
+            else:
+                b = _pieces(shape[0], P)
+                blocks = [(b[g + 1] - b[g],) + tuple(shape[1:]) for g in range(P)]
+            wrong = [g for g in range(P) if g != root and table[g, 5] != NONE and
+                     list(table[g]) != _row_of(KIND_SCATTER, root, mode, blocks[g], dtype)]
+            if wrong:
+                raise CollectiveMismatchError(
+                    f"shmtree: ranks disagree on the collective call across nodes: "
+                    f"scatter(root={root}): the root passed shape {tuple(shape)} and dtype "
+                    f"{calls.dtype_text(calls.dtype_digest(dtype))}; " + "; ".join(
+                        f"rank {g} (node {self._where[g][0]}) passed out= of shape "
+                        f"{_shape_text(table[g])} and dtype {calls.dtype_text(table[g, 3])}, "
+                        f"its block has shape {blocks[g]}" for g in wrong))
+            result, copy_back = calls.out_for(out, blocks[me], dtype, "scatter")
+            nb = [dtype.itemsize * int(np.prod(blk, dtype=np.int64)) for blk in blocks]
+            B = np.zeros((P, P), np.int64)
+            B[root] = nb
+            dst = calls.bytes_of(result)
+            self._exchange_nodes(_apart(calls.bytes_of(src), dst) if src is not None
+                                 else _NOTHING, dst, B, deadline)
+            return calls.finish(result, copy_back)
+        run.call = f"scatter(root={root})"
+        return run
+
+    def _exec_scan(self, spec):
+        """scan / exscan of a parsed call, bit for bit numpy's accumulate in global rank order
+        whatever the placement of ranks on nodes: every number is folded by one rank, in rank
+        order (docs/algorithms.md, "Across nodes").  Small: every input gathered everywhere
+        (the allgather's steps), each rank folds its own prefix.  Else the transpose: exchange
+        1 sends block q (np.array_split of the items into size pieces) of every rank to rank q,
+        which folds its rows in rank order; exchange 2 sends prefix row r back to rank r."""
+        a, out, deadline, opc = spec.array, spec.out, spec.deadline, spec.opc
+        exclusive = spec.coll == EXSCAN
+        kind = KIND_EXSCAN if exclusive else KIND_SCAN
+        row = _row(kind, -1, opc, a)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table)
+            dt = a.dtype
+            result, dst, copy_back = calls.destination(a, out)
+            src = np.ascontiguousarray(a)
+            if a.nbytes * P <= SCAN_GATHER_BYTES:
+                stack = np.empty((P,) + a.shape, dt)
+                self._allgather_data(src, None, [1] * P, a.nbytes, stack, deadline)
+                upto = me if exclusive else me + 1
+                dst[...] = _identity(opc, dt, a.shape) if upto == 0 else \
+                    _fold(stack[:upto], opc)[-1]
+            else:
+                n = a.size
+                b = _pieces(n, P)
+                sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.int64)
+                m = int(sizes[me])
+                rows = np.empty((P, m), dt)
+                flat = dst.reshape(-1)
+                self._exchange_nodes(_apart(calls.bytes_of(src), calls.bytes_of(flat)),
+                                     calls.bytes_of(rows),
+                                     np.tile(sizes * dt.itemsize, (P, 1)), deadline)
+                if exclusive:
+                    prefix = np.empty((P, m), dt)
+                    prefix[0] = _identity(opc, dt, (m,))
+                    if P > 1:
+                        prefix[1:] = _fold(rows[:P - 1], opc)
+                else:
+                    prefix = _fold(rows, opc)
+                self._exchange_nodes(calls.bytes_of(prefix), calls.bytes_of(flat),
+                                     np.tile((sizes * dt.itemsize)[:, None], (1, P)), deadline)
+            if copy_back is not None:
+                copy_back[...] = dst.reshape(copy_back.shape)
+            return result
+        run.call = "exscan" if exclusive else "scan"
+        return run
 
     def _place(self, gathered, flat, lengths, rowbytes):
         """Blocks gathered in node order, moved to global rank order."""
@@ -421,7 +619,7 @@ class Spanning(Front, Pipelines):
 
     def _exec_barrier(self, spec):
         deadline = spec.deadline
-        row = [KIND_BARRIER, -1, 0, 0, 0, 0, 0, 0, 0, 0]
+        row = _bare(KIND_BARRIER, -1, 0, 0)
 
         def run():
             table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
@@ -430,16 +628,58 @@ class Spanning(Front, Pipelines):
         return run
 
 
-def _row(kind, root, opc, a):
-    """A rank's description of its call: kind, root, op, dtype digest, dtype number, byte count,
-    ndim, first two dimensions, shape digest."""
-    shape = a.shape
+def _row(kind, root, opc, a, free=False, extra=-1):
+    """A rank's description of its call: kind, root, op (or a mode: alltoall's counts=,
+    gather's and scatter's axis=0), dtype digest, dtype number, byte count, ndim, first two
+    dimensions, shape digest (of the dimensions after the first when `free`: lengths along
+    axis 0 may differ), and an extra number (gather(axis=0)'s root: the rows of its out=)."""
+    return _row_of(kind, root, opc, a.shape, a.dtype, free, extra)
+
+
+def _row_of(kind, root, opc, shape, dtype, free=False, extra=-1):
+    shape = tuple(shape)
     d0 = shape[0] if len(shape) > 0 else 0
     d1 = shape[1] if len(shape) > 1 else 0
-    digest = hash(shape[1:]) & 0x7fffffffffffffff if kind == KIND_ALLGATHER and root == 0 \
-        else hash(shape) & 0x7fffffffffffffff
-    return [kind, root, opc, calls.dtype_digest(a.dtype), a.dtype.num, a.nbytes, len(shape),
-            d0, d1, digest]
+    free = free or (kind == KIND_ALLGATHER and root == 0)
+    digest = hash(shape[1:] if free else shape) & 0x7fffffffffffffff
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    return [kind, root, opc, calls.dtype_digest(dtype), dtype.num, nbytes, len(shape),
+            d0, d1, digest, extra]
+
+
+def _bare(kind, root, opc, nbytes):
+    """A row without an array (barrier; None; a local error)."""
+    return [kind, root, opc, 0, 0, nbytes, 0, 0, 0, 0, -1]
+
+
+def _free_key(r):
+    """Rows of calls whose lengths along axis 0 may differ: all but the byte count, the first
+    dimension and the extra number."""
+    return (tuple(r[:5]), r[6], r[8], r[9])
+
+
+def _no_extra(r):
+    return tuple(r[:10])
+
+
+def _row_bytes(a):
+    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _apart(src, dst):
+    """src, or a copy of it when it shares memory with dst (an exchange reads every input
+    while it writes every output)."""
+    return src.copy() if src.size and dst.size and np.may_share_memory(src, dst) else src
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+def _shape_text(r):
+    """A row's shape in words: its first two dimensions, '...' for more."""
+    ndim = int(r[6])
+    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
+    return "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
 
 
 def _describe(r):
@@ -447,18 +687,25 @@ def _describe(r):
     name = KIND_NAMES.get(kind, "collective")
     if kind == KIND_BARRIER:
         return "barrier"
-    if r[5] == -1:
+    if r[5] == NONE:
         return f"{name}(root={root}, None)"
-    ndim = int(r[6])
-    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
-    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
-    parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE) else []
+    if r[5] == LOCAL_ERROR:
+        return (f"{name}(root={root})" if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
+                                                    KIND_SCATTER) else name) + \
+            " with an argument it cannot take (its own error raised there)"
+    shape = _shape_text(r)
+    parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
+                                         KIND_SCATTER) else []
+    if kind == KIND_ALLTOALL and opc:
+        parts.append("counts=...")
     parts.append(f"shape={shape}")
     parts.append(f"dtype={calls.dtype_text(int(r[3]))}")
-    if kind in (KIND_ALLREDUCE, KIND_REDUCE, KIND_REDUCE_SCATTER):
+    if kind in (KIND_ALLREDUCE, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SCAN, KIND_EXSCAN):
         parts.append(f"op={OP_NAMES.get(opc, opc)!r}")
     if kind == KIND_ALLGATHER:
         parts.append("axis=None" if root == -1 else "axis=0")
+    if kind in (KIND_GATHER, KIND_SCATTER):
+        parts.append("axis=0" if opc else "axis=None")
     return f"{name}({', '.join(parts)})"
 
 

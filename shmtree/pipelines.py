@@ -11,7 +11,10 @@ shmtree.inter), and the steps inside a node they are made of.
   * _reduce_small_lanes (below LANES_BYTES): the node's allreduce, then every lane folds the
     nodes' sums whole;
   * _bcast_pipeline: in the root's node from the root, between the leaders from the root
-    node's leader, in the other nodes from their leader, segment by segment.
+    node's leader, in the other nodes from their leader, segment by segment;
+  * _exchange_nodes: blocks of any sizes between any pairs of ranks (alltoall, gather,
+    scatter, scan): in the node to the leader (what leaves the node) and to the node's peers
+    (what stays), between the leaders node to node, from the leader to the node's members.
 """
 from __future__ import annotations
 
@@ -227,6 +230,211 @@ class Pipelines:
                     self._intra_bcast(seg if leader else None, seg, deadline)
         for i in sorted(jobs):
             _wait(link, jobs.pop(i), deadline)
+
+    def _leaders_allgatherv(self, mine, gathered, sizes, deadline):
+        """Every node's `mine` (bytes; node m's has sizes[m]) into `gathered`, in node order,
+        between the leaders: one allgatherv, or (too big for a launcher's mailbox) node by node
+        as broadcasts of at most a slot each (the same choice on every node: the largest
+        node's block decides)."""
+        link = self._link
+        room = getattr(link, "capacity", None)
+        total = sum(sizes)
+        if room is None or 8 * self.nodes + max(sizes) + total <= room:
+            link.run(Link.allgatherv, mine, gathered, sizes, deadline=deadline)
+            return
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        gathered[starts[self.node]:starts[self.node + 1]] = mine
+        for m in range(self.nodes):
+            part = gathered[starts[m]:starts[m + 1]]
+            for lo in range(0, part.size, room):
+                link.run(Link.bcast, part[lo:lo + room], m, deadline=deadline)
+
+    def _exchange_nodes(self, src, dst, B, deadline):
+        """One exchange across nodes: B[p, q] bytes from global rank p to global rank q (a
+        (size, size) int64 matrix, the same on every rank); src: this rank's outgoing bytes
+        back to back in destination (global rank) order, dst: its incoming bytes back to back
+        in source order (both contiguous uint8, not sharing memory).
+
+          1. in the node (an alltoall with counts of the node's communicator): each member sends
+             to each peer what is that peer's, and to the leader, besides its own, everything
+             that leaves the node (its blocks for the other nodes' ranks, in global order);
+          2. between the leaders (Link.exchange, point to point, nothing posted for a pair with
+             nothing to move): to node m, for each member of this node in local order, its
+             blocks for node m's ranks in global order; a launcher's mailbox takes the step in
+             rounds of at most a slot;
+          3. in the node: the leader sends each member what came for it from the other nodes
+             (in global order of the sources).
+        Each member then puts its blocks in source order.  A step in which no rank of the node
+        moves a byte to another is skipped (every rank knows B: the same choice everywhere).
+        With lanes (from_mpi, nodes of one size): _exchange_lanes."""
+        if self._lane is not None:
+            return self._exchange_lanes(src, dst, B, deadline)
+        P, node, members = self.size, self.node, self._members
+        mine = members[node]
+        k, j, me = len(mine), self.node_rank, self.rank
+        inside = np.zeros(P, bool)
+        inside[mine] = True
+        outside = np.flatnonzero(~inside)               # the other nodes' ranks, ascending
+        at_out = np.full(P, -1, np.int64)
+        at_out[outside] = np.arange(outside.size)
+        out_rows = B[:, outside]                          # (P, |outside|)
+        off = _offsets(B[me])                             # my outgoing blocks, by destination
+        into = _offsets(B[:, me])                         # my incoming blocks, by source
+        leaving = out_rows[mine].sum(axis=1)              # what each member sends off the node
+        # step 1: counts[x, d] bytes from local x to local d
+        C1 = B[np.ix_(mine, mine)].copy()
+        C1[:, 0] += leaving
+        moved1 = (C1 - np.diag(np.diag(C1))).any()
+        if moved1:
+            parts = [src[off[mine[0]]:off[mine[0] + 1]]] + \
+                [src[off[g]:off[g + 1]] for g in outside] + \
+                [src[off[g]:off[g + 1]] for g in mine[1:]]
+            send = _joined(parts, int(C1[j].sum()))
+            got1 = self.local.run(calls.alltoall(self.local, send, tuple(C1[j].tolist()), None,
+                                                 self._remaining(deadline)))
+        else:                        # (only what each member keeps: its own block, at most)
+            got1 = src[off[me]:off[me + 1]]
+            if j == 0:
+                got1 = _joined([got1] + [src[off[g]:off[g + 1]] for g in outside],
+                               int(C1[0, 0]))
+        from1 = _offsets(C1[:, j])                        # got1 by local source
+        # step 2 (the leader): node to node
+        link = self._link
+        C3 = B[np.ix_(outside, mine)].sum(axis=0)         # bytes from off the node, by member
+        got3 = None
+        if j == 0:
+            got3 = self._leaders_exchange(got1, from1, C1, B, mine, outside, at_out,
+                                          deadline) if link is not None else None
+        # step 3: from the leader to the members
+        if k > 1 and C3[1:].any():
+            if j == 0:
+                send3 = got3 if got3 is not None else np.empty(0, np.uint8)
+                counts = tuple(C3.tolist())
+                got3 = self.local.run(calls.alltoall(self.local, send3, counts, None,
+                                                     self._remaining(deadline)))
+                # (the leader keeps its own part: the first C3[0] bytes)
+            else:
+                got3 = self.local.run(calls.alltoall(self.local, np.empty(0, np.uint8),
+                                                     (0,) * k, None,
+                                                     self._remaining(deadline)))
+        elif j == 0 and got3 is not None:
+            got3 = got3[:int(C3[0])]
+        # the blocks in source order
+        from3 = _offsets(B[outside, me])
+        for s in range(P):
+            n = int(B[s, me])
+            if not n:
+                continue
+            if inside[s]:
+                x = mine.index(s)
+                piece = got1[from1[x]:from1[x] + n]
+            else:
+                a = at_out[s]
+                piece = got3[from3[a]:from3[a] + n]
+            dst[into[s]:into[s] + n] = piece
+
+    def _exchange_lanes(self, src, dst, B, deadline):
+        """_exchange_nodes on the lanes (nodes of one size k): every rank carries 1/k of its
+        node's traffic between the nodes, and nothing passes through a leader.
+          1. in the node (an alltoall with counts): each member sends local rank q its blocks
+             for the ranks of local rank q on every node (in node order);
+          2. on the lanes (Link.exchange): local rank q sends lane peer m, for each member of
+             its node in local order, that member's block for node m's rank of local rank q.
+        Each rank then holds every block for itself, and puts them in source order."""
+        P, N, k = self.size, self.nodes, self.node_size
+        members, node, r, me = self._members, self.node, self.node_rank, self.rank
+        mine = members[node]
+        off, into = _offsets(B[me]), _offsets(B[:, me])
+        lanes = [[members[m][q] for m in range(N)] for q in range(k)]   # lane q's ranks
+        C1 = np.array([[int(B[g, lanes[q]].sum()) for q in range(k)] for g in mine], np.int64)
+        send = _joined([src[off[g]:off[g + 1]] for q in range(k) for g in lanes[q]],
+                       int(C1[r].sum()))
+        if (C1 - np.diag(np.diag(C1))).any():
+            got1 = self.local.run(calls.alltoall(self.local, send, tuple(C1[r].tolist()), None,
+                                                 self._remaining(deadline)))
+        else:
+            got1 = send
+        from1 = _offsets(C1[:, r])
+        at = [[from1[x] + o for o in _offsets(B[g, lanes[r]])] for x, g in enumerate(mine)]
+        sends, recvs = [], []
+        for m in range(N):
+            sends.append(_joined([got1[at[x][m]:at[x][m + 1]] for x in range(k)],
+                                 int(B[mine, lanes[r][m]].sum())))
+            recvs.append(np.empty(int(B[members[m], me].sum()), np.uint8))
+        self._lane.run(Link.exchange, sends, recvs, deadline=deadline)
+        for m in range(N):
+            at_m = 0
+            for s in members[m]:
+                n = int(B[s, me])
+                dst[into[s]:into[s] + n] = recvs[m][at_m:at_m + n]
+                at_m += n
+
+    def _leaders_exchange(self, got1, from1, C1, B, mine, outside, at_out, deadline):
+        """Step 2 of _exchange_nodes, on the leader: got1 holds, for each member x (local
+        order), its block for the leader then its blocks for `outside` (ascending).  Returns
+        what came for this node's members from the other nodes: for each member d (local
+        order), its blocks from `outside` in ascending order."""
+        members, node, N = self._members, self.node, self.nodes
+        k = len(mine)
+        # each member's blocks for the other nodes' ranks, within got1
+        starts = [[from1[x] + int(B[g, mine[0]]) + o for o in _offsets(B[g, outside])]
+                  for x, g in enumerate(mine)]
+        sends, recvs = [], []
+        for m in range(N):
+            if m == node:
+                sends.append(np.empty(0, np.uint8))
+                recvs.append(np.empty(0, np.uint8))
+                continue
+            dests = sorted(members[m])
+            parts = [got1[starts[x][at_out[d]]:starts[x][at_out[d] + 1]]
+                     for x in range(k) for d in dests]
+            sends.append(_joined(parts, int(B[np.ix_(mine, dests)].sum())))
+            recvs.append(np.empty(int(B[np.ix_(members[m], sorted(mine))].sum()), np.uint8))
+        room = getattr(self._link, "capacity", None)
+        if room is None:
+            self._link.run(Link.exchange, sends, recvs, deadline=deadline)
+        else:                        # (a launcher's mailbox: rounds of at most a slot)
+            q = max(1, (room - 16 * N) // (2 * N))
+            sizes = [int(B[np.ix_(members[a], members[b])].sum()) for a in range(N)
+                     for b in range(N) if a != b]
+            for t in range(-(-max(sizes + [0]) // q)):
+                self._link.run(Link.exchange, [p[t * q:(t + 1) * q] for p in sends],
+                               [p[t * q:(t + 1) * q] for p in recvs], deadline=deadline)
+        # what came, by member: from each other node m, for s in m's local order, for d in
+        # this node's ranks ascending; wanted: for d in local order, s ascending
+        order = sorted(mine)
+        where = {}
+        for m in range(N):
+            if m == node:
+                continue
+            at = 0
+            for s in members[m]:
+                for d in order:
+                    n = int(B[s, d])
+                    where[s, d] = (m, at, n)
+                    at += n
+        parts = []
+        for d in mine:
+            for s in outside:
+                m, at, n = where[s, d]
+                if n:
+                    parts.append(recvs[m][at:at + n])
+        return _joined(parts, sum(p.size for p in parts))
+
+
+def _offsets(row):
+    """[0, cumulative sums of row] as a list of ints (the starts of blocks back to back)."""
+    return [0] + np.cumsum(np.asarray(row, np.int64)).tolist()
+
+
+def _joined(parts, total):
+    """The byte arrays `parts` back to back in one contiguous uint8 array."""
+    out = np.empty(total, np.uint8)
+    at = 0
+    for p in parts:
+        out[at:at + p.size] = p
+        at += p.size
+    return out
 
 
 def _wait(link, job, deadline):

@@ -2,10 +2,11 @@
 
     mpiexec -n N python tests/mpi_nodes_prog.py MODE NODE_SIZE
 
-from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks): collectives, parsed, mismatch,
+from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks; MODE-rr: ranks dealt round-robin
+over as many nodes): collectives, set, set-rr, setfail, parsed, mismatch,
 failure, kill, sigint, formfail, earlyclose, linktimeout, spin.  Launcher modes (N launchers, one per
 node, node n forking
-NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives,
+NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-set,
 launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
 Each mode checks its results itself and exits non-zero (with a traceback) on any failure; rank 0
 prints "OK <mode>" at the end.
@@ -249,6 +250,218 @@ def mode_mismatch(c, launched=False):
     assert float(c.allreduce(np.ones(1))[0]) == P
 
 
+def _acc(op, xs, dtype):
+    """numpy's inclusive scan of the ranks' inputs, in rank order (DESIGN section 11)."""
+    fold = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+            "bxor": np.bitwise_xor}[op]
+    return fold.accumulate(np.stack(xs), axis=0, dtype=dtype)
+
+
+def _mpi_op(op):
+    return {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN,
+            "bxor": MPI.BXOR}[op]
+
+
+def mode_set(c, launched=False):
+    """alltoall (equal blocks, counts=), gather and scatter (axis None and 0, every root), scan
+    and exscan across nodes: against numpy on every rank (every rank makes every rank's
+    inputs) and, under from_mpi, against MPI's own Alltoall(v), Gather(v), Scatter(v), Scan and
+    Exscan on the same inputs; the same bits on every rank; an i-form and a persistent form;
+    then mismatches across nodes, each raising on every rank with the same text."""
+    P, me = c.size, c.rank
+    check = c if launched else None
+    mpi = not launched
+    rng = np.random.default_rng(7)
+    # ---- alltoall, equal blocks: small, and blocks of 200 KB (a launcher's mailbox takes
+    # the step between the nodes in rounds) ----
+    for dtype, rest in (("float64", (3,)), ("int16", ()), ("float64", (25000,))):
+        xs = [inputs(r, P * int(np.prod(rest)), dtype, 11).reshape((P,) + rest)
+              for r in range(P)]
+        got = c.alltoall(xs[me])
+        want = np.stack([xs[s][me] for s in range(P)])
+        assert got.dtype == want.dtype and np.array_equal(got, want), (dtype, rest)
+        if mpi:
+            ref = np.empty_like(xs[me])
+            W.Alltoall([xs[me].view(np.uint8), MPI.BYTE], [ref.view(np.uint8), MPI.BYTE])
+            assert np.array_equal(ref, got)
+    # in place (out= the input), and a structured dtype
+    x = np.arange(P * 2, dtype=np.int64).reshape(P, 2) + 100 * me
+    assert c.alltoall(x, out=x) is x
+    assert all(np.array_equal(x[s], np.arange(2 * me, 2 * me + 2) + 100 * s) for s in range(P))
+    st = np.zeros(P, dtype=[("a", "i4"), ("b", "f8")])
+    st["a"], st["b"] = np.arange(P) + 10 * me, me
+    got = c.alltoall(st)
+    assert list(got["a"]) == [10 * s + me for s in range(P)] and list(got["b"]) == list(range(P))
+    # ---- alltoall with counts=: random counts, zeros included ----
+    for seed in range(3):
+        counts = np.random.default_rng(seed).integers(0, 4, (P, P))
+        counts[seed % P, :] = 0                  # (a rank that sends nothing)
+        data = [np.arange(counts[s].sum() * 2, dtype=np.int32).reshape(-1, 2) + 1000 * s
+                for s in range(P)]
+        got = c.alltoall(data[me], counts=counts[me].tolist())
+        starts = [np.concatenate([[0], np.cumsum(counts[s])]) for s in range(P)]
+        want = np.concatenate([data[s][starts[s][me]:starts[s][me + 1]] for s in range(P)])
+        assert got.shape == want.shape and np.array_equal(got, want), (seed, got, want)
+        out = np.empty_like(want)
+        assert c.alltoall(data[me], counts=counts[me].tolist(), out=out) is out
+        assert np.array_equal(out, want)
+        if mpi:
+            ref = np.empty_like(want)
+            rb = 8
+            W.Alltoallv([data[me].view(np.uint8), (list(counts[me] * rb),
+                                                  list(starts[me][:-1] * rb)), MPI.BYTE],
+                        [ref.view(np.uint8), (list(counts[:, me] * rb),
+                                              list(np.concatenate([[0], np.cumsum(
+                                                  counts[:, me])])[:-1] * rb)), MPI.BYTE])
+            assert np.array_equal(ref, got)
+    # ---- gather: axis None and 0 (lengths differ), every root ----
+    for root in range(P):
+        xs = [inputs(r, 6, "float32", root).reshape(3, 2) for r in range(P)]
+        got = c.gather(xs[me], root=root)
+        assert (got is None) == (me != root)
+        if got is not None:
+            assert np.array_equal(got, np.stack(xs)), root
+        ys = [np.full((r + root % 2, 3), r + 0.5) for r in range(P)]
+        got0 = c.gather(ys[me], root=root, axis=0)
+        if me == root:
+            assert np.array_equal(got0, np.concatenate(ys)), root
+        out = np.empty((sum(len(y) for y in ys), 3))
+        assert c.gather(ys[me], root=root, axis=0, out=out) is (out if me == root else None)
+        assert me != root or np.array_equal(out, np.concatenate(ys))
+        if mpi:
+            ref = np.empty((P, 3, 2), np.float32) if me == root else None
+            W.Gather([xs[me], MPI.FLOAT], [ref, MPI.FLOAT] if ref is not None else None,
+                     root=root)
+            if me == root:
+                assert np.array_equal(ref, got)
+            lens = [y.size for y in ys]
+            ref0 = np.empty(sum(lens)) if me == root else None
+            W.Gatherv([ys[me], MPI.DOUBLE], [ref0, lens] if me == root else None, root=root)
+            if me == root:
+                assert np.array_equal(ref0.reshape(-1, 3), got0)
+    # ---- scatter: axis None and 0, every root, some ranks passing out= ----
+    for root in range(P):
+        full = np.arange(P * 4, dtype=np.int64).reshape(P, 2, 2) * (root + 1)
+        out = np.empty((2, 2), np.int64) if me % 2 else None
+        got = c.scatter(full if me == root else None, root=root, out=out)
+        assert np.array_equal(got, full[me]) and (out is None or got is out), root
+        long = np.arange(3 * P + 2, dtype=np.float64) + root
+        got0 = c.scatter(long if me == root else None, root=root, axis=0)
+        assert np.array_equal(got0, np.array_split(long, P)[me]), root
+        if mpi:
+            ref = np.empty((2, 2), np.int64)
+            W.Scatter([full, MPI.INT64_T] if me == root else None, [ref, MPI.INT64_T], root=root)
+            assert np.array_equal(ref, got)
+            lens = [len(p) for p in np.array_split(long, P)]
+            ref0 = np.empty(lens[me])
+            W.Scatterv([long, lens] if me == root else None, [ref0, MPI.DOUBLE], root=root)
+            assert np.array_equal(ref0, got0)
+    # ---- scan, exscan: bit for bit numpy's accumulate in rank order; small (gathered) and
+    # large (the transpose) ----
+    for n in (7, 20000):
+        for dtype, op in (("float32", "sum"), ("float64", "prod"), ("int32", "max"),
+                          ("float16", "sum"), ("int64", "bxor")):
+            xs = [inputs(r, n, dtype, 3 + n % 5) for r in range(P)]
+            if op == "prod":
+                xs = [1 + x / 1e4 for x in xs]
+            ref = _acc(op, xs, dtype)
+            got = c.scan(xs[me], op)
+            assert got.tobytes() == ref[me].tobytes(), (n, dtype, op)
+            ex = c.exscan(xs[me], op)
+            if me:
+                assert ex.tobytes() == ref[me - 1].tobytes(), (n, dtype, op)
+            same_everywhere(c.allgather(got), f"scan {dtype} {op}", check)
+            if mpi and dtype != "float16":
+                m = np.empty_like(xs[me])
+                W.Scan(xs[me], m, op=_mpi_op(op))
+                e = np.empty_like(xs[me])
+                W.Exscan(xs[me], e, op=_mpi_op(op))
+                if np.dtype(dtype).kind == "f":    # (MPI's order is its own: close only)
+                    tol = 1e-5 * P * float(np.abs(np.stack(xs)).max())
+                    assert np.allclose(m, got, rtol=1e-5, atol=tol), (n, dtype, op)
+                    assert me == 0 or np.allclose(e, ex, rtol=1e-5, atol=tol)
+                else:
+                    assert np.array_equal(m, got) and (me == 0 or np.array_equal(e, ex))
+        # exscan's rank 0: the op's identity
+        z = c.exscan(np.full(n, 5, np.int32), "min")
+        assert me or (z == np.iinfo(np.int32).max).all()
+        z = c.exscan(np.full(n, 5.0), "max")
+        assert me or (z == -np.inf).all()
+    # in place
+    x = np.arange(10, dtype=np.float64) + me
+    assert c.scan(x, out=x) is x
+    assert np.array_equal(x, sum(np.arange(10, dtype=np.float64) + r for r in range(me + 1)))
+    # ---- an i-form and persistent forms ----
+    reqs = [c.ialltoall(np.full((P, 2), me, np.int8)), c.iscan(np.ones(5), "sum"),
+            c.igather(np.array([me]), root=P - 1), c.iscatter(
+                np.arange(P) * 3 if me == 0 else None, root=0)]
+    a2a, sc, ga, sca = [r.wait() for r in reqs]
+    assert np.array_equal(a2a, np.repeat(np.arange(P, dtype=np.int8)[:, None], 2, axis=1))
+    assert np.array_equal(sc, np.full(5, me + 1.0)) and int(sca) == 3 * me
+    assert (ga is None) == (me != P - 1) and (ga is None or list(ga[:, 0]) == list(range(P)))
+    buf = np.zeros(4)
+    p = c.scan_init(buf, "sum")
+    q = c.gather_init(buf, root=0)
+    for k in range(3):
+        buf[:] = me + k
+        r1 = p()
+        assert np.array_equal(r1, np.full(4, float(sum(r + k for r in range(me + 1))))), k
+        r2 = q.start().wait()
+        assert (r2 is None) == (me != 0)
+        if r2 is not None:
+            assert np.array_equal(r2[:, 0], np.arange(P) + k)
+    p.free()
+    q.free()
+    # persistent forms whose output's shape is the peers' to say: bound from the first call
+    pa = c.alltoall_init(np.arange(P, dtype=np.int32) + 10 * me, counts=[1] * P)
+    ps = c.scatter_init(np.arange(P * 2).reshape(P, 2) if me == 0 else None, root=0)
+    for k in range(3):
+        assert np.array_equal(pa(), np.arange(P, dtype=np.int32) * 10 + me), k
+        assert np.array_equal(ps.start().wait(), [2 * me, 2 * me + 1]), k
+    _set_mismatches(c, check)
+
+
+def _set_mismatches(c, check):
+    """A mismatch of each new collective in the last node: CollectiveMismatchError on every rank
+    of every node, the same text everywhere, naming the last rank; the group stays usable."""
+    P, me = c.size, c.rank
+    bad = P - 1
+    last = int(c.allgather(np.array([c.node]))[bad, 0])      # (bad's node)
+    calls = {
+        "counts": lambda: c.alltoall(np.zeros((P, 2)), counts=[1] * P) if me == bad
+        else c.alltoall(np.zeros((P, 2))),
+        "rest": lambda: c.alltoall(np.zeros((P, 3 if me == bad else 2))),
+        "root": lambda: c.gather(np.zeros(2), root=1 if me == bad else 0),
+        "axis": lambda: c.gather(np.zeros(2), root=0, axis=0 if me == bad else None),
+        "op": lambda: c.scan(np.zeros(3), "max" if me == bad else "sum"),
+        "kind": lambda: c.exscan(np.zeros(3)) if me == bad else c.scan(np.zeros(3)),
+        "out": lambda: c.scatter(np.zeros((P, 2)) if me == 0 else None, root=0,
+                                 out=np.empty(3) if me == bad else None),
+        "outrows": lambda: c.alltoall(np.zeros((P, 1)), counts=[1] * P,
+                                      out=np.empty((P + 1 if me == bad else P, 1))),
+        "objects": lambda: c.gather(np.array([None, 1], object) if me == bad
+                                    else np.zeros(2), root=0),
+        "rootshape": lambda: c.scatter(np.zeros((P + 1, 2)) if me == bad else None, root=bad),
+    }
+    own = {"objects": TypeError, "rootshape": ValueError}     # (the bad rank's own error)
+    for what, call in calls.items():
+        try:
+            call()
+        except shmtree.CollectiveMismatchError as exc:
+            text = str(exc)
+            assert f"rank {bad}" in text and f"node {last}" in text, (what, text)
+            if what in own:
+                assert me != bad and "cannot take" in text, text
+                text = ""
+            same_everywhere(np.frombuffer(text.encode(), np.uint8), f"the {what} message",
+                            check)
+        except (TypeError, ValueError) as exc:
+            assert me == bad and isinstance(exc, own.get(what, ())), (what, exc)
+            same_everywhere(np.frombuffer(b"", np.uint8), f"the {what} message", check)
+        else:
+            raise AssertionError(f"rank {me}: no mismatch raised for {what}")
+        assert float(c.allreduce(np.ones(1))[0]) == P, what
+
 FAILURE_TIMEOUT_S = 0.5       # mode_failure: rank P-1's timeout
 HANG_S = 30.0                 # time for a failure to reach every rank: a hang bound (nothing
                               # else there has a timeout: a missed failure waits for ever)
@@ -295,6 +508,37 @@ def mode_failure(c):
         assert float(c2.allreduce(np.ones(1 << 16))[0]) == P
     c2.close()
 
+
+def mode_setfail(c):
+    """Rank 0 fails inside an alltoall's exchange across nodes (1 s in, before its first step,
+    while the other nodes' leaders or lanes wait for it in Link.exchange): every
+    rank of every node raises (rank 0 its error, the others PeerLostError naming the call),
+    none waits, whether it waited in its node or between the nodes (Link.exchange); later
+    calls fail at once."""
+    import types
+    P, me = c.size, c.rank
+    c.alltoall(np.zeros((P, 4)))
+    if me == 0:
+        def broken(self, *args):      # (late: the other leaders wait in Link.exchange)
+            time.sleep(1.0)
+            raise RuntimeError("injected: rank 0 fails inside the exchange")
+        c._exchange_nodes = types.MethodType(broken, c)
+    t0 = time.monotonic()
+    try:
+        c.alltoall(np.zeros((P, 1 << 14)))
+    except (RuntimeError, shmtree.PeerLostError) as exc:
+        took = time.monotonic() - t0
+        assert took < HANG_S, took
+        assert me == 0 or "alltoall #2 across nodes" in str(exc), exc
+        print(f"rank {me} raised {type(exc).__name__} after {took:.1f} s: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: no error")
+    try:
+        c.scan(np.ones(3))
+    except shmtree.PeerLostError:
+        pass
+    else:
+        raise AssertionError(f"rank {me}: the communicator still works after a failure")
 
 def mode_sigint(c):
     """Nodes of 2: rank 1 (node 0) is interrupted by SIGINT inside an allreduce (PROG_BYTES
@@ -690,6 +934,23 @@ def main_closebusy():
         print("OK closebusy", flush=True)
 
 
+class _RoundRobin(MPI.Intracomm):
+    """COMM_WORLD whose first Split (from_mpi's grouping into simulated nodes of node_size
+    consecutive ranks) deals the ranks round-robin over `nodes` nodes instead: node n holds
+    ranks n, n + nodes, ... (a placement mpiexec makes with --map-by node)."""
+
+    def __new__(cls, comm, nodes):
+        self = super().__new__(cls, comm)
+        self._nodes, self._first = nodes, True
+        return self
+
+    def Split(self, color=0, key=0):
+        if self._first:
+            self._first = False
+            color = self.Get_rank() % self._nodes
+        return super().Split(color, key)
+
+
 def main():
     mode, node_size = sys.argv[1], int(sys.argv[2])
     if mode == "closebusy":
@@ -700,9 +961,15 @@ def main():
         return main_launcher(mode[len("launch-"):], node_size)
     if mode == "formfail":
         return main_formfail(node_size)
-    c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
+    if mode.endswith("-rr"):        # nodes of ranks dealt round-robin (not consecutive)
+        mode = mode[:-3]
+        c = shmtree.from_mpi(_RoundRobin(W, -(-W.size // node_size)), node_size=node_size,
+                             **SEGMENT)
+        assert c.node == W.rank % c.nodes and c._in_order == (c.nodes == 1)
+    else:
+        c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode not in ("failure", "sigint", "linktimeout"):
+    if mode not in ("failure", "sigint", "linktimeout", "setfail"):
         c.close()
     W.Barrier()
     if W.rank == 0:
@@ -710,4 +977,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1].startswith(("set", "launch-set")):
+        try:          # (a failed check must end the job, not leave the other ranks waiting
+            main()    # in MPI's own collectives, which the set modes compare against)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            W.Abort(1)
+    else:
+        main()

@@ -29,13 +29,14 @@ import signal
 import sys
 import threading
 
-from . import commands, compare, machine, multinode, overlap, plot, scaling
+from . import commands, compare, machine, multinode, overlap, p2p, plot, scaling
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
-COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling")
+COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
+            "p2p")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -215,6 +216,7 @@ def build_parser():
                         "shmtree.nodes.SEGMENT_BYTES)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _scaling_parser(sub)
+    p2p.add_parser(sub, _arg, _positive)             # point-to-point (issue 24)
     return parser
 
 
@@ -310,7 +312,7 @@ def _main(argv):
         return {"allreduce": commands.cmd_allreduce, "compare": commands.cmd_compare,
                 "numa": commands.cmd_numa, "topology": commands.cmd_topology,
                 "overlap": commands.cmd_overlap, "multinode": commands.cmd_multinode,
-                "scaling": scaling.cmd_scaling}[args.command](args)
+                "scaling": scaling.cmd_scaling, "p2p": p2p.cmd_p2p}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1

@@ -225,7 +225,7 @@ cpdef object bcast_read(cnp.ndarray buf, object out, int P, Py_ssize_t room):
     for r in range(P):
         agreed = agreed and (claims[r] == 0 or claims[r] == want)
     res = None
-    if (agreed and nbytes <= <uint64_t>room and type(out) is np.ndarray
+    if (agreed and nbytes <= <uint64_t>room and type(out) is _NDARRAY
             and cnp.PyArray_NDIM(<cnp.ndarray>out) == nd
             and memcmp(cnp.PyArray_DIMS(<cnp.ndarray>out), dims, nd * sizeof(int64_t)) == 0
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
@@ -249,7 +249,7 @@ cpdef object bcast_read(cnp.ndarray buf, object out, int P, Py_ssize_t room):
             return ("data", dt, shape)
         if out is None:
             res = np.empty(shape, dt)
-        elif (type(out) is np.ndarray and (<cnp.ndarray>out).dtype == dt and out.shape == shape
+        elif (type(out) is _NDARRAY and (<cnp.ndarray>out).dtype == dt and out.shape == shape
               and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
               and cnp.PyArray_ISALIGNED(<cnp.ndarray>out)
               and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)):
@@ -305,8 +305,8 @@ cdef int msg_broadcast(Engine self, array, out, int root, int kind, uint64_t tag
         if is_root:
             return -1
         claim = out                   # (None too: this rank claims nothing, the root says all)
-    if claim is not None and (type(claim) is not np.ndarray or (
-            out is not None and (type(out) is not np.ndarray or not fits(out, claim)))):
+    if claim is not None and (type(claim) is not _NDARRAY or (
+            out is not None and (type(out) is not _NDARRAY or not fits(out, claim)))):
         return -1
     n = 0
     if claim is not None:
@@ -358,7 +358,7 @@ cdef int bcast_data_only(Engine self, out, int root, int kind) except -2:
     cdef cnp.ndarray o
     cdef int64_t dims[1]
     cdef int rc, alg
-    if type(out) is not np.ndarray:
+    if type(out) is not _NDARRAY:
         return -1
     o = <cnp.ndarray>out
     if (cnp.PyArray_TYPE(o) != cnp.NPY_UINT8 or not cnp.PyArray_IS_C_CONTIGUOUS(o)

@@ -67,7 +67,7 @@ cdef int msg_allreduce(Engine self, array, out, op, int kind, dims) except -2:
             self.begin_call(None, None, NULL, NULL, 0, 1, opc, dtc, kind, 0, given,
                             COLL_ALLREDUCE, ALG_INLINE)
         return rc
-    if type(array) is not np.ndarray:
+    if type(array) is not _NDARRAY:
         return -1
     a = <cnp.ndarray>array
     if not _codes(a, op, &opc, &dtc):
@@ -98,7 +98,7 @@ cdef int msg_reduce(Engine self, array, out, op, int root, int kind) except -2:
     result only the root keeps)."""
     cdef int opc, dtc, nd
     cdef cnp.ndarray a
-    if type(array) is not np.ndarray or not 0 <= root < self.e.nranks:
+    if type(array) is not _NDARRAY or not 0 <= root < self.e.nranks:
         return -1
     a = <cnp.ndarray>array
     mine = out if root == self.e.rank else None
@@ -138,7 +138,7 @@ cdef int msg_reduce_scatter(Engine self, array, out, op, int kind) except -2:
     cdef uint64_t nbytes, row
     cdef int64_t n, rlo, rhi
     cdef cnp.npy_intp dims[MAX_NDIM]
-    if type(array) is not np.ndarray:
+    if type(array) is not _NDARRAY:
         return -1
     a = <cnp.ndarray>array
     nd = cnp.PyArray_NDIM(a)
@@ -207,7 +207,7 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
     cdef uint64_t block, nbytes, lo, hi
     cdef uint64_t *op
     cdef int64_t given[MAX_NDIM]
-    if type(array) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+    if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY):
         return -1
     a = <cnp.ndarray>array
     if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
@@ -348,7 +348,7 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
     cdef uint64_t *bp
     cdef uint64_t total = 0, sent = 0, got = 0, row = 0, block
     cdef int64_t given[MAX_NDIM]
-    if type(array) is not np.ndarray or (out is not None and type(out) is not np.ndarray):
+    if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY):
         return -1
     a = <cnp.ndarray>array
     if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
@@ -376,7 +376,7 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
         given[nd + 1] = digest
         nd += 2
     else:
-        if (type(offs) is not np.ndarray or out is None or type(dims) is not list
+        if (type(offs) is not _NDARRAY or out is None or type(dims) is not list
                 or len(dims) > MAX_NDIM):
             return -1
         bmat = <cnp.ndarray>offs

@@ -1,0 +1,1196 @@
+"""Point-to-point messages (docs/design.md, "How messages travel"): send, recv, sendrecv,
+isend, irecv on one machine's communicator (the Messages mixin) and the transport under them.
+
+Channels.  Each directed pair of ranks that talks has a channel of its own, made on first use by
+the sender: a sealed memfd (a header page and a byte ring, _p2p.Ring) that the receiver maps
+through /proc/<sender pid>/fd/<fd> when it first waits for a message from that sender.  Each
+rank also has a home page (one futex bell, _p2p.Home), made with its first message call, that
+every peer it talks with rings when it publishes data for it or frees room in a ring it fills:
+one thread waits for any number of channels on one futex.  A rank therefore holds what its
+traffic needs, O(talking peers), never O(P^2) for the group.  The memfds carry names
+("shmtree-p2p-<group nonce>-<src>-<dst>", "...-h<rank>") that the peers look up in the owner's
+descriptor table (same user only, as shared arrays); nothing appears in /dev/shm.
+
+Messages.  A message is a record in the sender's ring: a 64-byte envelope (tag, payload bytes,
+the description's length), the description (dtype and shape, pickled; plain dtypes by their
+str), the payload, padding to 64 bytes.  The sender writes it as room allows (a payload larger
+than the ring streams through it, 64 KiB pieces published one by one, while the receiver copies
+them out); so `send` returns once its last byte is in the ring (the array may then be modified),
+and a large send waits for the receiver.  The receiver reads records in the order sent, matches
+each to its first posted receive from that sender with the same tag (non-overtaking per tag), or
+keeps it (a private copy) until one is posted: tags may be received out of order.
+
+Progress.  The transport's state (posted sends per destination, posted receives per source, the
+message being read from each source, the unmatched messages) lives under one lock; whoever
+waits - a blocking call in the caller's thread, or the communicator's message thread for isend
+and irecv - advances every posted operation, then waits outside the lock on the home bell (spin,
+yield, futex: _p2p.Home.wait).  Messages never go through the collectives' executor or progress
+thread, so a pending message never holds up a collective, nor a collective a message.
+"""
+from __future__ import annotations
+
+import fcntl
+import operator
+import os
+import pickle
+import struct
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from . import _moving, _p2p, session
+from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
+                    ABORT_TIMEOUT, ST_IDLE, ST_LEFT)
+from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
+from .requests import Request
+
+__all__ = ["Messages", "Transport"]
+
+RING_BYTES = 1 << 20        # a channel's ring (pages are committed as they are first written)
+CMA_BYTES = 256 << 10       # from this size the receiver copies straight from the sender's
+                            # memory (process_vm_readv): one copy, no ring
+CLOSE_WAIT_S = 30.0         # how long close() waits for receivers to map a channel that holds
+                            # messages they have not read
+SLICE_S = 0.02              # between two checks of the peers, the deadline, the group
+SLICE_NS = int(SLICE_S * 1e9)
+_ENVELOPE = struct.Struct("<8Q")
+_MAGIC = 0x3147534d54534d53  # "SMSTMSG1"
+_G = _p2p.RECORD_GRANULE
+
+
+def _yama_allows() -> bool:
+    """May a rank read a sibling's memory?  Reading its own (the probe) always works, but the
+    Yama LSM (Ubuntu's default: ptrace_scope 1) lets a process read only its descendants', so
+    two workers of one pool could not: then large messages stream through the ring instead."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except (OSError, ValueError):
+        return True                          # (no Yama: the usual same-user check)
+
+
+def _up(n):
+    return (n + 63) & -64
+
+
+def _addr(a):
+    return _moving.address(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# descriptions of what a message holds
+
+_described = {}             # (dtype, shape) -> description bytes (the sender's cache)
+_parsed = {}                # description bytes -> (dtype, shape) (the receiver's cache)
+
+
+def _describe(dtype, shape) -> bytes:
+    key = (dtype, shape)
+    got = _described.get(key)
+    if got is None:
+        try:
+            plain = (dtype.fields is None and dtype.subdtype is None
+                     and np.dtype(dtype.str) == dtype)
+        except TypeError:
+            plain = False
+        got = pickle.dumps((dtype.str if plain else dtype, shape), protocol=4)
+        if len(_described) < 4096:
+            _described[key] = got
+    return got
+
+
+def _parse(meta: bytes):
+    got = _parsed.get(meta)
+    if got is None:
+        dt, shape = pickle.loads(meta)    # (same-user peers only: docs/design.md)
+        got = (np.dtype(dt), tuple(shape))
+        if len(_parsed) < 4096:
+            _parsed[meta] = got
+    return got
+
+
+_headers = {}               # (dtype, shape, tag) -> the record's header (the sender's cache)
+
+
+def _header(dtype, shape, tag, nbytes, address=0) -> bytes:
+    """A record's header; address: the payload stays in the sender's memory, where the
+    receiver reads it (single copy, flag _CMA)."""
+    key = (dtype, shape, tag)
+    got = None if address else _headers.get(key)
+    if got is None:
+        meta = _describe(dtype, shape)
+        hdr_len = _G + _up(len(meta))
+        got = _ENVELOPE.pack(_MAGIC, tag, nbytes, len(meta), hdr_len, _CMA if address else 0,
+                             address, 0) + meta
+        got += bytes(hdr_len - len(got))
+        if len(_headers) < 4096 and not address:
+            _headers[key] = got
+    return got
+
+
+# ---------------------------------------------------------------------------------------------
+# operations
+
+
+class _Op:
+    __slots__ = ("kind", "peer", "tag", "deadline", "done", "result", "error", "request",
+                 "what", "__weakref__")
+
+    def __init__(self, kind, peer, tag, deadline):
+        self.kind = kind
+        self.peer = peer
+        self.tag = tag
+        self.deadline = deadline
+        self.done = False
+        self.result = None
+        self.error = None
+        self.request = None
+
+    def finish(self, result=None, error=None):
+        if not self.done:
+            self.done = True
+            self.result = result
+            self.error = error
+
+
+class _Send(_Op):
+    __slots__ = ("header", "payload", "nbytes", "pos", "phase", "pad", "cma")
+
+    def __init__(self, peer, tag, deadline, array, cma=False):
+        super().__init__("send", peer, tag, deadline)
+        nbytes = array.nbytes
+        if nbytes:
+            if not array.flags.c_contiguous:
+                array = np.array(array, order="C", copy=True)
+            self.payload = _flat(array)
+        else:
+            self.payload = None
+        self.cma = cma = cma and nbytes >= CMA_BYTES
+        self.header = np.frombuffer(_header(array.dtype, array.shape, tag, nbytes,
+                                            _addr(self.payload) if cma else 0), np.uint8)
+        if cma:                   # (the receiver reads the payload where it is)
+            nbytes = 0
+        self.nbytes = nbytes
+        self.pad = _up(nbytes) - nbytes
+        self.pos = 0
+        self.phase = 0
+
+
+class _Recv(_Op):
+    __slots__ = ("out",)
+
+    def __init__(self, peer, tag, deadline, out):
+        super().__init__("recv", peer, tag, deadline)
+        self.out = out
+
+
+class _Kept:
+    """A message that arrived before its receive was posted (a private copy)."""
+    __slots__ = ("tag", "array", "complete", "claimant")
+
+    def __init__(self, tag, array):
+        self.tag = tag
+        self.array = array
+        self.complete = False
+        self.claimant = None
+
+
+class _Incoming:
+    """The message being read from one source."""
+    __slots__ = ("tag", "dtype", "shape", "nbytes", "pad", "pos", "dest", "flat", "op",
+                 "kept", "out", "cma")
+
+
+_DISCARD = object()
+_NOTHING = object()
+_CMA = 1                    # envelope flag: the payload is read from the sender's memory
+_QUICK_BYTES = RING_BYTES // 2
+
+
+def _check_out(out, dtype, shape):
+    """'' when out can take a message of dtype and shape, else what is wrong."""
+    if not isinstance(out, np.ndarray):
+        return f"out must be a numpy array, got {type(out).__name__}"
+    if out.dtype != dtype or out.shape != shape:
+        return (f"out has shape {out.shape} and dtype {out.dtype}, the message shape {shape} "
+                f"and dtype {dtype}")
+    if not out.flags.writeable:
+        return "out is read-only"
+    return ""
+
+
+def _flat(a):
+    """A C-contiguous array's bytes as a flat uint8 array (0-d and empty included)."""
+    return a.reshape(-1).view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the transport of one communicator
+
+
+class Transport:
+    def __init__(self, comm):
+        self.comm = comm
+        self.group = comm.group
+        self.rank = comm.rank
+        self.size = comm.size
+        self.pid = os.getpid()
+        self.nonce = bytes(comm._p2p_nonce())
+        self.key = self.nonce.hex()
+        plan = self.group.plan
+        self.spin_ns = int(plan.spin_ns)
+        self.stall_timeout = plan.stall_timeout
+        self.lock = threading.Lock()
+        self.closed = False
+        self.home_fd, self.home_map = self._memfd(f"h{self.rank}", _p2p.PAGE_BYTES)
+        _p2p.init_home(self.home_map, self.nonce, self.rank)
+        self.home = _p2p.Home(self.home_map)
+        probe = np.zeros(1, np.uint8)        # may this process read another's memory (CMA)?
+        self.cma = _p2p.cma_read(self.pid, _addr(np.ones(1, np.uint8)), _addr(probe), 1) == 0 \
+            and os.environ.get("SHMTREE_P2P_CMA", "1") != "0" and _yama_allows()
+        self.out = {}               # dest -> (fd, mapping, ring)
+        self.inn = {}               # source -> (mapping, ring, sender's home mapping)
+        self.sends = {}             # dest -> deque of _Send (the head one is being written)
+        self.recvs = {}             # source -> list of posted _Recv, in order
+        self.incoming = {}          # source -> _Incoming (a message being read)
+        self.kept = {}              # source -> list of _Kept, in arrival order
+        self.scratch = None         # for discarded payloads
+        self.idle_since = {}        # Pool: peer -> when it was first seen idle
+        self.thread = None          # the message thread (isend/irecv)
+        self.wake_thread = threading.Condition(threading.Lock())
+        self.nonblocking = []       # posted nonblocking ops not yet done
+
+    # ---- memfds ----
+
+    def _memfd(self, what, size):
+        fd = os.memfd_create(f"shmtree-p2p-{self.key}-{what}",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            return fd, _moving.Mapping(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _peer_pid(self, r):
+        if r == self.rank:
+            return self.pid
+        return self.comm._p2p_pid(r)
+
+    def _lookup(self, r, name):
+        """The descriptor number under which rank r's process holds the memfd `name`, or None."""
+        pid = self._peer_pid(r)
+        if not pid:
+            return None, None
+        want = f"/memfd:shmtree-p2p-{self.key}-{name} (deleted)"
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return pid, None
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
+                    return pid, int(fd)
+            except OSError:
+                continue
+        return pid, None
+
+    def _map(self, pid, fd, name, least):
+        """Map a peer's memfd `name` through /proc (None when it is gone).  The descriptor
+        opened is checked to be that memfd, of at least `least` bytes (its size is sealed):
+        the peer may have closed the number meanwhile and reused it for another file, whose
+        mapping could be shorter than what is read (a SIGBUS)."""
+        try:
+            peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if os.readlink(f"/proc/self/fd/{peer_fd}") != self._link_text(name):
+                return None
+            size = os.fstat(peer_fd).st_size
+            if size < least:
+                return None
+            return _moving.Mapping(peer_fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(peer_fd)
+
+    def _link_text(self, name):
+        return f"/memfd:shmtree-p2p-{self.key}-{name} (deleted)"
+
+    # ---- channels ----
+
+    def _out_ring(self, dest):
+        got = self.out.get(dest)
+        if got is not None:
+            return got[2]
+        fd, m = self._memfd(f"{self.rank}-{dest}", _p2p.HEADER_BYTES + RING_BYTES)
+        _p2p.init_channel(m, self.nonce, self.rank, dest, RING_BYTES, self.pid, self.home_fd)
+        ring = _p2p.Ring(m, True)
+        self.out[dest] = (fd, m, ring)
+        # the receiver may already wait for this channel (on its home bell): tell it
+        pid, hfd = self._lookup(dest, f"h{dest}")
+        if hfd is not None:
+            home = self._map(pid, hfd, f"h{dest}", _p2p.PAGE_BYTES)
+            if home is not None and _p2p.check_home(home, self.nonce, dest):
+                ring.set_peer(home)
+                _p2p.Home(home).ring()
+        return ring
+
+    def _link_receiver(self, ring, dest):
+        """The receiver has attached: map its home (it is rung from now on)."""
+        m = self.out[dest][1]
+        pid, hfd = _p2p.receiver_of(m)
+        home = self._map(pid, hfd, f"h{dest}", _p2p.PAGE_BYTES)
+        if home is None or not _p2p.check_home(home, self.nonce, dest):
+            return False
+        ring.set_peer(home)
+        ring.wake()
+        return True
+
+    def _in_ring(self, src):
+        got = self.inn.get(src)
+        if got is not None:
+            return got[1]
+        pid, fd = self._lookup(src, f"{src}-{self.rank}")
+        if fd is None:
+            return None
+        m = self._map(pid, fd, f"{src}-{self.rank}", _p2p.HEADER_BYTES + _G)
+        if m is None:
+            return None
+        head = _p2p.channel_header(m)
+        nonce, ok, s, d, ring_bytes, spid, shome = head
+        if not (ok and nonce == self.nonce and s == src and d == self.rank and spid == pid):
+            return None
+        home = self._map(pid, shome, f"h{src}", _p2p.PAGE_BYTES)
+        if home is None or not _p2p.check_home(home, self.nonce, src):
+            return None
+        ring = _p2p.Ring(m, False)
+        ring.set_peer(home)
+        _p2p.set_receiver(m, self.pid, self.home_fd)
+        ring.attach()
+        self.inn[src] = (m, ring, home, pid)
+        return ring
+
+    # ---- the quick paths of the blocking calls: a whole record at once ----
+
+    def quick_send(self, array, dest, tag):
+        """Nothing else is being sent to dest and the whole message fits in the ring now:
+        write it (one copy, one publication).  False: take the general path."""
+        nbytes = array.nbytes
+        if nbytes > _QUICK_BYTES:
+            return False
+        with self.lock:
+            if dest in self.sends or self.closed:
+                return False
+            ring = self._out_ring(dest)
+            if not ring.has_peer and ring.is_attached():
+                self._link_receiver(ring, dest)
+            if nbytes and not array.flags.c_contiguous:
+                array = np.array(array, order="C", copy=True)
+            done = ring.put_record(_header(array.dtype, array.shape, tag, nbytes),
+                                   _addr(array) if nbytes else 0, nbytes, _up(nbytes) - nbytes)
+            if done and not ring.has_peer and ring.is_attached():
+                self._link_receiver(ring, dest)
+            return done
+
+    def quick_recv(self, src, tag, out, deadline):
+        """Nothing else is being received from src: take the next record from it when it is
+        the one wanted and all there (waiting for it up to one slice, natively).  _NOTHING:
+        take the general path."""
+        waited = False
+        while True:
+            with self.lock:
+                if src in self.recvs or src in self.incoming or self.kept.get(src) \
+                        or self.closed:
+                    return _NOTHING
+                ring = self._in_ring(src)
+                if ring is None:
+                    return _NOTHING
+                env = ring.envelope()
+                if env is not None:
+                    magic, etag, nbytes, meta_len, hdr_len, have, flags, address = env
+                    cma = flags & _CMA
+                    if magic != _MAGIC or etag != tag or \
+                            have < hdr_len + (0 if cma else _up(nbytes)):
+                        return _NOTHING
+                    dtype, shape = _parse(ring.description(meta_len))
+                    if out is not None:
+                        wrong = _check_out(out, dtype, shape)
+                        if wrong or not out.flags.c_contiguous:
+                            return _NOTHING
+                        dest = out
+                    else:
+                        dest = np.empty(shape, dtype)
+                    if cma:
+                        if nbytes:
+                            err = _p2p.cma_read(self.inn[src][3], address, _addr(dest), nbytes)
+                            if err:
+                                self._cma_failed(src, err)
+                        ring.skip_read(hdr_len)
+                    else:
+                        ring.take_record(hdr_len, _addr(dest) if nbytes else 0, nbytes,
+                                         _up(nbytes) - nbytes)
+                    return dest
+            if waited:
+                return _NOTHING
+            budget = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
+            if budget <= 0:
+                return _NOTHING
+            waited = not self.home.wait([(ring, _G)], int(budget * 1e9), self.spin_ns)
+
+    # ---- posting (under the lock) ----
+
+    def post_send(self, op):
+        q = self.sends.get(op.peer)
+        if q is None:
+            q = self.sends[op.peer] = deque()
+        q.append(op)
+
+    def post_recv(self, op):
+        kept = self.kept.get(op.peer)
+        if kept:
+            for i, k in enumerate(kept):
+                if k.tag == op.tag and k.claimant is None:
+                    del kept[i]
+                    if k.complete:
+                        self._deliver(op, k.array)
+                    else:
+                        k.claimant = op
+                    return
+        self.recvs.setdefault(op.peer, []).append(op)
+
+    def _deliver(self, op, array):
+        """A recv op gets a kept message (a private copy)."""
+        if op.out is None:
+            op.finish(array)
+            return
+        wrong = _check_out(op.out, array.dtype, array.shape)
+        if wrong:
+            op.finish(error=ValueError(f"shmtree: recv from rank {op.peer} (tag {op.tag}): "
+                                       f"{wrong}; the message is consumed"))
+        else:
+            np.copyto(op.out, array, casting="no")
+            op.finish(op.out)
+
+    # ---- progress (under the lock) ----
+
+    def progress(self):
+        """Advance every posted operation as far as it goes now.  True when anything moved."""
+        moved = False
+        for dest, q in list(self.sends.items()):
+            while q:
+                op = q[0]
+                if op.done:          # (failed)
+                    q.popleft()
+                    continue
+                m = self._step_send(op)
+                moved = moved or m
+                if not op.done:
+                    break
+                q.popleft()
+            if not q:
+                del self.sends[dest]
+        for src in list(set(self.recvs) | set(self.incoming)):
+            m = self._pump(src)
+            moved = moved or m
+        return moved
+
+    def _step_send(self, op):
+        ring = self._out_ring(op.peer)
+        if not ring.has_peer and ring.is_attached():
+            self._link_receiver(ring, op.peer)
+        moved = False
+        if op.phase == 0:
+            n = op.header.size
+            k = ring.write(_addr(op.header) + op.pos, n - op.pos)
+            op.pos += k
+            moved = k > 0
+            if op.pos < n:
+                return moved
+            op.phase, op.pos = 1, 0
+        if op.phase == 1:
+            if op.pos < op.nbytes:
+                k = ring.write(_addr(op.payload) + op.pos, op.nbytes - op.pos)
+                op.pos += k
+                moved = moved or k > 0
+                if op.pos < op.nbytes:
+                    return moved
+            op.phase = 2
+        if op.phase == 2:
+            if op.pad:
+                if ring.room() < op.pad:
+                    return moved
+                ring.skip_write(op.pad)
+                op.pad = 0
+            if op.cma:            # done once the receiver has read it (and freed the record)
+                if not ring.has_peer and ring.is_attached():
+                    self._link_receiver(ring, op.peer)
+                if ring.unread():
+                    return moved
+            op.payload = None
+            op.finish()
+            if not ring.has_peer and ring.is_attached():
+                self._link_receiver(ring, op.peer)
+            return True
+        return moved
+
+    def _pump(self, src):
+        """Read from source src: envelopes, matching, payloads."""
+        ring = self._in_ring(src)
+        if ring is None:
+            return False
+        moved = False
+        while True:
+            inc = self.incoming.get(src)
+            if inc is None:
+                if not self.recvs.get(src) and not any(
+                        k.claimant is not None for k in self.kept.get(src, ())):
+                    return moved      # (nobody waits for a message from src)
+                inc = self._envelope(src, ring)
+                if inc is None:
+                    return moved
+                moved = True
+            if not self._payload(src, ring, inc):
+                return moved
+            moved = True
+
+    def _envelope(self, src, ring):
+        env = ring.envelope()
+        if env is None:
+            return None
+        magic, tag, nbytes, meta_len, hdr_len, have, flags, address = env
+        if magic != _MAGIC or hdr_len != _G + _up(meta_len) or hdr_len > ring.capacity:
+            self.group.abort(ABORT_CORRUPT, self.rank)
+            raise ShmtreeError(f"shmtree: rank {self.rank}: the channel from rank {src} holds "
+                               "no message where one should begin (corrupted shared memory)")
+        if have < hdr_len:
+            return None
+        dtype, shape = _parse(ring.description(meta_len))
+        cma = None
+        if flags & _CMA:            # (the header stays until the payload is read)
+            cma = (self.inn[src][3], address, hdr_len)
+        else:
+            ring.skip_read(hdr_len)
+        inc = _Incoming()
+        inc.tag, inc.dtype, inc.shape, inc.nbytes = tag, dtype, shape, nbytes
+        inc.pad, inc.pos, inc.out = _up(nbytes) - nbytes, 0, None
+        inc.op = inc.kept = None
+        inc.cma = cma
+        posted = self.recvs.get(src)
+        op = None
+        if posted:
+            for i, r in enumerate(posted):
+                if r.tag == tag:
+                    op = posted.pop(i)
+                    break
+            if not posted:
+                del self.recvs[src]
+        if op is not None:
+            inc.op = op
+            if op.out is not None:
+                wrong = _check_out(op.out, dtype, shape)
+                if wrong:
+                    op.finish(error=ValueError(f"shmtree: recv from rank {src} (tag {tag}): "
+                                               f"{wrong}; the message is consumed"))
+                    inc.dest = _DISCARD
+                elif op.out.flags.c_contiguous:
+                    inc.dest = op.out
+                    inc.out = op.out
+                else:
+                    inc.dest = np.empty(shape, dtype)
+                    inc.out = op.out
+            else:
+                inc.dest = np.empty(shape, dtype)
+        else:
+            k = _Kept(tag, np.empty(shape, dtype))
+            self.kept.setdefault(src, []).append(k)
+            inc.kept = k
+            inc.dest = k.array
+        inc.flat = None if inc.dest is _DISCARD else _flat(inc.dest)
+        self.incoming[src] = inc
+        return inc
+
+    def _payload(self, src, ring, inc):
+        """Copy what is there of the message's payload; True when the message is complete."""
+        if inc.cma is not None:
+            pid, address, hdr_len = inc.cma
+            if inc.dest is not _DISCARD and inc.nbytes:
+                err = _p2p.cma_read(pid, address, _addr(inc.flat), inc.nbytes)
+                if err:
+                    self._cma_failed(src, err)
+            ring.skip_read(hdr_len)
+            inc.pos, inc.pad = inc.nbytes, 0
+        elif inc.pos < inc.nbytes:
+            if inc.dest is _DISCARD:
+                if self.scratch is None:
+                    self.scratch = np.empty(_p2p.PIECE, np.uint8)
+                while inc.pos < inc.nbytes:
+                    k = ring.read(_addr(self.scratch), min(_p2p.PIECE, inc.nbytes - inc.pos))
+                    if not k:
+                        return False
+                    inc.pos += k
+            else:
+                inc.pos += ring.read(_addr(inc.flat) + inc.pos, inc.nbytes - inc.pos)
+                if inc.pos < inc.nbytes:
+                    return False
+        if inc.pad:
+            if ring.avail() < inc.pad:
+                return False
+            ring.skip_read(inc.pad)
+            inc.pad = 0
+        del self.incoming[src]
+        if inc.op is not None:
+            op = inc.op
+            if inc.dest is not _DISCARD:
+                if inc.out is not None:
+                    if not inc.out.flags.c_contiguous:
+                        np.copyto(inc.out, inc.dest, casting="no")
+                    op.finish(inc.out)
+                else:
+                    op.finish(inc.dest)
+        else:
+            k = inc.kept
+            k.complete = True
+            if k.claimant is not None:
+                self.kept[src].remove(k)
+                self._deliver(k.claimant, k.array)
+        return True
+
+    def _cma_failed(self, src, err):
+        text = (f"rank {self.rank} cannot read rank {src}'s message from its memory "
+                f"(process_vm_readv: {os.strerror(err)}); ranks must run as the same user, and "
+                "the kernel must allow it (ptrace access)")
+        self._abort(ABORT_FAILED, text)
+        raise ShmtreeError(f"shmtree: {text}; the group is aborted")
+
+    # ---- waiting ----
+
+    def conds(self):
+        """What the posted operations wait for: (ring, bytes) pairs for Home.wait, and whether
+        some source's channel is still missing."""
+        conds, missing = [], False
+        for dest, q in self.sends.items():
+            got = self.out.get(dest)
+            if got is not None and q:
+                op = q[0]
+                if op.phase == 0:
+                    need = op.header.size - op.pos
+                elif op.phase == 1:
+                    need = min(op.nbytes - op.pos, _p2p.PIECE)
+                elif op.cma and not op.pad:
+                    need = got[2].capacity          # (the ring empty: the record read)
+                else:
+                    need = op.pad
+                conds.append((got[2], max(1, min(need, got[2].capacity))))
+        for src in set(self.recvs) | set(self.incoming):
+            got = self.inn.get(src)
+            if got is None:
+                missing = True
+                continue
+            inc = self.incoming.get(src)
+            if inc is None:
+                need = _G
+            elif inc.pos < inc.nbytes:
+                need = min(inc.nbytes - inc.pos, _p2p.PIECE)
+            else:
+                need = inc.pad
+            conds.append((got[1], max(1, need)))
+        return conds, missing
+
+    def peers_waited_for(self):
+        return set(self.sends) | set(self.recvs) | set(self.incoming)
+
+    def all_ops(self):
+        ops = [op for q in self.sends.values() for op in q]
+        ops += [op for rs in self.recvs.values() for op in rs]
+        ops += [inc.op for inc in self.incoming.values() if inc.op is not None]
+        ops += [k.claimant for ks in self.kept.values() for k in ks if k.claimant is not None]
+        return [op for op in ops if not op.done]
+
+    def check(self, now):
+        """Between slices (under the lock): the group, the peers, the deadlines.  Raises (after
+        aborting the group) or fails the operations it concerns."""
+        comm = self.comm
+        group = self.group
+        if self.closed or comm._closed:
+            self.fail_all(ShmtreeError("shmtree: this communicator is closed"))
+            return
+        if group._closed:
+            self.fail_all(ShmtreeError("shmtree: the group is closed"))
+            return
+        if group.aborted():
+            self.fail_all(None)
+            return
+        ops = self.all_ops()
+        for op in ops:
+            p = op.peer
+            if p == self.rank:
+                continue
+            state = group._seg.state(p)
+            how = group.death_of(p) if state != ST_LEFT else ""
+            if state == ST_LEFT or how:
+                self.progress()       # (what the peer did before it went counts: look again)
+                if op.done:
+                    continue
+            if state == ST_LEFT and self._never(op):
+                text = (f"rank {p} left the group (closed its communicator or returned from its "
+                        f"function) while rank {self.rank} waited in {op.kind} "
+                        f"{'to' if op.kind == 'send' else 'from'} it (tag {op.tag})")
+                self._abort(ABORT_LEFT, text)
+                self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group is "
+                                           "aborted"), op)
+                return
+            if how:
+                group.abort(ABORT_DIED, p)
+                self.fail_all(PeerLostError(f"shmtree: rank {self.rank}: rank {p} died ({how}) "
+                                            f"while rank {self.rank} waited in {op.kind} "
+                                            f"{'to' if op.kind == 'send' else 'from'} it; the "
+                                            "group is aborted"), op)
+                return
+            if op.deadline is not None and now >= op.deadline:
+                text = (f"rank {self.rank} timed out in {op.kind} "
+                        f"{'to' if op.kind == 'send' else 'from'} rank {p} (tag {op.tag})")
+                self._abort(ABORT_TIMEOUT, text)
+                self.fail_all(CollectiveTimeoutError(f"shmtree: {text}; the group is aborted"),
+                              op)
+                return
+            if self.stall_timeout is not None and state == ST_IDLE:
+                since = self.idle_since.setdefault(p, now)
+                if now - since >= self.stall_timeout:
+                    text = (f"{op.kind} {'to' if op.kind == 'send' else 'from'} rank {p} cannot "
+                            f"complete in the Pool: rank {self.rank} waited for it for "
+                            f"{now - since:.1f} s while rank {p} was idle (no task, or finished "
+                            f"its task without making the matching call)")
+                    self._abort(ABORT_STALL, text)
+                    self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group "
+                                               "is aborted"), op)
+                    return
+            else:
+                self.idle_since.pop(p, None)
+
+    def _never(self, op):
+        """The peer has left: can op never complete?  (A recv still can while the ring holds
+        data: the state was read first.)"""
+        if op.kind == "send":
+            return True
+        got = self.inn.get(op.peer)
+        ring = got[1] if got is not None else self._in_ring(op.peer)
+        return ring is None or ring.unread() == 0
+
+    def _abort(self, reason, text):
+        self.group.abort(reason, self.rank, note=text)
+
+    def fail_all(self, exc, op=None):
+        """Fail every posted operation (the group is aborted, closed): `op` with exc, the
+        others with PeerLostError (exc None: all of them)."""
+        lost = PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}") \
+            if not self.group._closed else ShmtreeError("shmtree: the group is closed")
+        if exc is not None and op is None:
+            lost = exc
+        for o in self.all_ops():
+            o.finish(error=exc if o is op else lost)
+        self.sends.clear()
+        self.recvs.clear()
+        self.incoming.clear()
+        for ks in self.kept.values():
+            ks[:] = [k for k in ks if k.claimant is None]
+
+    # ---- driving ----
+
+    def run(self, ops):
+        """Drive the transport until every op of `ops` is done (the caller's thread), completing
+        the Requests of nonblocking operations as they finish.  Any exception on the way (an
+        interrupt included) may leave messages half-moved: it fails every posted operation and
+        aborts the group, as an interrupted collective does."""
+        next_check = time.monotonic() + SLICE_S
+        moving = False
+        try:
+            while True:
+                with self.lock:
+                    moving = True
+                    self.progress()
+                    done = all(op.done for op in ops)
+                    if not done:
+                        now = time.monotonic()
+                        if now >= next_check or any(op.deadline is not None and
+                                                    now >= op.deadline for op in ops):
+                            self.check(now)
+                            next_check = now + SLICE_S
+                            done = all(op.done for op in ops)
+                    finished = self._finished_requests()
+                    if not done:
+                        conds, missing = self.conds()
+                        budget = SLICE_S
+                        for op in ops:
+                            if op.deadline is not None:
+                                budget = min(budget, max(0.0, op.deadline - now))
+                    moving = False
+                if finished:
+                    self._complete(finished)
+                if done:
+                    return
+                self._wait(conds, missing, budget)
+        except BaseException as exc:
+            if moving or not all(op.done for op in ops):
+                self._broken(exc)
+            raise
+
+    def _broken(self, exc):
+        what = f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
+            else "interrupted in send/recv"
+        if not self.group._closed and not self.group.aborted():
+            self._abort(ABORT_FAILED, f"rank {self.rank}: {what}")
+        with self.lock:
+            self.fail_all(exc if isinstance(exc, ShmtreeError) else
+                          ShmtreeError(f"shmtree: rank {self.rank}: {what}; the group is aborted"))
+            finished = self._finished_requests()
+        self._complete(finished)
+
+    def _wait(self, conds, missing, budget):
+        ns = max(100_000, int(budget * 1e9))
+        if missing:                  # a sender's channel to look for: it rings when it makes it
+            seen = self.home.hold()
+            try:
+                with self.lock:
+                    for src in set(self.recvs) | set(self.incoming):
+                        if src not in self.inn and self._in_ring(src) is not None:
+                            return
+                    ready = any(r.avail() >= n if not r.sender else r.room() >= n
+                                for r, n in conds)
+                if not ready:
+                    self.home.sleep(seen, ns)
+            finally:
+                self.home.unhold()
+        else:
+            self.home.wait(conds, ns, self.spin_ns)
+
+    def _finished_requests(self):
+        done = [op for op in self.nonblocking if op.done]
+        if done:
+            self.nonblocking = [op for op in self.nonblocking if not op.done]
+        return done
+
+    @staticmethod
+    def _complete(ops):
+        for op in ops:
+            req = op.request
+            if req is None or req.done():
+                continue
+            if op.error is not None:
+                req.set_exception(op.error)
+            else:
+                req.set_result(op.result)
+
+    # ---- the message thread (isend, irecv) ----
+
+    def post_nonblocking(self, op, request):
+        op.request = request
+        self.nonblocking.append(op)
+        with self.wake_thread:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, daemon=True,
+                                               name=f"shmtree-messages-rank{self.rank}")
+                self.thread.start()
+            self.wake_thread.notify()
+        self.home.ring()             # (the thread may be waiting for other messages)
+
+    def _loop(self):
+        self.ident = threading.get_ident()
+        while True:
+            with self.wake_thread:
+                while not self.nonblocking and not self.closed:
+                    self.wake_thread.wait()
+                if self.closed and not self.nonblocking:
+                    return
+                ops = list(self.nonblocking)
+            try:
+                self.run(ops[:1])
+            except BaseException:
+                with self.lock:
+                    finished = self._finished_requests()
+                self._complete(finished)
+
+    def is_current_thread(self):
+        return self.thread is not None and threading.get_ident() == getattr(self, "ident", None)
+
+    # ---- closing ----
+
+    def drain_sends(self):
+        """(Communicator.close, before leaving.)  Let the outstanding isends finish (as close
+        waits for outstanding collectives): while their receivers live and stay in the group,
+        at most CLOSE_WAIT_S.  Outstanding irecvs are not waited for (close fails them)."""
+        limit = time.monotonic() + CLOSE_WAIT_S
+        group = self.group
+        while True:
+            with self.lock:
+                self.progress()
+                finished = self._finished_requests()
+                pending = [op for op in self.nonblocking if op.kind == "send" and not op.done
+                           and op.peer != self.rank]
+                if pending and not (group._closed or group.aborted()):
+                    pending = [op for op in pending if not group.death_of(op.peer)
+                               and group._seg.state(op.peer) != ST_LEFT]
+                else:
+                    pending = []
+                conds, _ = self.conds()
+            self._complete(finished)
+            if not pending or time.monotonic() >= limit:
+                return
+            self.home.wait(conds, SLICE_NS, self.spin_ns)
+
+    def close(self):
+        """(Communicator.close, once this rank has left.)  Wait until every receiver of a
+        message still in a ring has mapped its channel (else the message would go with this
+        process) while the receiver lives and stays in the group, at most CLOSE_WAIT_S; fail
+        what is still posted; drop every channel."""
+        deadline_note = time.monotonic()
+        while time.monotonic() - deadline_note < CLOSE_WAIT_S:
+            with self.lock:
+                pending = [d for d, (_, _, ring) in self.out.items()
+                           if ring.unread() and not ring.is_attached() and d != self.rank]
+                if not pending or self.group._closed or self.group.aborted():
+                    break
+                pending = [d for d in pending if not self.group.death_of(d)
+                           and self.group._seg.state(d) != ST_LEFT]
+                if not pending:
+                    break
+            time.sleep(0.005 if time.monotonic() - deadline_note < 1 else 0.05)
+        with self.lock:
+            self.closed = True
+            for o in self.all_ops():
+                o.finish(error=ShmtreeError("shmtree: this communicator is closed"))
+            self.sends.clear()
+            self.recvs.clear()
+            self.incoming.clear()
+            finished = self._finished_requests()
+        self._complete(finished)
+        with self.wake_thread:
+            self.wake_thread.notify()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self.lock:
+            for fd, _, _ in self.out.values():
+                os.close(fd)
+            self.out.clear()
+            self.inn.clear()
+            self.kept.clear()
+            if self.home_fd is not None:
+                os.close(self.home_fd)
+                self.home_fd = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the public calls (a mixin of Communicator)
+
+
+def _rank_arg(comm, r, what):
+    try:
+        r = operator.index(r)
+    except TypeError:
+        raise TypeError(f"shmtree: {what} must be an int, got {type(r).__name__}") from None
+    if not 0 <= r < comm.size:
+        raise ValueError(f"shmtree: {what} {r} is outside 0..{comm.size - 1}")
+    return r
+
+
+def _tag_arg(tag, what="tag"):
+    try:
+        tag = operator.index(tag)
+    except TypeError:
+        raise TypeError(f"shmtree: {what} must be an int >= 0, got {type(tag).__name__}") \
+            from None
+    if not 0 <= tag < 2**63:
+        raise ValueError(f"shmtree: {what} must be an int >= 0, got {tag}")
+    return tag
+
+
+def _deadline(timeout):
+    if timeout is None:
+        return None
+    t = float(timeout)
+    if not t >= 0:
+        raise ValueError(f"shmtree: timeout must be None or >= 0, got {timeout!r}")
+    return time.monotonic() + t
+
+
+def _send_array(array):
+    a = np.asarray(array)
+    if a.dtype.hasobject:
+        raise TypeError(f"shmtree: send: dtype {a.dtype} holds Python objects, which cannot be "
+                        "sent between processes")
+    return a
+
+
+def _out_arg(out):
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"shmtree: recv: out must be a numpy array, got {type(out).__name__}")
+    if not out.flags.writeable:
+        raise ValueError("shmtree: recv: out is read-only")
+    return out
+
+
+class Messages:
+    """Point-to-point messages of a communicator (docs/design.md, "How messages travel")."""
+
+    _p2p_transport = None
+
+    def _p2p_nonce(self):
+        """What names this communicator's channels: its group's nonce (a sub-communicator
+        has a group, and so a nonce, of its own)."""
+        return self.group._nonce
+
+    def _p2p_pid(self, r):
+        """The pid of rank r's process (0 while it has not joined): from its join record in
+        the group's segment.  (A communicator whose ranks are not its group's overrides this
+        and _p2p_nonce.)"""
+        joined, pid, _ = self.group._seg.member(r)
+        return pid if joined else 0
+
+    def _p2p(self):
+        tr = self._p2p_transport
+        if self._closed or self._gen != session._fork_gen or self.group._closed \
+                or self.group.aborted():
+            self._check_usable()      # (raises: closed, a forked child's, aborted)
+        if tr is None:
+            tr = self._p2p_transport = Transport(self)
+        return tr
+
+    def send(self, array, dest, *, tag=0, timeout=None):
+        """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
+        Returns when the message is in the channel (a large one: once the receiver has taken
+        all but a ring's worth); may wait until the matching recv is posted."""
+        tr = self._p2p()
+        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
+        if tr.quick_send(array, dest, tag):
+            return None
+        op = _Send(dest, tag, _deadline(timeout), array, tr.cma)
+        with tr.lock:
+            tr.post_send(op)
+        tr.run([op])
+        if op.error is not None:
+            raise op.error
+        return None
+
+    def recv(self, source, *, tag=0, out=None, timeout=None):
+        """Receive the next message from rank `source` with tag `tag`: a new array of the
+        sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
+        message is consumed)."""
+        tr = self._p2p()
+        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
+        deadline = _deadline(timeout)
+        got = tr.quick_recv(source, tag, out, deadline)
+        if got is not _NOTHING:
+            return got
+        op = _Recv(source, tag, deadline, out)
+        with tr.lock:
+            tr.post_recv(op)
+        tr.run([op])
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
+        """Send `array` to `dest` and receive from `source` at once (neither waits for the
+        other to finish): the received array (or `out`)."""
+        tr = self._p2p()
+        deadline = _deadline(timeout)
+        dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
+        source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
+        array, out = _send_array(array), _out_arg(out)
+        if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
+            got = tr.quick_recv(source, recvtag, out, deadline)
+            if got is not _NOTHING:
+                return got
+            ops = [_Recv(source, recvtag, deadline, out)]
+        else:
+            ops = [_Send(dest, sendtag, deadline, array, tr.cma),
+                   _Recv(source, recvtag, deadline, out)]
+        with tr.lock:
+            for op in ops:
+                (tr.post_send if op.kind == "send" else tr.post_recv)(op)
+        tr.run(ops)
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+        return ops[-1].result
+
+    def isend(self, array, dest, *, tag=0, timeout=None):
+        """send, nonblocking: a Request (the array must not be modified until it is done)."""
+        tr = self._p2p()
+        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
+                   _send_array(array), tr.cma)
+        return self._p2p_post(tr, op, "isend")
+
+    def irecv(self, source, *, tag=0, out=None, timeout=None):
+        """recv, nonblocking: a Request whose result is the received array."""
+        tr = self._p2p()
+        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
+                   _out_arg(out))
+        return self._p2p_post(tr, op, "irecv")
+
+    def _p2p_post(self, tr, op, name):
+        n = self._posted = self._posted + 1
+        request = Request(name, n, tr)
+        with tr.lock:
+            if op.kind == "send":
+                tr.post_send(op)
+            else:
+                tr.post_recv(op)
+            tr.post_nonblocking(op, request)
+        return request
+
+    def _messages_drain(self):
+        tr = self._p2p_transport
+        if tr is not None and tr.pid == os.getpid() and tr.nonblocking:
+            tr.drain_sends()
+
+    def _messages_close(self):
+        tr = self._p2p_transport
+        if tr is not None and tr.pid == os.getpid():
+            self._p2p_transport = None
+            tr.close()
+
+
+class SpanningMessages:
+    """Messages on a communicator across nodes (nodes.Spanning): between two ranks of the same
+    node they travel as on one machine (the node's communicator, `local`, with the ranks
+    translated); between nodes they are not supported yet (ShmtreeError, said before anything
+    is sent)."""
+
+    def _node_rank(self, r, what):
+        r = _rank_arg(self, r, what)
+        node, local = self._where[r]
+        if node != self.node:
+            raise ShmtreeError(
+                f"shmtree: point-to-point messages between nodes are not supported yet: rank "
+                f"{self.rank} (node {self.node}) and rank {r} (node {node}); messages between "
+                "ranks of one node work, and mpi4py carries them between nodes")
+        return local
+
+    def send(self, array, dest, *, tag=0, timeout=None):
+        return self.local.send(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
+
+    def recv(self, source, *, tag=0, out=None, timeout=None):
+        return self.local.recv(self._node_rank(source, "source"), tag=tag, out=out,
+                               timeout=timeout)
+
+    def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
+        return self.local.sendrecv(array, self._node_rank(dest, "dest"),
+                                   self._node_rank(source, "source"), sendtag=sendtag,
+                                   recvtag=recvtag, out=out, timeout=timeout)
+
+    def isend(self, array, dest, *, tag=0, timeout=None):
+        return self.local.isend(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
+
+    def irecv(self, source, *, tag=0, out=None, timeout=None):
+        return self.local.irecv(self._node_rank(source, "source"), tag=tag, out=out,
+                                timeout=timeout)

@@ -1,0 +1,487 @@
+"""Sub-communicators (docs/design.md, "How sub-communicators are made"): comm.split(color, key),
+comm.dup() and comm.split_by(level), for every communicator kind (Front's methods call
+make_split, registered here into front.py: front imports nothing of this module).
+
+A split is a collective over the parent communicator, made of three of its allgathers, each of
+one small record per rank (a structured dtype of its own, so that a rank making another
+collective meanwhile is a CollectiveMismatchError on every rank, as for any two calls that
+differ):
+
+  1. (color, key) of every rank: every rank computes the same table, the new groups, and for
+     each its members in the order (key, parent rank) - their ranks in it - and its plan
+     (sub_plan: the parent's options on the sub-machine of the members' slots, computed from
+     the parent's plan alone, so every member computes the same plan without sending it);
+  2. the leader of each new group (its rank 0) creates its segment (one memfd, as Group does)
+     and says (pid, descriptor number, nonce); every other member attaches through
+     /proc/<pid>/fd/<n> (same user only: the rendezvous of Group.from_token and from_mpi),
+     checks the header (nonce, plan digest) and joins;
+  3. whether every member could: then the descriptors are closed (the mappings keep the
+     memory; memfds have no names), and a group one of whose members failed is closed by
+     all of its members, which raise naming that member and its error (the other groups are
+     made: they did not depend on it).
+
+The new communicator (SubCommunicator) is a full Communicator of its own group: every
+collective, nonblocking calls, shared arrays, split again.  It is never this process's
+current() (module-level calls keep the communicator the process joined), never pins nor
+unpins (its members keep the mask their parent membership gave them; the parent's close
+restores every thread shmtree pinned, the sub's progress thread included), and closing it is
+local and frees its mapping at once.  A member's death is seen by the group's own liveness
+checks, so every communicator the member belongs to fails and the others go on.
+
+Across nodes (nodes.Spanning), the rounds cross the nodes, and each new communicator's members
+on one node form its node-local part, made as above.  One that spans nodes (from_mpi's only:
+its processes have MPI) is a SubSpanning around this node's part, whose leaders' Link is made by
+splitting the parent's MPI communicator; with a launcher per node (inter=), whose workers have
+no MPI, such a split raises ShmtreeError on every rank (not supported yet).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from . import _engine, front as _front, plan as _plan
+from .codes import ABORT_FAILED, ST_IDLE, ranks_text
+from .communicator import Communicator
+from .errors import CollectiveMismatchError, ShmtreeError
+from .group import MPOL_INTERLEAVE as _MPOL_INTERLEAVE, MPOL_PREFERRED as _MPOL_PREFERRED
+from .group import Group
+from .inter import Link
+from .nodes import Spanning
+from .plan import Plan
+from .topology import Topology
+from .transport import create_memfd, new_nonce
+
+__all__ = ["make_split", "make_split_by", "level_color", "sub_plan", "SubGroup",
+           "SubCommunicator", "SubSpanning", "LEVELS"]
+
+LEVELS = ("socket", "numa", "l3", "node")
+_I8_MAX = (1 << 63) - 1
+
+# the three rounds' records (distinct structured dtypes: another collective never matches them)
+_ASK = np.dtype([("shmtree_split_color", "<i8"), ("shmtree_split_key", "<i8")])
+_OFFER = np.dtype([("shmtree_split_pid", "<i8"), ("shmtree_split_fd", "<i8"),
+                   ("shmtree_split_nonce", "V16")])
+_DONE = np.dtype([("shmtree_split_ok", "<i8")])
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan of a sub-communicator
+
+
+class _MemberTopology(Topology):
+    """The sub-machine of a sub-communicator: the members' slots (each once; a slot shared by
+    several members in an oversubscribed parent counts once), and a placement that puts sub
+    rank i on its member's slot (the tree builders group ranks by placement(size) only)."""
+
+    def __init__(self, member_slots, name):
+        super().__init__(list(dict.fromkeys(member_slots)), name=name)
+        self._members = tuple(member_slots)
+
+    def placement(self, nranks, policy="compact"):
+        return [self._members[i % len(self._members)] for i in range(nranks)]
+
+
+def _default_spin_ns(size, ncpus):
+    return 0 if size > ncpus else int(_plan.DEFAULT_SPIN_US * 1000)
+
+
+def _default_small_bytes(size, ncpus):
+    return _plan.OVERSUBSCRIBED_SMALL_BYTES if size > ncpus else _plan.DEFAULT_SMALL_BYTES
+
+
+def sub_plan(parent: Plan, members) -> Plan:
+    """The plan of the group of `members` (ranks of the parent's group, in the new ranks'
+    order): the parent's options (tree kind, placement, chunk bytes, slots, streaming stores,
+    NUMA policy, stall timeout; the machine's usable cores) laid on the members' slots; the
+    inline limit and spinning as given to the parent, or where the parent had its size's
+    defaults, the defaults of a group of this size; never pinned (the members keep their
+    cores).  A pure function of the parent's plan: every member computes the same plan (its
+    digest is in the header)."""
+    members = list(members)
+    n = len(members)
+    where = parent.topology.placement(parent.size, parent.placement)
+    name = f"{parent.topology.name}, ranks {','.join(map(str, members))}"
+    if len(name) > 120:
+        name = f"{parent.topology.name}, {n} of {parent.size} ranks"
+    topo = _MemberTopology([where[r] for r in members], name)
+    # the waiting policy and the inline limit a group of n ranks gets by default (no spinning
+    # and the larger limit when ranks outnumber the cores), where the parent had its own
+    # size's defaults: a sub-communicator of 2 of an oversubscribed parent of 4 on 2 cores
+    # spins as a group of 2 does (its 8-byte allreduce took 3-4 times as long without)
+    spin_ns, small_bytes = parent.spin_ns, parent.small_bytes
+    if spin_ns == _default_spin_ns(parent.size, parent.ncpus):
+        spin_ns = _default_spin_ns(n, parent.ncpus)
+    if small_bytes == _default_small_bytes(parent.size, parent.ncpus):
+        small_bytes = _default_small_bytes(n, parent.ncpus)
+    small, large, schedule = _plan._trees(parent.tree_kind, n, topo, parent.placement,
+                                          small_bytes, parent.chunk_bytes, parent.ncpus)
+    return Plan(size=n, topology=topo, tree_kind=parent.tree_kind, placement=parent.placement,
+                ncpus=parent.ncpus, small_tree=small, large_tree=large, large_schedule=schedule,
+                chunk_bytes=parent.chunk_bytes,
+                slots=max(parent.slots, 2) if schedule == "ring" else parent.slots,
+                small_bytes=small_bytes, nt_bytes=parent.nt_bytes, spin_ns=spin_ns, pin=False,
+                cpu_of=tuple(parent.cpu_of[r] if parent.pin else None for r in members),
+                node_of=tuple(parent.node_of[r] for r in members), numa=parent.numa,
+                stall_timeout=parent.stall_timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# the group and the communicator
+
+
+class SubGroup(Group):
+    """The group of a sub-communicator: made by split, joined by its members at once, never
+    sent to another process.  Closing it is local (no process marks it closed for the others:
+    a member that is done with it must not fail the others' last call)."""
+
+    @classmethod
+    def create(cls, plan):
+        """The leader's: a new segment for `plan` (what Group.__init__ does after planning)."""
+        g = cls.__new__(cls)
+        g._closed = True
+        g._span = g._proxy = None
+        g._adopt(plan)
+        g._nonce = new_nonce()
+        g._creator = None               # (closing is local: see the class docstring)
+        g._fd = create_memfd(g.layout.total)
+        try:
+            g._seg = _engine.Segment(g._fd, g.layout.total, g.size)
+            g._seg.init_header(g._nonce, plan.digest())
+        except BaseException:
+            os.close(g._fd)
+            raise
+        g._closed = False
+        return g
+
+    @classmethod
+    def attach(cls, plan, pid, fd_number, nonce):
+        """A member's: the leader's segment, through /proc/<pid>/fd/<fd_number> (same user),
+        its header checked against `plan` and `nonce`."""
+        try:
+            fd = os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmtreeError(f"shmtree: cannot attach to the segment of process {pid}: "
+                               f"{exc}") from None
+        g = cls.__new__(cls)
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                raise ShmtreeError("shmtree: the segment belongs to another user")
+            g._closed = True
+            g._span = g._proxy = None
+            g._adopt(plan)
+            g._attach(fd, nonce, g.layout.total)
+        except BaseException:
+            os.close(fd)
+            raise
+        return g
+
+    def _place_rings(self, rank):
+        """Bind the rings this rank produces to the NUMA node(s) of the policy, as Group's does,
+        but leave their pages to be faulted in on first use (the bound policy still places
+        them): touching 2 MiB per rank made a split cost several times its agreement."""
+        for off, length, consumers in self.layout.produced_rings(rank):
+            nodes = self._ring_nodes(rank, consumers)
+            if nodes:
+                mode = _MPOL_INTERLEAVE if len(nodes) > 1 else _MPOL_PREFERRED
+                self.numa_errno = self._seg.bind(off, length, mode, sorted(nodes)) or None
+
+    def release_descriptor(self):
+        """Every member holds the mapping: the descriptor is no longer needed."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __reduce__(self):
+        raise ShmtreeError("shmtree: the group of a sub-communicator cannot be sent to another "
+                           "process (its members joined it when it was made)")
+
+    def rendezvous_token(self):
+        raise ShmtreeError("shmtree: the group of a sub-communicator has no rendezvous token "
+                           "(its members joined it when it was made)")
+
+    def __repr__(self):
+        return super().__repr__().replace("shmtree.Group", "shmtree sub-group", 1)
+
+
+class SubCommunicator(Communicator):
+    """A communicator made by split (a Communicator of its own group).  `parent_ranks`: the
+    rank in the parent communicator of each rank here; `parent`: the parent's rank."""
+
+    _restores_mask = False              # (never pinned: see the module docstring)
+
+    def __init__(self, group, rank, parent_ranks, local, local_ranks):
+        """`local`: the parent's communicator on this node (the parent itself on one machine),
+        `local_ranks`: the members' ranks in it."""
+        super().__init__(group, rank)
+        self.parent_ranks = tuple(parent_ranks)
+        # the joined communicator at the root of the splits (a Pool worker's), and the members'
+        # ranks in it: whose member states (idle in the pool) the stall detector reads
+        if isinstance(local, SubCommunicator):
+            self._root = local._root
+            self._root_ranks = [local._root_ranks[r] for r in local_ranks]
+        else:
+            self._root = weakref.ref(local)
+            self._root_ranks = list(local_ranks)
+
+    def close(self):
+        """Leave (local, not a collective): as Communicator.close, and this process's mapping
+        of the group goes at once."""
+        if self._closed:
+            return
+        super().close()
+        self.group.close()
+        if self._engine is None:        # (else another thread's call still runs on it)
+            self._seg = self.group._seg     # (the closed stand-in: the mapping goes now)
+
+    def __repr__(self):
+        return f"<shmtree.Communicator rank={self.rank} size={self.size} (split)>"
+
+    def _absent(self, seq):
+        """As Communicator's, with the state a member has in a Pool's group: a member idle in
+        the pool (its task done) is idle here too, for the stall detector."""
+        absent = super()._absent(seq)
+        if not absent:
+            return absent
+        root = self._root()
+        if root is None or root._closed or root.group.closed:
+            return absent
+        seg = root._seg
+        return [(r, ST_IDLE if seg.state(self._root_ranks[r]) == ST_IDLE else st)
+                for r, st in absent]
+
+
+class SubSpanning(Spanning):
+    """A sub-communicator across nodes: a Spanning around this node's part (a
+    SubCommunicator), the leaders' Link on an MPI communicator split from the parent's; its
+    own MPI communicator (`_mpi`, kept for splitting it again) is freed when it closes."""
+
+    _mpi = None
+
+    def close(self):
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            mpi, self._mpi = self._mpi, None
+            if mpi is not None:
+                try:
+                    from mpi4py import MPI
+                    if not MPI.Is_finalized():
+                        mpi.Free()
+                except Exception:
+                    pass
+
+    def __repr__(self):
+        return super().__repr__()[:-1] + " (split)>"
+
+
+# ---------------------------------------------------------------------------------------------
+# split
+
+
+def _check_color(color):
+    if color is None:
+        return -1
+    if isinstance(color, bool) or not hasattr(color, "__index__") \
+            or not 0 <= color.__index__() <= _I8_MAX:
+        raise ValueError(f"shmtree: split's color must be an int >= 0 or None, got {color!r}")
+    return color.__index__()
+
+
+def _check_key(key, rank):
+    if key is None:
+        return rank
+    if isinstance(key, bool) or not hasattr(key, "__index__") \
+            or not -_I8_MAX - 1 <= key.__index__() <= _I8_MAX:
+        raise ValueError(f"shmtree: split's key must be an int (64 bits) or None, got {key!r}")
+    return key.__index__()
+
+
+def _where(comm):
+    """(node of each rank, its rank in its node's group, this node's communicator)."""
+    local = getattr(comm, "local", None)
+    if local is None:                   # one machine's communicator
+        return [0] * comm.size, list(range(comm.size)), comm
+    nodes, ranks = [0] * comm.size, [0] * comm.size
+    for g, (n, r) in comm._where.items():
+        nodes[g], ranks[g] = n, r
+    return nodes, ranks, local
+
+
+def make_split(comm, color, key=None):
+    """comm.split(color, key) (front.Front.split): see the module docstring."""
+    color = _check_color(color)
+    key = _check_key(key, comm.rank)
+    ask = np.zeros(1, _ASK)
+    ask["shmtree_split_color"], ask["shmtree_split_key"] = color, key
+    table = _round(comm, ask)
+    colors, keys = table["shmtree_split_color"].tolist(), table["shmtree_split_key"].tolist()
+    groups = {}
+    for r, c in enumerate(colors):
+        if c >= 0:
+            groups.setdefault(c, []).append(r)
+    for c in groups:
+        groups[c].sort(key=lambda r: (keys[r], r))
+    nodes, local_ranks, local = _where(comm)
+    spanning = sorted(c for c, m in groups.items() if len({nodes[r] for r in m}) > 1)
+    if spanning and getattr(comm, "_mpi", None) is None:
+        # (every rank sees the same table: every rank raises, before anything is made)
+        m = groups[spanning[0]]
+        raise ShmtreeError(
+            f"shmtree: split: a sub-communicator that spans nodes needs MPI in every process "
+            f"(from_mpi); with a launcher per node (inter=) it is not supported yet (color "
+            f"{spanning[0]}: ranks {ranks_text(m).removeprefix('ranks ').removeprefix('rank ')}"
+            f" are on nodes {sorted({nodes[r] for r in m})}); split within each node, e.g. "
+            f"split_by('node') first")
+    # the node-local part of each new communicator: its members on this rank's node
+    members = [r for r in groups[color] if nodes[r] == nodes[comm.rank]] if color >= 0 \
+        else None
+    me = members.index(comm.rank) if members is not None else -1
+    group = sub = None
+    err = None
+    offer = np.zeros(1, _OFFER)
+    try:
+        try:
+            if members is not None:
+                plan = sub_plan(local.group.plan, [local_ranks[r] for r in members])
+            if me == 0:
+                group = SubGroup.create(plan)
+                offer["shmtree_split_pid"], offer["shmtree_split_fd"] = os.getpid(), group._fd
+                offer["shmtree_split_nonce"] = np.void(group._nonce)
+        except Exception as exc:
+            err = exc
+        offers = _round(comm, offer)
+        try:
+            if err is None and members is not None:
+                if me != 0:
+                    o = offers[members[0]]
+                    if int(o["shmtree_split_pid"]) == 0:
+                        raise ShmtreeError(f"the leader, rank {members[0]}, could not make the "
+                                           "segment")
+                    group = SubGroup.attach(plan, int(o["shmtree_split_pid"]),
+                                            int(o["shmtree_split_fd"]),
+                                            bytes(o["shmtree_split_nonce"]))
+                rank = group._admit(me)
+                sub = SubCommunicator(group, rank, members, local,
+                                      [local_ranks[r] for r in members])
+                group._comm = weakref.ref(sub)
+                if me != 0:
+                    group.release_descriptor()      # (the leader's stays until round 3)
+        except Exception as exc:
+            err = exc
+        done = np.zeros(1, _DONE)
+        done["shmtree_split_ok"] = 0 if err is None else 1
+        oks = _round(comm, done)["shmtree_split_ok"].tolist()
+    except BaseException as exc:
+        _discard(sub, group)
+        if not isinstance(exc, Exception):      # (an interrupt between the rounds: the others
+            local.group.abort(ABORT_FAILED, local.rank,    # would wait for this rank forever)
+                              note=f"interrupted inside split: {type(exc).__name__}")
+        raise
+    if group is not None:
+        group.release_descriptor()
+    if spanning:                        # (every rank takes part in MPI's splits)
+        sub = _across_nodes(comm, sub, color, groups, nodes, spanning, oks)
+    if members is None:
+        return None
+    failed = [r for r in groups[color] if oks[r]]
+    if failed:
+        _discard(sub, group)
+        text = (f"shmtree: split: the sub-communicator of color {color} could not be made: "
+                f"{ranks_text(failed)} failed")
+        if err is not None:
+            raise ShmtreeError(f"{text} (here: {type(err).__name__}: "
+                               f"{str(err).removeprefix('shmtree: ')})") from err
+        raise ShmtreeError(text)
+    return sub
+
+
+def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
+    """The communicators that span nodes (from_mpi's): around each node-local part (`part`,
+    this rank's), a Spanning whose leaders' Link is made by splitting comm's MPI communicator
+    (collective over it: every rank of comm, in the same order).  The new one's own MPI
+    communicator (its ranks in its order) is kept for splitting it again."""
+    from mpi4py import MPI
+    mine = groups[color] if color >= 0 and color in spanning else None
+    if mine is not None and any(oks[r] for r in mine):
+        mine = None                     # (it failed: its members raise, after the splits)
+    sub_mpi = comm._mpi.Split(spanning.index(color) if mine is not None else MPI.UNDEFINED,
+                              key=mine.index(comm.rank) if mine is not None else 0)
+    if mine is None:
+        if sub_mpi != MPI.COMM_NULL:
+            sub_mpi.Free()
+        return part
+    order = list(dict.fromkeys(nodes[r] for r in mine))     # nodes by their smallest new rank
+    node = order.index(nodes[comm.rank])
+    members = [[k for k, r in enumerate(mine) if nodes[r] == n] for n in order]
+    try:
+        leaders = sub_mpi.Split(0 if part.rank == 0 else MPI.UNDEFINED, key=node)
+        link = Link(leaders, part.group) if part.rank == 0 else None
+    except BaseException:
+        _discard(part, None)
+        sub_mpi.Free()
+        raise
+    span = SubSpanning(part, link, mine.index(comm.rank), members, node, comm._segment)
+    span._mpi = sub_mpi
+    span.parent_ranks = tuple(mine)
+    return span
+
+
+def _round(comm, record):
+    """One allgather of the split's agreement over `comm`; a mismatch says it was a split."""
+    try:
+        return comm.allgather(record)[:, 0]
+    except CollectiveMismatchError as exc:
+        raise CollectiveMismatchError(
+            f"shmtree: split (a collective over the parent communicator, agreed through "
+            f"allgathers of records of dtype {record.dtype.names[0]!r}...): "
+            f"{str(exc).removeprefix('shmtree: ')}") from None
+
+
+def _discard(sub, group):
+    for thing in (sub, group):
+        if thing is not None:
+            try:
+                thing.close()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# split_by
+
+
+def level_color(comm, level):
+    """This rank's color for split_by(level): the socket, NUMA node or L3 group of its slot in
+    the plan (a rank the plan does not pin, whose CPU mask lies within one such group of a
+    detected machine, takes that group), or its node; a color unique to its node across
+    nodes."""
+    if level not in LEVELS:
+        raise ValueError(f"shmtree: split_by's level must be one of {LEVELS}, got {level!r}")
+    nodes, local_ranks, local = _where(comm)
+    node = nodes[comm.rank]
+    if level == "node":
+        return node
+    plan = local.group.plan
+    r = local.rank
+    slot = plan.topology.placement(plan.size, plan.placement)[r]
+    value = getattr(slot, level)
+    if not (plan.pin and plan.cpu_of[r] is not None) and not plan.topology.synthetic:
+        mask = os.sched_getaffinity(0)
+        values = {getattr(s, level) for s in plan.topology.slots if s.cpu in mask}
+        if len(values) == 1:
+            value = values.pop()
+    return (node << 32) | value
+
+
+def make_split_by(comm, level):
+    return make_split(comm, level_color(comm, level), comm.rank)
+
+
+_front._made_by(make_split, make_split_by)

@@ -1,0 +1,101 @@
+"""Run under mpiexec by tests/test_split.py: sub-communicators of communicators across
+(simulated) nodes.
+
+    mpiexec -n N python tests/mpi_split_prog.py from_mpi NODE_SIZE   (nodes of NODE_SIZE ranks)
+    mpiexec -n N python tests/mpi_split_prog.py launch WORKERS       (a launcher per node, each
+                                                                       running WORKERS workers)
+
+Every rank checks its results itself and exits non-zero (a traceback) on any failure; rank 0
+(launcher 0) prints "OK <mode>" at the end.
+"""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import shmtree
+
+W = MPI.COMM_WORLD
+
+
+def check(comm, across=False):
+    """Splits of `comm` (a communicator across nodes): node-local ones work, one that would
+    span nodes raises ShmtreeError on every rank, and comm stays usable throughout."""
+    g = comm.rank
+    node_ranks = [int(v) for v in comm.allgather(np.array(comm.node))]
+    mine = [r for r in range(comm.size) if node_ranks[r] == comm.node]
+    with comm.split_by("node") as sub:
+        assert (sub.size, sub.rank) == (len(mine), mine.index(g)), (sub, mine)
+        assert int(sub.allreduce(np.array([g]))[0]) == sum(mine)
+        assert sub.allgather(np.array(g)).tolist() == mine
+        with sub.split(sub.rank % 2) as inner:            # a split of a split
+            want = [r for r in mine if mine.index(r) % 2 == sub.rank % 2]
+            assert inner.allgather(np.array(g)).tolist() == want
+    with comm.split(comm.node, key=-g) as rev:            # node-local, reversed
+        assert rev.allgather(np.array(g)).tolist() == mine[::-1]
+    with comm.split_by("socket") as sock:                 # within a node by nature
+        assert set(sock.allgather(np.array(g)).tolist()) <= set(mine)
+    out = comm.split(None if g == 0 else comm.node)
+    assert (out is None) == (g == 0)
+    if out is not None:
+        assert out.allgather(np.array(g)).tolist() == [r for r in mine if r != 0]
+        out.close()
+    if comm.nodes > 1 and not across:
+        try:
+            comm.split(g % 2)                             # even and odd ranks: across nodes
+            raise AssertionError("a split across nodes returned")
+        except shmtree.ShmtreeError as exc:
+            assert "spans nodes" in str(exc) and "not supported" in str(exc), exc
+    elif comm.nodes > 1:
+        check_across(comm)
+    assert int(comm.allreduce(np.array([1]))[0]) == comm.size
+    return g
+
+
+def check_across(comm):
+    """Splits whose new communicators span nodes (from_mpi): every collective of them, nested
+    splits of them (across nodes again, and node-local), and the parent meanwhile."""
+    g = comm.rank
+    for color_of, key_of in ((lambda r: r % 2, lambda r: r), (lambda r: 0, lambda r: -r),
+                             (lambda r: None if r == 1 else r % 3, lambda r: r)):
+        want = sorted((r for r in range(comm.size) if color_of(r) == color_of(g)
+                       and color_of(r) is not None), key=lambda r: (key_of(r), r))
+        sub = comm.split(color_of(g), key=key_of(g))
+        if color_of(g) is None:
+            assert sub is None
+            assert int(comm.allreduce(np.array([1]))[0]) == comm.size    # (as the others)
+            continue
+        assert (sub.rank, sub.size) == (want.index(g), len(want)), (sub, want)
+        assert sub.allgather(np.array(g)).tolist() == want
+        x = np.arange(100_000, dtype=np.float64) * (g + 1)
+        assert float(sub.allreduce(x)[-1]) == 99_999.0 * sum(r + 1 for r in want)
+        b = sub.broadcast(np.array([g]) if sub.rank == sub.size - 1 else None,
+                          root=sub.size - 1)
+        assert int(b[0]) == want[-1]
+        req = sub.iallreduce(np.array([g]))
+        assert int(comm.allreduce(np.array([1]))[0]) == comm.size   # the parent meanwhile
+        assert int(req.wait(30)[0]) == sum(want)
+        with sub.dup() as again:                   # a split of a split, across nodes again
+            assert again.allgather(np.array(g)).tolist() == want
+        with sub.split_by("node") as here:         # and node-local
+            assert set(here.allgather(np.array(g)).tolist()) <= set(want)
+        sub.close()
+
+
+def main():
+    mode, n = sys.argv[1], int(sys.argv[2])
+    if mode == "from_mpi":
+        comm = shmtree.from_mpi(W, node_size=n)
+        check(comm, across=True)
+        comm.close()
+    else:
+        got = shmtree.run(check, n, inter=W)
+        offset = sum(W.allgather(n)[:W.rank])
+        assert got == [offset + r for r in range(n)], got
+    W.Barrier()
+    if W.rank == 0:
+        print(f"OK {mode}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,642 @@
+"""Point-to-point messages (DESIGN section 12, docs/design.md "How messages travel"): send, recv,
+sendrecv, isend, irecv.  Every multi-process test runs under a timeout (shmtree.run's workers are
+stopped when one fails; the hand-made processes are killed in `finally`) and the autouse
+fixture of conftest.py checks for leaks (/dev/shm, descriptors, mappings, children)."""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmtree
+from procutil import error_name, run_ok, stop_processes
+
+DETECT_S = 5.0
+MiB = 1 << 20
+
+try:
+    import ml_dtypes
+    ML = [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4]
+except ImportError:                       # pragma: no cover
+    ML = []
+
+DTYPES = ["?", "i1", "u1", "<i2", ">i2", "<u4", ">i8", "<f2", "<f4", ">f8", "c8", ">c16",
+          np.longdouble, "S5", "<U3", ">U2", "M8[ns]", "m8[s]", "V7",
+          [("a", "<i4"), ("b", ">f8", (2,)), ("c", "S3")],
+          np.dtype({"names": ["x", "y"], "formats": ["u1", "<f4"], "offsets": [0, 8],
+                    "itemsize": 16})] + ML
+
+
+def _values(dtype, shape, seed):
+    """Arbitrary bytes of dtype (every bit pattern: NaNs and padding included)."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return raw.view(dt).reshape(shape) if dt.itemsize else np.empty(shape, dt)
+
+
+def _same(a, b):
+    return (a.dtype == b.dtype and a.dtype.str == b.dtype.str and a.shape == b.shape
+            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# contents: dtypes, shapes, layouts, sizes
+
+def _dtypes_fn(comm):
+    cases = []
+    for i, dt in enumerate(DTYPES):
+        for shape in [(), (0,), (3, 4)]:
+            cases.append(_values(dt, shape, i))
+    base = _values("<f8", (6, 8), 99)
+    cases += [base[::2, 1::3], base.T, np.asfortranarray(base), base[:, 0]]
+    if comm.rank == 0:
+        for k, a in enumerate(cases):
+            comm.send(a, 1, tag=k % 3)
+        return None
+    bad = []
+    for k, a in enumerate(cases):
+        got = comm.recv(0, tag=k % 3)
+        if not _same(got, a):
+            bad.append((k, str(a.dtype), a.shape, str(got.dtype), got.shape))
+    return bad
+
+
+def test_every_dtype_and_shape_kept_exactly():
+    assert run_ok(_dtypes_fn, 2)[1] == []
+
+
+SIZES = [0, 1, 100, 256 * 1024 - 1, 256 * 1024 + 5, 5 * MiB + 3, 64 * MiB]
+
+
+def _sizes_fn(comm, sizes):
+    if comm.rank == 0:
+        for n in sizes:
+            comm.send(_values("u1", (n,), n), 1, tag=7)
+        return True
+    ok = []
+    for n in sizes:
+        want = _values("u1", (n,), n)
+        out = np.empty(n, np.uint8) if n % 2 else None       # both with and without out=
+        got = comm.recv(0, tag=7, out=out)
+        ok.append(_same(got, want) and (out is None or got is out))
+    return ok
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_sizes_up_to_64_MiB(monkeypatch, cma):
+    """Through the ring (streamed in pieces when larger than it) and read straight from the
+    sender's memory (cma=1, from 256 KiB)."""
+    monkeypatch.setenv("SHMTREE_P2P_CMA", cma)
+    assert run_ok(_sizes_fn, 2, args=(SIZES,))[1] == [True] * len(SIZES)
+
+
+def _wrap_fn(comm, count):
+    sizes = np.random.default_rng(5).integers(1, 150_000, count)
+    if comm.rank == 0:
+        for i, n in enumerate(sizes):
+            comm.send(_values("u1", (int(n),), i), 1)
+        return None
+    return all(_same(comm.recv(0), _values("u1", (int(n),), i)) for i, n in enumerate(sizes))
+
+
+@pytest.mark.timeout(120)
+def test_records_across_the_ring_end():
+    """Messages of odd sizes (up to 150 KB, so ~15 MB in all: the 1 MiB ring wraps many
+    times, records cut at its end) arrive intact."""
+    assert run_ok(_wrap_fn, 2, args=(200,))[1] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# order, tags, out=, modifying after send
+
+def _order_fn(comm, count):
+    if comm.rank == 0:
+        for i in range(count):
+            n = 1 if i % 100 else 70_000 if i % 200 else 300_000  # some large ones between
+            comm.send(np.full(n, i, np.int32), 1, tag=3)
+        reqs = [comm.isend(np.array([i], np.int64), 1, tag=4) for i in range(64)]
+        shmtree.wait_all(reqs, timeout=60)
+        return None
+    got = [int(comm.recv(0, tag=3)[-1]) for _ in range(count)]
+    reqs = [comm.irecv(0, tag=4) for _ in range(64)]
+    later = [int(a[0]) for a in shmtree.wait_all(reqs, timeout=60)]
+    return got == list(range(count)) and later == list(range(64))
+
+
+@pytest.mark.timeout(120)
+def test_1000_messages_arrive_in_order():
+    assert run_ok(_order_fn, 2, args=(1000,))[1] is True
+
+
+def _tags_fn(comm, big):
+    if comm.rank == 0:
+        comm.send(np.full(big, 1.0), 1, tag=1)    # (small: not waiting for the recv)
+        comm.send(np.full(3, 2.0), 1, tag=2)
+        comm.send(np.full(5, 3.0), 1, tag=1)
+        return None
+    b = comm.recv(0, tag=2)
+    a = comm.recv(0, tag=1)
+    c = comm.recv(0, tag=1)
+    return (b.tolist(), float(a[0]), a.size, c.tolist())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("big", [10, 100_000])
+def test_tags_out_of_order(big):
+    assert run_ok(_tags_fn, 2, args=(big,))[1] == ([2.0] * 3, 1.0, big, [3.0] * 5)
+
+
+def _mismatch_fn(comm, n, how):
+    if comm.rank == 0:
+        comm.send(np.arange(n, dtype=np.float64), 1)
+        comm.send(np.arange(n, dtype=np.float64), 1)
+        comm.send(np.arange(4, dtype=np.int16), 1)
+        return None
+    errors = []
+    for wrong in (np.empty(n + 1), np.empty(n, np.float32)):
+        try:
+            if how == "irecv":
+                comm.irecv(0, out=wrong).result(60)
+            else:
+                comm.recv(0, out=wrong)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append("consumed" in str(e))
+    nxt = comm.recv(0)
+    return errors, nxt.dtype.str, nxt.tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n,how", [(5, "recv"), (400_000, "recv"), (5, "irecv"),
+                                   (400_000, "irecv")])
+def test_out_mismatch_consumes_the_message(n, how):
+    """A receiver whose out= does not match raises ValueError; the message is gone, and the
+    next one arrives intact."""
+    errors, dt, values = run_ok(_mismatch_fn, 2, args=(n, how))[1]
+    assert errors == [True, True]
+    assert dt == "<i2" and values == [0, 1, 2, 3]
+
+
+def _modify_fn(comm, n):
+    if comm.rank == 0:
+        x = np.full(n, 7.0)
+        comm.send(x, 1)
+        x[:] = -1.0                    # allowed once send returned
+        req = comm.isend(np.full(n, 8.0), 1, tag=1)
+        req.result(60)
+        comm.barrier()
+        return None
+    comm.barrier()                      # rank 0 has modified x before this rank receives it
+    a = comm.recv(0)
+    b = comm.recv(0, tag=1)
+    return bool((a == 7.0).all() and (b == 8.0).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [10, 1_000_000])
+def test_modify_after_send(n):
+    """A small send returns before the recv is posted (the barrier comes after it on rank 0,
+    before the recv on rank 1): the array is a copy.  A large one returns once read."""
+    if n > 100_000:                     # a large send waits for its recv: recv first there
+        def fn(comm):
+            if comm.rank == 0:
+                x = np.full(n, 7.0)
+                comm.send(x, 1)
+                x[:] = -1
+                return None
+            return bool((comm.recv(0) == 7.0).all())
+        assert shmtree.run(fn, 2)[1] is True
+    else:
+        assert run_ok(_modify_fn, 2, args=(n,))[1] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# sendrecv rings, isend/irecv, collectives in between
+
+def _ring_fn(comm, n):
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    x = np.full(n, comm.rank, np.int64)
+    y = comm.sendrecv(x, nxt, prv, sendtag=1, recvtag=1)
+    out = np.empty(n, np.int64)
+    z = comm.sendrecv(x * 2, nxt, prv, out=out)
+    r = comm.irecv(prv, tag=5)
+    s = comm.isend(x * 3, nxt, tag=5)
+    w = shmtree.wait_all([s, r], timeout=60)[1]
+    return bool((y == prv).all() and z is out and (z == 2 * prv).all() and (w == 3 * prv).all())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 20_000, 3_000_000])
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_sendrecv_ring_completes(monkeypatch, n, cma):
+    """Every rank sends to rank+1 and receives from rank-1 at once: no deadlock, whatever the
+    size (3 M int64: 24 MiB, far larger than a channel's ring)."""
+    monkeypatch.setenv("SHMTREE_P2P_CMA", cma)
+    assert run_ok(_ring_fn, 3, args=(n,)) == [True] * 3
+
+
+def _interleave_fn(comm):
+    r = comm.rank
+    big = np.full(2_000_000, float(r))
+    if r == 0:
+        req = comm.isend(big, 1, tag=7)           # pending: rank 1 receives it only later
+        comm.send(np.array([1.5]), 2)             # in the ring: rank 2 takes it later too
+        s = comm.allreduce(np.ones(4) * r)
+        comm.barrier()
+        b = comm.broadcast(np.arange(3.0), root=0)
+        req.result(60)
+    elif r == 1:
+        s = comm.allreduce(np.ones(4) * r)
+        comm.barrier()
+        b = comm.broadcast(None, root=0)
+        got = comm.recv(0, tag=7)
+        assert (got == 0.0).all()
+    else:
+        pending = comm.irecv(1, tag=3)            # waits through the collectives
+        s = comm.allreduce(np.ones(4) * r)
+        comm.barrier()
+        b = comm.broadcast(None, root=0)
+        assert comm.recv(0).tolist() == [1.5]
+    if r == 1:
+        comm.send(np.array([42]), 2, tag=3)
+    if r == 2:
+        assert pending.result(60).tolist() == [42]
+    c = comm.iallreduce(np.ones(2))
+    return s.tolist(), b.tolist(), c.result(60).tolist()
+
+
+@pytest.mark.timeout(60)
+def test_messages_and_collectives_do_not_block_each_other():
+    got = run_ok(_interleave_fn, 3)
+    assert got == [([3.0] * 4, [0.0, 1.0, 2.0], [3.0, 3.0])] * 3
+
+
+def _pending_fn(comm):
+    if comm.rank == 0:
+        never = comm.irecv(1, tag=99)          # not sent until the end
+        reqs = [comm.isend(np.full(10, i), 1, tag=1) for i in range(5)]
+        shmtree.wait_all(reqs, timeout=30)      # done although `never` is still pending
+        first = not never.done()
+        comm.barrier()
+        return first and never.result(30).tolist() == [0.0]
+    got = [int(comm.recv(0, tag=1)[0]) for _ in range(5)]
+    comm.barrier()
+    comm.send(np.zeros(1), 0, tag=99)
+    return got == list(range(5))
+
+
+@pytest.mark.timeout(60)
+def test_a_pending_irecv_does_not_hold_up_other_requests():
+    assert run_ok(_pending_fn, 2) == [True, True]
+
+
+def _self_fn(comm):
+    comm.send(np.arange(3), comm.rank, tag=2)
+    return comm.recv(comm.rank, tag=2).tolist()
+
+
+def test_send_to_self():
+    assert run_ok(_self_fn, 2) == [[0, 1, 2]] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# failures: dead peer, timeout, bad arguments
+
+def _victim(group, rank, ready):
+    comm = group.join(rank)
+    comm.send(np.zeros(1), 1 - rank, tag=99)      # the channel exists (first contact done)
+    ready.set()
+    time.sleep(600)
+
+
+def _survivor(group, rank, how, queue):
+    comm = group.join(rank)
+    comm.recv(1 - rank, tag=99)
+    start = time.monotonic()
+    try:
+        if how == "recv":
+            comm.recv(1 - rank, tag=1)
+        else:
+            comm.send(np.zeros(2_000_000), 1 - rank, tag=1)   # waits for a recv
+        queue.put(("returned", "", 0.0))
+    except BaseException as e:
+        queue.put((error_name(e), str(e), time.monotonic() - start))
+    finally:
+        comm.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["recv", "send"])
+def test_dead_peer(how):
+    """A SIGKILLed peer: the rank blocked in recv from it (or send to it) raises PeerLostError
+    within a few seconds."""
+    ctx = mp.get_context("fork")
+    with shmtree.Group(2) as group:
+        ready, queue = ctx.Event(), ctx.Queue()
+        victim = ctx.Process(target=_victim, args=(group, 0, ready))
+        survivor = ctx.Process(target=_survivor, args=(group, 1, how, queue))
+        procs = [victim, survivor]
+        try:
+            victim.start()
+            survivor.start()
+            assert ready.wait(30)
+            time.sleep(0.3)                     # (the survivor is in its call by now)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            name, text, _ = queue.get(timeout=30)
+            assert name == "PeerLostError", text
+            assert "rank 0 died" in text
+            assert time.monotonic() - killed < DETECT_S
+        finally:
+            stop_processes(procs)
+            queue.close()
+
+
+def _timeout_fn(comm):
+    if comm.rank == 0:
+        start = time.monotonic()
+        try:
+            comm.recv(1, timeout=0.3)
+        except shmtree.CollectiveTimeoutError as e:
+            return ("timeout", time.monotonic() - start, "timed out in recv from rank 1" in str(e))
+        return ("returned",)
+    try:
+        comm.barrier(timeout=30)
+    except shmtree.PeerLostError:
+        return ("lost",)
+    return ("returned",)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_aborts_the_group():
+    a, b = run_ok(_timeout_fn, 2)
+    assert a[0] == "timeout" and 0.25 <= a[1] < 5 and a[2]
+    assert b == ("lost",)
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _interrupt_fn(comm):
+    if comm.rank == 0:
+        def ring(signum, frame):
+            raise _Alarm()
+        signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            comm.recv(1, tag=5)                 # never sent: the alarm interrupts it
+        except _Alarm:
+            pass
+        try:
+            comm.send(np.zeros(1), 1)
+        except shmtree.PeerLostError:
+            return "aborted"
+        return "usable"
+    try:
+        comm.barrier(timeout=30)
+    except shmtree.PeerLostError as e:
+        return "lost" if "interrupted" in str(e) or "_Alarm" in str(e) else str(e)
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_recv_aborts_the_group():
+    """An exception in a blocked recv (a signal handler's) cannot leave a receive half-posted:
+    the group is aborted, as for an interrupted collective."""
+    assert run_ok(_interrupt_fn, 2) == ["aborted", "lost"]
+
+
+def _shared_fn(comm, n):
+    x = comm.empty(n, np.float32)
+    out = comm.zeros(n, np.float32)
+    x[:] = np.arange(n, dtype=np.float32) + comm.rank
+    other = 1 - comm.rank
+    got = comm.sendrecv(x, other, other, out=out)
+    return bool(got is out and (out == np.arange(n, dtype=np.float32) + other).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [100, 3_000_000])
+def test_shared_arrays(n):
+    """Arrays of comm.empty as the message and as out= (a single copy from 256 KiB)."""
+    assert run_ok(_shared_fn, 2, args=(n,)) == [True, True]
+
+
+def _args_fn(comm):
+    out = []
+    for call in (lambda: comm.send(np.zeros(1), 2), lambda: comm.send(np.zeros(1), -1),
+                 lambda: comm.send(np.zeros(1), 1, tag=-1),
+                 lambda: comm.send(np.array([object()]), 1),
+                 lambda: comm.recv(1, tag="x"), lambda: comm.recv(1, out=[1.0]),
+                 lambda: comm.isend(np.zeros(1), 5)):
+        try:
+            call()
+            out.append("ok")
+        except (TypeError, ValueError) as e:
+            out.append(type(e).__name__)
+    comm.barrier()                                # the group is usable
+    return out
+
+
+def test_local_errors():
+    got = run_ok(_args_fn, 2)
+    assert got[0] == ["ValueError", "ValueError", "ValueError", "TypeError", "TypeError",
+                      "TypeError", "ValueError"]
+
+
+def _left_fn(comm):
+    if comm.rank == 1:
+        comm.send(np.arange(3.0), 0)              # then returns: leaves the group
+        return None
+    time.sleep(0.5)
+    first = comm.recv(1).tolist()                 # sent before it left: still delivered
+    try:
+        comm.recv(1, tag=4)
+    except shmtree.ShmtreeError as e:
+        return first, "left the group" in str(e) or str(e)
+    return first, "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_that_left():
+    assert run_ok(_left_fn, 2)[0] == ([0.0, 1.0, 2.0], True)
+
+
+def _left_unread_fn(comm):
+    if comm.rank == 0:
+        comm.send(np.arange(3.0), 1)              # never received; then leaves
+        return time.monotonic()
+    try:
+        comm.barrier(timeout=20)                  # rank 0 never makes it
+    except shmtree.ShmtreeError as e:
+        return "left the group" in str(e) or str(e)
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_leaving_with_an_unread_message_is_seen_as_gone():
+    """Its close waits for the receiver to map the channel, but as a member that has left: the
+    receiver's collective fails at once (it does not wait for the sender, nor the sender for it)."""
+    start = time.monotonic()
+    got = run_ok(_left_unread_fn, 2)
+    assert got[1] is True and time.monotonic() - start < 15
+
+
+def _isend_then_close_fn(comm, n):
+    if comm.rank == 0:
+        comm.isend(np.full(n, 5.0), 1, tag=1)     # not waited for: close (at return) finishes it
+        comm.isend(np.full(3, 6.0), 1, tag=2)
+        return None
+    time.sleep(0.5)
+    a = comm.recv(0, tag=1)
+    b = comm.recv(0, tag=2)
+    return bool((a == 5.0).all() and a.size == n and b.tolist() == [6.0] * 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [10, 2_000_000])
+def test_close_finishes_outstanding_isends(n):
+    assert run_ok(_isend_then_close_fn, 2, args=(n,))[1] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: channels only between the pairs that talk
+
+def _neighbours_fn(comm):
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for _ in range(3):
+        comm.sendrecv(np.zeros(1000), nxt, prv)
+        comm.sendrecv(np.zeros(300_000), prv, nxt)
+    comm.barrier()
+    tr = comm._p2p_transport
+    with open("/proc/self/maps") as f:
+        maps = {line.split()[4] for line in f if "shmtree-p2p" in line}
+    return len(tr.out), len(tr.inn), len(maps)
+
+
+@pytest.mark.timeout(180)
+def test_memory_per_rank_does_not_grow_with_P():
+    small = run_ok(_neighbours_fn, 4)
+    large = run_ok(_neighbours_fn, 16)
+    # 2 channels out, 2 in, own home + 2 peers' homes: the same at P = 4 and P = 16
+    assert set(small) == set(large) == {(2, 2, 7)}
+
+
+# ---------------------------------------------------------------------------------------------
+# start methods, a Pool, the test process itself
+
+def _ping_fn(comm):
+    other = 1 - comm.rank
+    got = comm.sendrecv(np.array([comm.rank, 10]), other, other)
+    return got.tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_start_methods(method):
+    assert run_ok(_ping_fn, 2, start_method=method) == [[1, 10], [0, 10]]
+
+
+def _pool_task(i):
+    comm = shmtree.current()
+    if comm.rank == 0:
+        try:
+            comm.recv(1, tag=5)          # rank 1 never sends: it is idle
+        except shmtree.ShmtreeError as e:
+            return "idle" in str(e)
+        return "returned"
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_pool_stall_detector():
+    """A recv from a Pool member that stays idle fails after stall_timeout (the pool is then
+    broken: its watch thread may fail the map itself with the same cause first)."""
+    with shmtree.Pool(2, stall_timeout=1.0) as pool:
+        try:
+            assert True in pool.map(_pool_task, range(2))
+        except shmtree.PeerLostError as e:
+            assert "idle" in str(e) and "recv from rank 1" in str(e), str(e)
+
+
+def test_in_the_test_process_nothing_leaks():
+    """Join a group of one here, send to itself, close: no descriptor, mapping or thread left
+    (the autouse fixture checks the descriptors and mappings)."""
+    threads = set(threading.enumerate())
+    with shmtree.Group(1) as group:
+        comm = group.join(0)
+        try:
+            r = comm.irecv(0, tag=1)
+            comm.isend(np.arange(5), 0, tag=1).result(30)
+            assert r.result(30).tolist() == list(range(5))
+            assert comm.sendrecv(np.ones(300_000), 0, 0).sum() == 300_000
+        finally:
+            comm.close()
+    time.sleep(0.05)
+    assert set(threading.enumerate()) <= threads
+
+
+# ---------------------------------------------------------------------------------------------
+# across nodes (from_mpi): within a node as on one machine, between nodes a clear error
+
+@pytest.mark.timeout(120)
+def test_across_simulated_nodes():
+    import subprocess
+    import sys
+    from test_multinode import _import_root, _mpiexec, _reap, _unlink_own_mpich_segments
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    prog = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_p2p_prog.py")
+    before = set(os.listdir("/dev/shm"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, prog, "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec hung:\n{out.decode(errors='replace')[-3000:]}")
+    finally:
+        _reap(proc.pid)
+        _unlink_own_mpich_segments(before)
+    out = out.decode(errors="replace")
+    assert proc.returncode == 0 and "OK p2p" in out, out[-4000:]
+
+
+def test_bench_p2p_runs(capsys):
+    from shmtree.bench.cli import main
+    assert main(["p2p", "--no-mpi", "--rounds", "1", "--pingpong", "8", "--bandwidth",
+                 "64K"]) == 0
+    out = capsys.readouterr().out
+    assert "half round trip" in out and "sendrecv bandwidth" in out
+
+
+def test_no_direct_copy_where_yama_forbids_reading_a_sibling(monkeypatch, tmp_path):
+    """Yama's ptrace_scope 1 (Ubuntu's default) lets a process read only its descendants'
+    memory: then large messages must stream through the ring, not abort on process_vm_readv."""
+    import builtins
+
+    from shmtree import messages
+    real_open = builtins.open
+    for scope, allowed in (("0\n", True), ("1\n", False), ("2\n", False), (None, True)):
+        def fake_open(path, *a, _scope=scope, **k):
+            if path == "/proc/sys/kernel/yama/ptrace_scope":
+                if _scope is None:
+                    raise FileNotFoundError(path)
+                f = tmp_path / "scope"
+                f.write_text(_scope)
+                return real_open(f, *a, **k)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert messages._yama_allows() is allowed, scope
+        monkeypatch.setattr(builtins, "open", real_open)
