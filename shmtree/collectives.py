@@ -174,7 +174,7 @@ class Executors:
 
     def _alltoall(self, spec):
         a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
-        P, me = self.size, self.rank
+        me = self.rank
         digest = calls.dtype_digest(a.dtype)
         if spec.counts is None:               # (equal blocks: the engine's own form)
             result, copy_back = calls.out_for(out, a.shape, a.dtype, "alltoall")

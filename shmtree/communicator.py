@@ -51,6 +51,7 @@ __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allga
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
+_ENGINE_RESULT = object()   # (_bound_run: return the engine's result)
 RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
                             # the members waiting for it in a collective give up
 
@@ -168,23 +169,7 @@ class Communicator(Messages, Front, Executors):
         claim = out if a is None else a
 
         if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
-            def run():
-                progress = self._progress
-                if self._closed or group._closed or self._gen != session._fork_gen or (
-                        progress is not None and (progress.outstanding
-                                                  or progress.is_current_thread())):
-                    return slow()
-                try:
-                    got = eng.call(coll, a, out, op, root, kind, None, tag)
-                    if got is None:
-                        return slow()
-                    if got[0] != done:
-                        return self._finish(eng, got[0], None, got[1])
-                except BaseException as exc:
-                    self._interrupted(eng, exc)
-                    raise
-                return got[1]
-            return run
+            return self._bound_run(coll, a, out, op, root, kind, tag, slow)
 
         def run():
             if self._closed or group._closed or self._gen != session._fork_gen:
@@ -219,8 +204,14 @@ class Communicator(Messages, Front, Executors):
                 or a.nbytes * P > self._plan.small_bytes or (mine and type(out) is not np.ndarray):
             return None
         dst = out if mine else np.empty((P,) + a.shape, a.dtype)
-        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
-        tag = _dtype_digest(a.dtype)
+        return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
+                               slow, dst if mine else None)
+
+    def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
+        """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
+        child, nonblocking calls outstanding: then slow(), the bound spec through _start), one
+        Engine.call, and its result - or `give`, when given (a gather's output)."""
+        eng, group, done = self._engine, self.group, _engine.DONE
 
         def run():
             progress = self._progress
@@ -229,15 +220,14 @@ class Communicator(Messages, Front, Executors):
                                               or progress.is_current_thread())):
                 return slow()
             try:
-                got = eng.call(ALLGATHER, a, dst, None, 0, kind, None, tag)
+                got = eng.call(coll, a, out, op, root, kind, None, tag)
                 if got is None:
                     return slow()
-                if got[0] != done:
-                    self._finish(eng, got[0], None, got[1])
+                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
             except BaseException as exc:
                 self._interrupted(eng, exc)
                 raise
-            return dst if mine else None
+            return result if give is _ENGINE_RESULT else give
         return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
