@@ -46,6 +46,7 @@ import weakref
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
@@ -67,11 +68,13 @@ _AllreduceOptions = dist.AllreduceOptions
 _BroadcastOptions = dist.BroadcastOptions
 _ReduceOptions = dist.ReduceOptions
 _ReduceScatterOptions = dist.ReduceScatterOptions
+_AllgatherOptions = _c10d.AllgatherOptions
+_BarrierOptions = _c10d.BarrierOptions
 _AllreduceCoalescedOptions = dist.AllreduceCoalescedOptions
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _SPARSE = torch.sparse_coo
-_UNSET = datetime.timedelta(milliseconds=-1)          # an options object's "no timeout given"
+_NONE = datetime.timedelta(0)       # an options object's timeout at most this: none given
 
 
 def _op_name(reduce_op):
@@ -116,28 +119,37 @@ def _invalid(what, text):
     return RuntimeError(f"shmtree: ProcessGroupShmtree.{what}: {text}")
 
 
-def _options(opts, cls, what, **given):
-    """An options object of class cls: opts as given (one of cls), a fresh one (opts None), or
-    the value of a convenience form's positional argument (a ReduceOp, a root rank, a
-    timedelta, named by the keyword it stands for in `given`'s first None); keywords given
-    (not None) are set on it."""
-    if opts is not None and not isinstance(opts, cls):
-        for key, value in given.items():          # the positional form: its first argument
-            if value is None:
-                given[key] = opts
-                break
-        else:
-            raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: expected {cls.__name__}, "
-                            f"got {type(opts).__name__}")
-        opts = None
-    if opts is None:
-        opts = cls()
-    for key, value in given.items():
+def _form(opts, args, kwargs, cls, what, fields):
+    """The options object of a call: opts itself when it is one of cls (the form torch's C++
+    and torch.distributed use), else one made from the convenience form's arguments - opts,
+    then args, positionally, and kwargs, bound to `fields` ((parameter, option), in torch's
+    order: allreduce(tensors, op, timeout), broadcast(tensor, root, timeout), ...)."""
+    if isinstance(opts, cls) and not args and not kwargs:
+        return opts
+    if isinstance(opts, cls):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: an options object and "
+                        f"{', '.join(kwargs) or 'more arguments'} given")
+    values = ((opts,) if opts is not None else ()) + tuple(args)
+    names = [name for name, _ in fields]
+    if len(values) > len(names) or any(k not in names for k in kwargs):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}() takes ({', '.join(names)}) "
+                        f"after its tensors, or an options object")
+    given = dict(zip(names, values))
+    for key, value in kwargs.items():
+        if key in given:
+            raise TypeError(f"shmtree: ProcessGroupShmtree.{what}() got {key!r} twice")
+        given[key] = value
+    made = cls()
+    for name, option in fields:
+        value = given.get(name)
         if value is not None:
-            if key == "timeout" and not isinstance(value, datetime.timedelta):
+            if option == "timeout" and not isinstance(value, datetime.timedelta):
                 value = datetime.timedelta(seconds=float(value))
-            setattr(opts, key, value)
-    return opts
+            setattr(made, option, value)
+    return made
+
+
+_OP, _ROOT, _TIMEOUT = ("op", "reduceOp"), ("root", "rootRank"), ("timeout", "timeout")
 
 
 def _tensors(x, what, name="tensors"):
@@ -200,8 +212,8 @@ def _check_root(what, root, size):
 
 
 def _seconds(timeout, default):
-    """An options object's timeout in seconds (its unset value: the group's)."""
-    if timeout is None or timeout == _UNSET or timeout < datetime.timedelta(0):
+    """An options object's timeout in seconds (unset, -1 ms: the group's)."""
+    if timeout is None or timeout <= _NONE:
         return default
     return timeout.total_seconds()
 
@@ -209,13 +221,18 @@ def _seconds(timeout, default):
 def _view(t):
     """A numpy view of a CPU tensor's memory (a tensor that requires grad: of its detach();
     bfloat16 as ml_dtypes.bfloat16)."""
-    if not isinstance(t, torch.Tensor):
+    if isinstance(t, _Tensor) and t.layout != _STRIDED:
+        raise ValueError(f"shmtree: the shmtree backend takes strided tensors here, got "
+                         f"{t.layout}")
+    return _strided_view(t)
+
+
+def _strided_view(t):
+    """_view of a tensor known to be strided."""
+    if not isinstance(t, _Tensor):
         raise TypeError(f"shmtree: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"shmtree: the shmtree backend takes CPU tensors, got one on {t.device}")
-    if t.layout != _STRIDED:
-        raise ValueError(f"shmtree: the shmtree backend takes strided tensors here, got "
-                         f"{t.layout}")
     if t.dtype == torch.bfloat16:
         return as_numpy(t, "the shmtree backend")
     return t.detach().numpy()
@@ -439,6 +456,10 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             self._group = Group.from_token(store.get(_TOKEN_KEY))
         self._comm = self._group.join(rank)
         self._size = size
+        try:                              # (bfloat16's numpy type: imported by every rank here,
+            import ml_dtypes  # noqa: F401    not by one rank inside its first bfloat16 call
+        except ImportError:               # while the others wait in theirs)
+            pass
         self._failure = None              # a failure nobody has seen yet, for the next operation
         self._issuing = threading.Lock()  # one thread at a time makes this group's calls
         self._completions = None          # the completion thread's queue (made on first use)
@@ -553,19 +574,18 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     # ---- collectives ----
 
-    def allreduce(self, tensors, opts=None, op=None, timeout=None):
+    def allreduce(self, tensors, opts=None, *args, **kwargs):
         """allreduce(tensors, opts) and allreduce(tensors, op=SUM, timeout=None): every tensor
         of the list gets the reduction over all ranks and all the list's tensors (gloo's)."""
-        if type(opts) is not _AllreduceOptions or op is not None or timeout is not None:
-            opts = _options(opts, _AllreduceOptions, "allreduce", reduceOp=op, timeout=timeout)
+        if type(opts) is not _AllreduceOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _AllreduceOptions, "allreduce", (_OP, _TIMEOUT))
         if type(tensors) is not list:
             tensors = _tensors(tensors, "allreduce")
         red = _op(opts.reduceOp)
         secs = _seconds(opts.timeout, self._timeout)
         if len(tensors) == 1 and tensors[0].layout == _STRIDED:
-            t = tensors[0]
             _check_avg(red, tensors, "all_reduce")
-            a = _view(t)
+            a = _strided_view(tensors[0])
             return self._work([_call(calls.allreduce, self._comm, a,
                                      "sum" if red == "avg" else red, out=a, timeout=secs)],
                               a.nbytes, lambda: self._divide(tensors, red))
@@ -659,11 +679,11 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 t.copy_(out)
         return _done(tensors)
 
-    def broadcast(self, tensors, opts=None, root=None, timeout=None):
+    def broadcast(self, tensors, opts=None, *args, **kwargs):
         """broadcast(tensors, opts) and broadcast(tensor, root, timeout=None): the root rank's
         tensors[opts.rootTensor] goes to every tensor of every rank's list (gloo's)."""
-        if type(opts) is not _BroadcastOptions or root is not None or timeout is not None:
-            opts = _options(opts, _BroadcastOptions, "broadcast", rootRank=root, timeout=timeout)
+        if type(opts) is not _BroadcastOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _BroadcastOptions, "broadcast", (_ROOT, _TIMEOUT))
         if type(tensors) is not list:
             tensors = _tensors(tensors, "broadcast")
         comm, root, rt = self._comm, opts.rootRank, opts.rootTensor
@@ -687,12 +707,10 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         return self._work([_call(calls.broadcast, comm, a, root, out=a, timeout=secs)],
                           a.nbytes, finish)
 
-    def reduce(self, tensors, opts=None, root=None, op=None, timeout=None):
+    def reduce(self, tensors, opts=None, *args, **kwargs):
         """reduce(tensors, opts) and reduce(tensor, root, op=SUM, timeout=None)."""
-        if type(opts) is not _ReduceOptions or root is not None or op is not None \
-                or timeout is not None:
-            opts = _options(opts, _ReduceOptions, "reduce", rootRank=root, reduceOp=op,
-                            timeout=timeout)
+        if type(opts) is not _ReduceOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _ReduceOptions, "reduce", (_ROOT, _OP, _TIMEOUT))
         if type(tensors) is not list:
             tensors = _tensors(tensors, "reduce")
         comm, root = self._comm, opts.rootRank
@@ -710,22 +728,21 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                                  out=a if comm.rank == root else None, timeout=secs)],
                           a.nbytes, lambda: self._divide(tensors, red, comm.rank == root))
 
-    def allgather(self, output_tensors, input_tensors, opts=None, timeout=None):
+    def allgather(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
         """allgather(output_lists, input_tensors, opts) and allgather(output_tensors,
         input_tensor, timeout=None).  n inputs fill each of n output lists of n*size tensors:
         rank r's input j is entry r*n+j (gloo's); the future's value is the one output list
         for n = 1, the list of them otherwise."""
         what = "allgather"
+        if type(opts) is not _AllgatherOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _AllgatherOptions, what, (_TIMEOUT,))
         if isinstance(input_tensors, _Tensor):     # the convenience form
-            if isinstance(opts, datetime.timedelta):
-                opts, timeout = None, opts
             output_tensors, input_tensors = [_tensors(output_tensors, what, "output_tensors")], \
                 [input_tensors]
         else:
             output_tensors = _tensor_lists(output_tensors, what, "output_tensors")
             input_tensors = _tensors(input_tensors, what, "input_tensors")
-        secs = _seconds(timeout if timeout is not None else getattr(opts, "timeout", None),
-                        self._timeout)
+        secs = _seconds(opts.timeout, self._timeout)
         comm, size = self._comm, self._comm.size
         n = len(input_tensors)
         if n == 0:
@@ -780,13 +797,13 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         return self._work([_call(calls.allgather, comm, _view(input), out=out, timeout=secs)],
                           out.nbytes, finish)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None, op=None, timeout=None):
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
         """reduce_scatter(outputs, input_lists, opts) and reduce_scatter(output, inputs,
         op=SUM, timeout=None): rank r's output gets the reduction of every rank's inputs[r];
         the inputs' sizes may differ (rank r's output has inputs[r]'s)."""
         what = "reduce_scatter"
-        if type(opts) is not _ReduceScatterOptions or op is not None or timeout is not None:
-            opts = _options(opts, _ReduceScatterOptions, what, reduceOp=op, timeout=timeout)
+        if type(opts) is not _ReduceScatterOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
         if isinstance(output_tensors, _Tensor):    # the convenience form
             output_tensors, input_tensors = [output_tensors], [_tensors(input_tensors, what)]
         else:
@@ -841,7 +858,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         """reduce_scatter_tensor: input holds size blocks of output's size, dim 0 rank-major."""
         what = "reduce_scatter_tensor"
         if type(opts) is not _ReduceScatterOptions:
-            opts = _options(opts, _ReduceScatterOptions, what, reduceOp=None)
+            opts = _form(opts, (), {}, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
         red, comm = _op(opts.reduceOp), self._comm
         if output.dtype != input.dtype:
             raise _invalid(what, f"invalid tensor type (expected {input.dtype}, got "
@@ -865,12 +882,11 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
 
-    def barrier(self, opts=None, timeout=None):
+    def barrier(self, opts=None, *args, **kwargs):
         """barrier(opts) and barrier(timeout=None)."""
-        if isinstance(opts, datetime.timedelta):
-            opts, timeout = None, opts
-        secs = _seconds(timeout if timeout is not None else getattr(opts, "timeout", None),
-                        self._timeout)
+        if type(opts) is not _BarrierOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _BarrierOptions, "barrier", (_TIMEOUT,))
+        secs = _seconds(opts.timeout, self._timeout)
         return self._work([_call(calls.barrier, self._comm, timeout=secs)], 0, lambda: [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
@@ -879,7 +895,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         backend but gloo: call it on the group, dist.group.WORLD.monitored_barrier(timeout)."""
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
-        work = self.barrier(timeout=timeout if timeout is not None else None)
+        work = self.barrier(timeout=timeout)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -893,7 +909,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         allreduce's list), as one collective."""
         what = "allreduce_coalesced"
         if type(opts) is not _AllreduceCoalescedOptions:
-            opts = _options(opts, _AllreduceCoalescedOptions, what, reduceOp=None)
+            opts = _form(opts, (), {}, _AllreduceCoalescedOptions, what, (_OP, _TIMEOUT))
         tensors = _tensors(tensors, what)
         if not tensors:
             raise _invalid(what, "requires non-empty tensor list")
@@ -998,7 +1014,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         """reduce_scatter_tensor of each pair: one reduce_scatter per dtype."""
         what = "reduce_scatter_tensor_coalesced"
         if type(opts) is not _ReduceScatterOptions:
-            opts = _options(opts, _ReduceScatterOptions, what, reduceOp=None)
+            opts = _form(opts, (), {}, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
         outputs, inputs = _tensors(outputs, what, "outputs"), _tensors(inputs, what, "inputs")
         comm, size = self._comm, self._comm.size
         if not inputs:

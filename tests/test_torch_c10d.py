@@ -32,7 +32,22 @@ dist = pytest.importorskip("torch.distributed", reason="the torch backend needs 
 mp = pytest.importorskip("torch.multiprocessing", reason="these tests start torch's processes")
 
 SIZES = (2, 3)
-LAUNCH_S = 150                     # one launch's time limit (all its cases)
+LAUNCH_S = 300                     # one launch's time limit (all its cases; a loaded machine)
+
+# ported cases that cannot pass on shmtree, and why (xfail, strict: they fail, or the port is
+# wrong)
+NOT_SHMTREE = {
+    "test_monitored_barrier": "torch.distributed.monitored_barrier raises ValueError for every "
+                              "backend but gloo (distributed_c10d.py) before it asks the group; "
+                              "the group's monitored_barrier works (extra_monitored_barrier_on_"
+                              "the_group)",
+}
+# ported cases that fail on gloo itself at some world size (the comparison is then moot)
+NOT_GLOO = {
+    ("test_allreduce_basics", 3): "gloo's float16 sum of 3 ranks differs from torch's "
+                                  "stack().sum() (gloo rounds after each addition; shmtree adds "
+                                  "in float32 and rounds once, as torch does)",
+}
 c10d = dist
 
 
@@ -1249,6 +1264,14 @@ def extra_powerSGD(self):
     self.value = [p.detach().reshape(-1)[:16].tolist() for p in model.parameters()]
 
 
+@case
+def extra_monitored_barrier_on_the_group(self):
+    """The group's own monitored_barrier (torch's dist.monitored_barrier asks it of gloo's
+    groups only)."""
+    self.value = dist.group.WORLD.monitored_barrier(datetime.timedelta(seconds=30),
+                                                    wait_all_ranks=True)
+
+
 EXTRA = tuple(name for name in CASES if name not in PORTED)
 
 
@@ -1302,6 +1325,7 @@ def cases_worker(rank, size, backend, store_path, outdir, names):
             torch.manual_seed(1234)               # (torch's TestCase seeds every test)
             random.seed(1234)
             t = Case(backend, rank, size, pg, outdir)
+            t0 = time.monotonic()
             try:
                 CASES[name](t)
                 outcome = "ok"
@@ -1309,7 +1333,8 @@ def cases_worker(rank, size, backend, store_path, outdir, names):
                 outcome = f"{type(exc).__name__}: {str(exc)[:600]}"
                 tb = traceback.format_exc()[-1500:]
                 outcome += "\n" + tb
-            out.write(json.dumps({"case": name, "outcome": outcome, "value": t.value},
+            out.write(json.dumps({"case": name, "outcome": outcome, "value": t.value,
+                                  "seconds": round(time.monotonic() - t0, 3)},
                                  default=str) + "\n")
             out.flush()
     _store_barrier(store, "done", size)
@@ -1370,7 +1395,13 @@ def test_ported_case_passes_as_on_gloo(launches, name, size):
     """torch's test, ported: it passes on gloo, and on shmtree."""
     gloo = launches["gloo", size][0][name]
     ours = launches["shmtree", size][0][name]
-    assert not _failed(gloo), f"(gloo) {_failed(gloo)[0]}"
+    if (name, size) in NOT_GLOO:
+        assert _failed(gloo), f"gloo passes {name} now: {NOT_GLOO[name, size]}"
+    else:
+        assert not _failed(gloo), f"(gloo) {_failed(gloo)[0]}"
+    if name in NOT_SHMTREE:
+        assert _failed(ours), f"{name} passes on shmtree now"
+        pytest.xfail(NOT_SHMTREE[name])
     assert not _failed(ours), _failed(ours)[0]
 
 
@@ -1414,6 +1445,10 @@ if __name__ == "__main__":             # a table of the outcomes: python tests/t
         for backend in ("gloo", "shmtree"):
             t0 = time.monotonic()
             table[backend, size] = run_cases(backend, size, d)[0]
+            with open(os.path.join(d, f"{backend}-{size}-0.jsonl")) as f:
+                took = sorted(((json.loads(x)["seconds"], json.loads(x)["case"]) for x in f),
+                              reverse=True)[:6]
+            print("   slowest:", ", ".join(f"{c} {t:.1f}s" for t, c in took), flush=True)
             print(f"# {backend} world size {size}: {time.monotonic() - t0:.1f} s", flush=True)
     for name in CASES:
         row = []
