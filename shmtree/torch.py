@@ -47,7 +47,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from . import calls
@@ -72,6 +71,7 @@ _AllgatherOptions = _c10d.AllgatherOptions
 _BarrierOptions = _c10d.BarrierOptions
 _AllreduceCoalescedOptions = dist.AllreduceCoalescedOptions
 _Tensor = torch.Tensor
+_CFuture = torch._C.Future
 _STRIDED = torch.strided
 _SPARSE = torch.sparse_coo
 _NONE = datetime.timedelta(0)       # an options object's timeout at most this: none given
@@ -423,11 +423,42 @@ class _FailedWork(dist.Work):
         pass
 
 
-def _done(value):
-    """The Work of an operation done at once: its future holds `value`."""
-    fut = Future()
-    fut.set_result(value)
-    return _create_work_from_future(fut)
+class _DoneWork(dist.Work):
+    """The Work of an operation done at once: its future (made when asked for: most callers,
+    torch.distributed's blocking functions, only wait) holds `value`."""
+
+    def __init__(self, value):
+        super().__init__()
+        self._value = value
+        self._future = None
+
+    def wait(self, timeout=None):
+        return True
+
+    def get_future(self):
+        fut = self._future
+        if fut is None:                           # (torch's C++ Future, which a Work made from
+            fut = self._future = _CFuture([])     # a future gives too: the Python subclass's
+            fut.set_result(self._value)           # methods cost more)
+        return fut
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._value
+
+    def synchronize(self):
+        pass
+
+
+_done = _DoneWork
 
 
 def _unsupported(method, what):
@@ -464,6 +495,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         self._issuing = threading.Lock()  # one thread at a time makes this group's calls
         self._completions = None          # the completion thread's queue (made on first use)
         self._completer = None
+        self._stopped = False             # shut down: no completion thread any more
         # rank 0's descriptor must stay open until everyone has attached: meet once
         self._comm._run(calls.barrier(self._comm, self._timeout))
         _LIVE.add(self)
@@ -488,6 +520,9 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         inside one)."""
         q = self._completions
         if q is None:
+            if self._stopped:                     # (a completion after shutdown: run here)
+                fn()
+                return
             q = self._completions = queue.SimpleQueue()
             self._completer = threading.Thread(target=_completion_loop, args=(q,),
                                                name=f"shmtree-torch-completion-{self._size}",
@@ -529,9 +564,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                                          f"failed: {type(exc).__name__}: {exc}")
                     self._failure = error
                     return _FailedWork(error, self)
-            fut = Future()
-            fut.set_result(value)
-            return _create_work_from_future(fut)
+            return _DoneWork(value)
         # Everything the posted path needs is made before the first call is posted: from then
         # on the progress thread wants the GIL, and each step left here would make it (and the
         # peers waiting for this rank's part) wait behind this thread.
@@ -1078,6 +1111,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                                    "_coalescing_manager with a device)")
 
     def shutdown(self):
+        self._stopped = True
         q, self._completions = self._completions, None
         if q is not None:
             q.put(None)
