@@ -19,6 +19,7 @@ CollectiveMismatchError on every rank and the group stays usable.
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 
 import numpy as np
@@ -173,7 +174,7 @@ class Executors:
 
     def _alltoall(self, spec):
         a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
-        P, me = self.size, self.rank
+        me = self.rank
         digest = calls.dtype_digest(a.dtype)
         if spec.counts is None:               # (equal blocks: the engine's own form)
             result, copy_back = calls.out_for(out, a.shape, a.dtype, "alltoall")
@@ -181,14 +182,14 @@ class Executors:
             self._call(ALLTOALL, src, result, None, 0, kind, deadline, digest)
             return calls.finish(result, copy_back)
         rest = a.shape[1:]
-        table = self._counts_round(spec.counts, a, None, kind, deadline)
-        n = int(table[:, me].sum())
+        table, said = self._counts_round(spec.counts, a, None, kind, deadline)
+        n = sum(row[me] for row in said)
         if out is not None and out.shape[0] != n:
             self._said(ValueError(f"shmtree: alltoall: out has {out.shape[0]} rows; this rank "
                                   f"receives {n}"), kind, deadline)
         result, copy_back = calls.out_for(out, (n,) + rest, a.dtype, "alltoall")
         src = _apart(_plain(a), result)
-        B = (table * _row_bytes(a)).astype(np.uint64).reshape(-1)
+        B = (table * np.uint64(_row_bytes(a))).reshape(-1)
         self._exchange(src, result, B, kind, rest + (a.dtype.itemsize, digest), deadline)
         return calls.finish(result, copy_back)
 
@@ -207,26 +208,26 @@ class Executors:
                     src = src.copy()
                 self._call(ALLGATHER, src, result, None, 0, kind, deadline, digest)
                 return calls.finish(result, copy_back) if mine else None
-            B = np.zeros((P, P), np.uint64)
-            B[:, root] = a.nbytes
+            B = np.zeros(P * P, np.uint64)
+            B[root::P] = a.nbytes
             dims = a.shape + (a.dtype.itemsize, digest)
         else:
             rest = a.shape[1:]
-            table = self._counts_round((a.shape[0],), a, root, kind, deadline)
-            n = int(table[:, 0].sum())
+            table, said = self._counts_round((a.shape[0],), a, root, kind, deadline)
+            n = sum(row[0] for row in said)
             if mine and out is not None and out.shape[0] != n:
                 self._said(ValueError(f"shmtree: gather: out has {out.shape[0]} rows; the "
                                       f"ranks send {n}"), kind, deadline)
             shape = (n,) + rest
-            B = np.zeros((P, P), np.uint64)
-            B[:, root] = table[:, 0] * _row_bytes(a)
+            B = np.zeros(P * P, np.uint64)
+            B[root::P] = table[:, 0] * np.uint64(_row_bytes(a))
             dims = rest + (a.dtype.itemsize, digest)
         if mine:
             result, copy_back = calls.out_for(out, shape, a.dtype, "gather")
             src = _apart(src, result)
         else:
             result, copy_back = _NOTHING, None
-        self._exchange(src, result, B.reshape(-1), kind, dims, deadline)
+        self._exchange(src, result, B, kind, dims, deadline)
         return calls.finish(result, copy_back) if mine else None
 
     def _scatter(self, spec):
@@ -238,7 +239,7 @@ class Executors:
                                         np.empty((0,) + a.shape, a.dtype) if mine else None,
                                         root=root, deadline=deadline))
         shape, dtype = meta.shape[1:], meta.dtype
-        row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        row = dtype.itemsize * math.prod(shape[1:])
         if spec.axis is None:
             rows = [1] * P
         else:
@@ -249,10 +250,10 @@ class Executors:
             result, copy_back = calls.out_for(out, block, dtype, "scatter")
         except ValueError as exc:             # (a rank's out= against the root's block)
             self._said(exc, kind, deadline)
-        B = np.zeros((P, P), np.uint64)
-        B[root] = np.array(rows, np.uint64) * row
+        B = np.zeros(P * P, np.uint64)
+        B[root * P:root * P + P] = [n * row for n in rows]
         src = _apart(_plain(a), result) if mine else _NOTHING
-        self._exchange(src, result, B.reshape(-1), kind,
+        self._exchange(src, result, B, kind,
                        shape + (dtype.itemsize, calls.dtype_digest(dtype)), deadline)
         return calls.finish(result, copy_back)
 
@@ -311,9 +312,9 @@ class Executors:
 
     def _counts_round(self, counts, a, root, kind, deadline):
         """A round of counts before a call whose blocks differ in size (alltoall(counts=),
-        gather(axis=0)): every rank's counts, as a (P, len(counts)) int64 table, after checking
-        that every rank passed the same root, dtype and dimensions after the first (else
-        CollectiveMismatchError on every rank, naming what each passed)."""
+        gather(axis=0)): every rank's counts, as a (P, len(counts)) uint64 table and as lists by
+        rank, after checking that every rank passed the same root, dtype and dimensions after
+        the first (else CollectiveMismatchError on every rank, naming what each passed)."""
         P, me = self.size, self.rank
         w = len(counts)
         table = np.zeros((P, w + 2), np.uint64)
@@ -324,8 +325,8 @@ class Executors:
         base = kind % KIND_ROOT_STEP
         self._call(ALLREDUCE, raw, raw, "bor", 0, KIND_COUNTS + KIND_ROOT_STEP * base, deadline,
                    0, (P, w + 2))
-        tail = table[:, w:]
-        if (tail != tail[0]).any():
+        said = table.tolist()
+        if any(row[w:] != said[0][w:] for row in said):
             said = self._words_round(("" if root is None else f"root={root}, ")
                                      + f"shape {a.shape} and dtype {_dtype_words(a.dtype)}",
                                      deadline)
@@ -334,7 +335,7 @@ class Executors:
                 f"shmtree: ranks disagree on the collective call: {kind_name(base)}: "
                 f"{what}the dtype or the dimensions after the first differ: "
                 + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
-        return table[:, :w].astype(np.int64)
+        return table[:, :w], said
 
     def _said(self, exc, kind, deadline):
         """A local error this rank found after a round of its call (an out= that does not fit
@@ -450,7 +451,7 @@ def _apart(src, dst):
 
 
 def _row_bytes(a):
-    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+    return a.dtype.itemsize * math.prod(a.shape[1:])
 
 
 def _fold(rows, opc):

@@ -51,6 +51,7 @@ __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allga
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
+_ENGINE_RESULT = object()   # (_bound_run: return the engine's result)
 RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
                             # the members waiting for it in a collective give up
 
@@ -150,10 +151,12 @@ class Communicator(Messages, Front, Executors):
         already, through _start) when it cannot: the communicator unusable, nonblocking calls
         outstanding, the engine declining the arrays.  None for the other calls."""
         coll = spec.coll
+        a, out, timeout = spec.array, spec.out, spec.timeout
+        if coll == calls.GATHER:
+            return self._bind_gather(spec, slow)
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
                 coll == ALLTOALL and spec.counts is not None):
             return None
-        a, out, timeout = spec.array, spec.out, spec.timeout
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
             return None
@@ -166,23 +169,7 @@ class Communicator(Messages, Front, Executors):
         claim = out if a is None else a
 
         if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
-            def run():
-                progress = self._progress
-                if self._closed or group._closed or self._gen != session._fork_gen or (
-                        progress is not None and (progress.outstanding
-                                                  or progress.is_current_thread())):
-                    return slow()
-                try:
-                    got = eng.call(coll, a, out, op, root, kind, None, tag)
-                    if got is None:
-                        return slow()
-                    if got[0] != done:
-                        return self._finish(eng, got[0], None, got[1])
-                except BaseException as exc:
-                    self._interrupted(eng, exc)
-                    raise
-                return got[1]
-            return run
+            return self._bound_run(coll, a, out, op, root, kind, tag, slow)
 
         def run():
             if self._closed or group._closed or self._gen != session._fork_gen:
@@ -206,6 +193,41 @@ class Communicator(Messages, Front, Executors):
                 return self._broadcast_rest(result, claim, root, out, kind,
                                             None if start is None else start + timeout)
             return result
+        return run
+
+    def _bind_gather(self, spec, slow):
+        """_bind of a small gather (axis=None, what Executors._gather runs as one allgather):
+        that one engine call, into the root's bound output or a scratch array elsewhere."""
+        a, out, P = spec.array, spec.out, self.size
+        mine = self.rank == spec.root
+        if spec.axis is not None or type(a) is not np.ndarray or spec.timeout is not None \
+                or a.nbytes * P > self._plan.small_bytes or (mine and type(out) is not np.ndarray):
+            return None
+        dst = out if mine else np.empty((P,) + a.shape, a.dtype)
+        return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
+                               slow, dst if mine else None)
+
+    def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
+        """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
+        child, nonblocking calls outstanding: then slow(), the bound spec through _start), one
+        Engine.call, and its result - or `give`, when given (a gather's output)."""
+        eng, group, done = self._engine, self.group, _engine.DONE
+
+        def run():
+            progress = self._progress
+            if self._closed or group._closed or self._gen != session._fork_gen or (
+                    progress is not None and (progress.outstanding
+                                              or progress.is_current_thread())):
+                return slow()
+            try:
+                got = eng.call(coll, a, out, op, root, kind, None, tag)
+                if got is None:
+                    return slow()
+                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
+            except BaseException as exc:
+                self._interrupted(eng, exc)
+                raise
+            return result if give is _ENGINE_RESULT else give
         return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):

@@ -100,6 +100,7 @@ class Spanning(SpanningMessages, Front, Pipelines):
         if self.nodes == 1:          # one node: its own communicator makes every call
             self._run, self._post = local._run, local._post
             self._quick, self._local_error = local._quick, local._local_error
+            self._bind = local._bind     # (persistent calls: the node's bound engine call)
         _ALIVE.add(self)
 
     # the module-level calls see this object through shmtree.current()

@@ -341,7 +341,7 @@ class Pipelines:
           2. on the lanes (Link.exchange): local rank q sends lane peer m, for each member of
              its node in local order, that member's block for node m's rank of local rank q.
         Each rank then holds every block for itself, and puts them in source order."""
-        P, N, k = self.size, self.nodes, self.node_size
+        N, k = self.nodes, self.node_size
         members, node, r, me = self._members, self.node, self.node_rank, self.rank
         mine = members[node]
         off, into = _offsets(B[me]), _offsets(B[:, me])

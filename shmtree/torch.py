@@ -7,44 +7,74 @@ size (not pinned: torch runs threads of its own) and publishes its rendezvous to
 attach with Group.from_token (only processes of the same user can) and every rank joins.  Each
 operation builds shmtree's calls on numpy views of the tensors (CallSpecs, calls.py; the same
 memory: in place, no copies for contiguous tensors), runs or posts them (the communicator's
-_run / _post, the path of its public methods) and returns a Work made from a torch Future
-that the call's completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
+_run / _post, the path of its public methods) and returns a Work whose future the call's
+completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
 operation raises from `wait()` and fails its future (never a success with unreduced data).
+
+Every method is callable as torch documents ProcessGroup's: `opts` optional, the convenience
+forms (`pg.allreduce(t)`, `pg.broadcast(t, root=0)`, `pg.allgather(outs, t)`,
+`pg.reduce(t, root=0, op=...)`, `pg.reduce_scatter(out, parts)`, `pg.barrier(timeout)`), lists
+of several tensors as gloo treats them (allreduce reduces all of them together, broadcast sends
+the root's `rootTensor` to every tensor, allgather of n inputs fills n lists of n*size), gloo's
+argument checks (RuntimeErrors with gloo's words, raised by the call), uneven reduce_scatter,
+future values shaped as gloo's; sparse COO allreduce (indices and values gathered, then
+coalesced, as gloo does); the coalesced forms; monitored_barrier.  Argument errors raise from
+the call; a failure of the collective itself (a mismatch, a dead peer, a timeout) from
+`wait()`.  Futures complete outside shmtree's progress thread, so their `then()` callbacks may
+issue collectives (DDP comm hooks such as PowerSGD).
+
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
 integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
-the backend does not offer raises NotImplementedError naming shmtree and the operation.
+the backend does not offer yet (gather, scatter, all_to_all, send/recv) raises
+NotImplementedError naming shmtree and the operation.
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
-all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier; CPU tensors
-of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), float32/64,
-complex64/128).  torch is optional: `pip install "shmtree[torch]"`.
+all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier, the
+coalesced forms, monitored_barrier; CPU tensors of the dtypes shmtree reduces (bool, ints,
+float16, bfloat16 (with ml_dtypes), float32/64, complex64/128).  torch is optional:
+`pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
 import datetime
+import queue
+import threading
 import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+import torch._C._distributed_c10d as _c10d
 from torch.futures import Future
 
 from . import calls
-from .arrays import _to_torch, as_numpy
+from .arrays import as_numpy
 from .group import Group
 
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
-             "reduce_scatter_tensor, barrier")
-
+             "reduce_scatter_tensor, barrier, monitored_barrier, the coalesced forms")
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+# the options classes, looked up once (the hot path compares types)
+_AllreduceOptions = dist.AllreduceOptions
+_BroadcastOptions = dist.BroadcastOptions
+_ReduceOptions = dist.ReduceOptions
+_ReduceScatterOptions = dist.ReduceScatterOptions
+_AllgatherOptions = _c10d.AllgatherOptions
+_BarrierOptions = _c10d.BarrierOptions
+_AllreduceCoalescedOptions = dist.AllreduceCoalescedOptions
+_Tensor = torch.Tensor
+_CFuture = torch._C.Future
+_STRIDED = torch.strided
+_SPARSE = torch.sparse_coo
+_NONE = datetime.timedelta(0)       # an options object's timeout at most this: none given
 
 
 def _op_name(reduce_op):
@@ -81,10 +111,125 @@ def _check_avg(op, tensors, what):
                                "(use a floating-point tensor, or ReduceOp.SUM and divide)")
 
 
+# ---- the arguments, as torch documents them and gloo checks them ----
+
+
+def _invalid(what, text):
+    """An invalid argument: gloo's RuntimeError, its words, naming shmtree and the operation."""
+    return RuntimeError(f"shmtree: ProcessGroupShmtree.{what}: {text}")
+
+
+def _form(opts, args, kwargs, cls, what, fields):
+    """The options object of a call: opts itself when it is one of cls (the form torch's C++
+    and torch.distributed use), else one made from the convenience form's arguments - opts,
+    then args, positionally, and kwargs, bound to `fields` ((parameter, option), in torch's
+    order: allreduce(tensors, op, timeout), broadcast(tensor, root, timeout), ...)."""
+    if isinstance(opts, cls) and not args and not kwargs:
+        return opts
+    if isinstance(opts, cls):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: an options object and "
+                        f"{', '.join(kwargs) or 'more arguments'} given")
+    values = ((opts,) if opts is not None else ()) + tuple(args)
+    names = [name for name, _ in fields]
+    if len(values) > len(names) or any(k not in names for k in kwargs):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}() takes ({', '.join(names)}) "
+                        f"after its tensors, or an options object")
+    given = dict(zip(names, values))
+    for key, value in kwargs.items():
+        if key in given:
+            raise TypeError(f"shmtree: ProcessGroupShmtree.{what}() got {key!r} twice")
+        given[key] = value
+    made = cls()
+    for name, option in fields:
+        value = given.get(name)
+        if value is not None:
+            if option == "timeout" and not isinstance(value, datetime.timedelta):
+                value = datetime.timedelta(seconds=float(value))
+            setattr(made, option, value)
+    return made
+
+
+_OP, _ROOT, _TIMEOUT = ("op", "reduceOp"), ("root", "rootRank"), ("timeout", "timeout")
+
+
+def _tensors(x, what, name="tensors"):
+    """A list of tensors: a list or tuple as given, a single tensor as a list of one."""
+    if isinstance(x, _Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: {name} must be a tensor or a list of "
+                    f"tensors, got {type(x).__name__}")
+
+
+def _tensor_lists(x, what, name):
+    """A list of lists of tensors."""
+    if not isinstance(x, (list, tuple)) or not all(isinstance(v, (list, tuple)) for v in x):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: {name} must be a list of lists "
+                        f"of tensors, got {type(x).__name__}")
+    return [list(v) for v in x]
+
+
+def _layout_name(t):
+    return "Strided" if t.layout == _STRIDED else "Sparse" if t.layout == _SPARSE \
+        else str(t.layout)
+
+
+def _size_text(t):
+    return "(" + ", ".join(str(int(n)) for n in t.shape) + ")"
+
+
+def _check_match(what, tensors, dtype=None, shape=None, start=0):
+    """gloo's assertTypeAndSizesMatch: every tensor of the list has the dtype and the shape of
+    the first (or those given)."""
+    first = tensors[0] if tensors else None
+    dtype = first.dtype if dtype is None else dtype
+    shape = first.shape if shape is None else shape
+    for i, t in enumerate(tensors):
+        if not isinstance(t, _Tensor):
+            raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: expected a torch.Tensor at "
+                            f"index {start + i}, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise _invalid(what, f"invalid tensor type at index {start + i} (expected {dtype}, "
+                                 f"got {t.dtype})")
+        if t.shape != shape:
+            raise _invalid(what, f"invalid tensor size at index {start + i} (expected "
+                                 f"({', '.join(str(int(n)) for n in shape)}), got "
+                                 f"{_size_text(t)})")
+
+
+def _check_dense(what, tensors):
+    """gloo's assertDense / assertLayoutMatch for a collective of strided tensors on the CPU."""
+    for i, t in enumerate(tensors):
+        if isinstance(t, _Tensor) and t.layout != _STRIDED:
+            raise _invalid(what, f"invalid tensor layout at index {i} (expected Strided, got "
+                                 f"{_layout_name(t)})")
+
+
+def _check_root(what, root, size):
+    if not 0 <= root < size:
+        raise _invalid(what, f"invalid root rank: {root}")
+
+
+def _seconds(timeout, default):
+    """An options object's timeout in seconds (unset, -1 ms: the group's)."""
+    if timeout is None or timeout <= _NONE:
+        return default
+    return timeout.total_seconds()
+
+
 def _view(t):
     """A numpy view of a CPU tensor's memory (a tensor that requires grad: of its detach();
     bfloat16 as ml_dtypes.bfloat16)."""
-    if not isinstance(t, torch.Tensor):
+    if isinstance(t, _Tensor) and t.layout != _STRIDED:
+        raise ValueError(f"shmtree: the shmtree backend takes strided tensors here, got "
+                         f"{t.layout}")
+    return _strided_view(t)
+
+
+def _strided_view(t):
+    """_view of a tensor known to be strided."""
+    if not isinstance(t, _Tensor):
         raise TypeError(f"shmtree: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"shmtree: the shmtree backend takes CPU tensors, got one on {t.device}")
@@ -105,13 +250,72 @@ def _shaped(t, shape, what):
     for d in shape:
         n *= d
     if t.numel() != n:
-        raise RuntimeError(f"shmtree: {what}: the output tensor has {t.numel()} elements "
-                           f"(shape {tuple(t.shape)}), expected {n}")
+        raise _invalid(what, f"invalid tensor size: the output tensor has {t.numel()} elements "
+                             f"(shape {tuple(t.shape)}), expected {n}")
     try:
         return _view(t.detach().view(shape)), None
     except RuntimeError:                          # (no view of that shape over t's strides)
         tmp = torch.empty(shape, dtype=t.dtype)
         return _view(tmp), lambda: t.detach().copy_(tmp.view(t.shape))
+
+
+def _flat(t):
+    """t's elements in order, as a 1-d tensor (a view when t is contiguous)."""
+    return t.detach().reshape(-1)
+
+
+def _bytes(t):
+    """t's elements as a contiguous 1-d uint8 tensor (a view when t is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+_ALIGN = 16                     # pieces packed into one byte buffer start at multiples of this
+
+
+def _packed(tensors):
+    """(a contiguous uint8 tensor holding each tensor's bytes, each piece starting at a
+    multiple of _ALIGN; the pieces' (offset, nbytes))."""
+    pieces, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        pieces.append((offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    buf = torch.empty(max(offset, _ALIGN), dtype=torch.uint8)
+    for t, (off, nbytes) in zip(tensors, pieces):
+        if nbytes:
+            buf[off:off + nbytes].copy_(_bytes(t))
+    return buf, pieces
+
+
+def _unpacked(buf, offset, nbytes, like):
+    """The tensor of `like`'s dtype and shape over bytes [offset, offset+nbytes) of buf."""
+    if nbytes == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return buf[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+
+_LOCAL = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "prod": torch.Tensor.mul_,
+          "band": torch.Tensor.bitwise_and_, "bor": torch.Tensor.bitwise_or_,
+          "bxor": torch.Tensor.bitwise_xor_}
+
+
+def _reduced_locally(tensors, op):
+    """The elementwise reduction of the tensors of one rank's list (gloo reduces a list of
+    several tensors locally, then across the ranks): a new contiguous tensor."""
+    acc = tensors[0].detach().clone(memory_format=torch.contiguous_format)
+    for t in tensors[1:]:
+        t = t.detach()
+        if op == "min":
+            torch.minimum(acc, t, out=acc)
+        elif op == "max":
+            torch.maximum(acc, t, out=acc)
+        elif acc.dtype == torch.bool and op in ("sum", "avg"):
+            acc.logical_or_(t)
+        elif acc.dtype == torch.bool and op == "prod":
+            acc.logical_and_(t)
+        else:
+            _LOCAL[op](acc, t)
+    return acc
 
 
 class _Failed:
@@ -138,9 +342,10 @@ class _PostedWork(dist.Work):
     """The Work of a posted operation: wait() returns once it is done and raises its failure;
     get_future() fails likewise (see _settle)."""
 
-    def __init__(self, requests, source, future):
+    def __init__(self, requests, source, future, pg):
         super().__init__()
         self._requests, self._source, self._future = requests, source, future
+        self._pg = pg
         self._error = None              # the failure, set before the source completes
 
     def wait(self, timeout=None):
@@ -151,7 +356,7 @@ class _PostedWork(dist.Work):
         except (TimeoutError, concurrent.futures.TimeoutError):     # (one type from 3.11)
             raise RuntimeError(f"shmtree: the operation is not done after {seconds} s "
                                "(Work.wait timed out; it is still running)") from None
-        self._source.wait()             # (its completion callback has run)
+        self._source.wait()             # (its completion has run)
         try:
             # and the future's own value is made: the then() of the source runs in the thread
             # that completed it, possibly after the source's waiters were woken
@@ -160,6 +365,7 @@ class _PostedWork(dist.Work):
             if self._error is None:
                 raise
         if self._error is not None:
+            self._pg._seen(self._error)
             raise RuntimeError(str(self._error))
         return True
 
@@ -183,9 +389,81 @@ class _PostedWork(dist.Work):
         pass
 
 
+class _FailedWork(dist.Work):
+    """The Work of an operation that ran at once and failed (a mismatch, a dead peer, a
+    timeout): wait() raises its failure and its future is failed (a Work made from a failed
+    torch future would report success from wait())."""
+
+    def __init__(self, error, pg):
+        super().__init__()
+        self._error, self._pg = error, pg
+        self._future = Future()
+        self._future.set_exception(error)
+
+    def wait(self, timeout=None):
+        self._pg._seen(self._error)
+        raise RuntimeError(str(self._error))
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return False
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+
+    def synchronize(self):
+        pass
+
+
+class _DoneWork(dist.Work):
+    """The Work of an operation done at once: its future (made when asked for: most callers,
+    torch.distributed's blocking functions, only wait) holds `value`."""
+
+    def __init__(self, value):
+        super().__init__()
+        self._value = value
+        self._future = None
+
+    def wait(self, timeout=None):
+        return True
+
+    def get_future(self):
+        fut = self._future
+        if fut is None:                           # (torch's C++ Future, which a Work made from
+            fut = self._future = _CFuture([])     # a future gives too: the Python subclass's
+            fut.set_result(self._value)           # methods cost more)
+        return fut
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._value
+
+    def synchronize(self):
+        pass
+
+
+_done = _DoneWork
+
+
 def _unsupported(method, what):
-    """A ProcessGroup method the backend does not offer: it raises, naming shmtree and the
-    operation (NotImplementedError: a RuntimeError, the type torch's C++ carries)."""
+    """A ProcessGroup method the backend does not offer (yet): it raises, naming shmtree and
+    the operation (NotImplementedError: a RuntimeError, the type torch's C++ carries)."""
     def refuse(self, *args, **kwargs):
         raise NotImplementedError(
             f"shmtree: {what} is not supported yet by the shmtree backend "
@@ -208,7 +486,16 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         else:
             self._group = Group.from_token(store.get(_TOKEN_KEY))
         self._comm = self._group.join(rank)
-        self._failure = None              # a posted operation's failure, for the next one
+        self._size = size
+        try:                              # (bfloat16's numpy type: imported by every rank here,
+            import ml_dtypes  # noqa: F401    not by one rank inside its first bfloat16 call
+        except ImportError:               # while the others wait in theirs)
+            pass
+        self._failure = None              # a failure nobody has seen yet, for the next operation
+        self._issuing = threading.Lock()  # one thread at a time makes this group's calls
+        self._completions = None          # the completion thread's queue (made on first use)
+        self._completer = None
+        self._stopped = False             # shut down: no completion thread any more
         # rank 0's descriptor must stay open until everyone has attached: meet once
         self._comm._run(calls.barrier(self._comm, self._timeout))
         _LIVE.add(self)
@@ -221,17 +508,38 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     # ---- work objects ----
 
+    def _seen(self, error):
+        """A failure was raised to someone (Work.wait): the next operation need not."""
+        if self._failure is error:
+            self._failure = None
+
+    def _complete(self, fn):
+        """Run fn in the completion thread (started on first use): posted operations' futures
+        are completed there, outside shmtree's progress thread, so that their then()
+        callbacks may issue collectives (DDP comm hooks: PowerSGD waits on an all_reduce
+        inside one)."""
+        q = self._completions
+        if q is None:
+            if self._stopped:                     # (a completion after shutdown: run here)
+                fn()
+                return
+            q = self._completions = queue.SimpleQueue()
+            self._completer = threading.Thread(target=_completion_loop, args=(q,),
+                                               name=f"shmtree-torch-completion-{self._size}",
+                                               daemon=True)
+            self._completer.start()
+        q.put(fn)
+
     def _work(self, made, nbytes, finish):
         """Make the calls - each of `made` (_call's) parses its call into a CallSpec (calls.py)
-        and call(True) runs it blocking, call(False) posts it (a Request) - and return a Work
-        whose future finish() sets (its value) once they are done.  Messages of at most
-        INLINE_BYTES run blocking, at once (a hand-off to the progress thread costs more than
-        they do); larger ones are posted, so that the caller (DDP's backward pass) computes
-        meanwhile.  Calls complete in issue order either way.
-        The failure of a blocking call is raised by this call (as RuntimeError, which torch's
-        C++ carries); that of a posted one by the Work's wait(), its future's wait() and
-        value() (DDP's reducer raises it), and, should nobody wait, by the group's next
-        operation."""
+        and call(True) gives the step that runs it blocking, call(False) the step that posts it
+        (a Request) - and return a Work whose future finish() sets (its value) once they are
+        done.  Messages of at most INLINE_BYTES run blocking, at once (a hand-off to the
+        progress thread costs more than they do); larger ones are posted, so that the caller
+        (DDP's backward pass) computes meanwhile.  Calls complete in issue order either way.
+        A call's argument errors raise here; the failure of the collective (a mismatch, a dead
+        peer, a timeout) raises from the Work's wait(), fails its future (DDP's reducer raises
+        it), and, should nobody wait, is raised by the group's next operation."""
         failed, self._failure = self._failure, None
         if failed is not None:
             raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
@@ -239,23 +547,32 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         if self._group.aborted():
             raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
                                f"{self._group.describe_abort()}")
-        if nbytes <= INLINE_BYTES:
-            fut = Future()
-            try:
-                for call in made:
-                    call(True)
-                fut.set_result(finish())
-            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
-                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
-            return _create_work_from_future(fut)
+        if nbytes <= INLINE_BYTES or self._completer is threading.current_thread():
+            # (in the completion thread - a then() callback's call - blocking: a posted call's
+            # completion would queue behind the callback that waits for it)
+            with self._issuing:
+                try:
+                    steps = [call(True) for call in made]
+                except Exception as exc:          # (torch's C++ takes RuntimeErrors)
+                    raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+                try:
+                    for step in steps:
+                        step()
+                    value = finish()
+                except Exception as exc:
+                    error = RuntimeError(f"shmtree: rank {self._comm.rank}: the operation "
+                                         f"failed: {type(exc).__name__}: {exc}")
+                    self._failure = error
+                    return _FailedWork(error, self)
+            return _DoneWork(value)
         # Everything the posted path needs is made before the first call is posted: from then
         # on the progress thread wants the GIL, and each step left here would make it (and the
         # peers waiting for this rank's part) wait behind this thread.
         source = Future()
         requests = []
-        work = _PostedWork(requests, source, source.then(_settle))
+        work = _PostedWork(requests, source, source.then(_settle), self)
 
-        def done(_):
+        def complete():                           # (in the completion thread)
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
             if failed is None:
                 try:
@@ -266,17 +583,19 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 error = RuntimeError(f"shmtree: rank {self._comm.rank}: the operation failed: "
                                      f"{type(failed).__name__}: {failed}")
                 work._error = error
-                self._failure = failed            # (for the next operation, if nobody waits)
+                self._failure = error             # (for the next operation, if nobody waits)
                 source.set_result(_Failed(error))
                 return
             source.set_result(value)
 
-        try:
-            for call in made:
-                requests.append(call(False))
-        except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
-            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
-        requests[-1].add_done_callback(done)
+        with self._issuing:
+            try:
+                steps = [call(False) for call in made]
+                for step in steps:
+                    requests.append(step())
+            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+        requests[-1].add_done_callback(lambda _: self._complete(complete))
         return work
 
     def _divide(self, tensors, op, mine=True):
@@ -288,97 +607,492 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     # ---- collectives ----
 
-    def allreduce(self, tensors, opts):
-        op = _op(opts.reduceOp)
-        _check_avg(op, tensors, "all_reduce")
-        comm, timeout = self._comm, self._timeout
-        arrays = [_view(t) for t in tensors]
-        made = [_call(calls.allreduce, comm, a, "sum" if op == "avg" else op, out=a,
-                      timeout=timeout) for a in arrays]
-        return self._work(made, sum(a.nbytes for a in arrays),
-                          lambda: self._divide(tensors, op))
+    def allreduce(self, tensors, opts=None, *args, **kwargs):
+        """allreduce(tensors, opts) and allreduce(tensors, op=SUM, timeout=None): every tensor
+        of the list gets the reduction over all ranks and all the list's tensors (gloo's)."""
+        if type(opts) is not _AllreduceOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _AllreduceOptions, "allreduce", (_OP, _TIMEOUT))
+        if type(tensors) is not list:
+            tensors = _tensors(tensors, "allreduce")
+        red = _op(opts.reduceOp)
+        secs = _seconds(opts.timeout, self._timeout)
+        if len(tensors) == 1 and tensors[0].layout == _STRIDED:
+            _check_avg(red, tensors, "all_reduce")
+            a = _strided_view(tensors[0])
+            return self._work([_call(calls.allreduce, self._comm, a,
+                                     "sum" if red == "avg" else red, out=a, timeout=secs)],
+                              a.nbytes, lambda: self._divide(tensors, red))
+        if not tensors:
+            raise _invalid("allreduce", "requires non-empty tensor list")
+        layout = tensors[0].layout
+        for i, t in enumerate(tensors):
+            if t.layout != layout:
+                raise _invalid("allreduce", f"invalid tensor layout at index {i} (expected "
+                                            f"{_layout_name(tensors[0])}, got {_layout_name(t)})")
+        _check_match("allreduce", tensors)
+        if layout == _SPARSE:
+            if red != "sum":
+                raise _invalid("allreduce", "unsupported reduction operation (allreduce of "
+                                            "sparse tensors only works with ReduceOp.SUM)")
+            return self._sparse_allreduce(tensors, secs)
+        if layout != _STRIDED:
+            raise _invalid("allreduce", "unsupported layout")
+        _check_avg(red, tensors, "all_reduce")
+        for t in tensors:
+            _view(t)                              # (its checks: CPU tensors)
+        acc = _reduced_locally(tensors, red)
+        a = _view(acc)
 
-    def broadcast(self, tensors, opts):
-        comm, root = self._comm, opts.rootRank
-        arrays = [_view(t) for t in tensors]
-        made = [_call(calls.broadcast, comm, a, root, out=a, timeout=self._timeout)
-                for a in arrays]
-        return self._work(made, sum(a.nbytes for a in arrays), lambda: tensors)
+        def finish():
+            if red == "avg":
+                acc.div_(self._comm.size)
+            for t in tensors:
+                t.detach().copy_(acc)
+            return tensors
+        return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
+                                 out=a, timeout=secs)], a.nbytes, finish)
 
-    def reduce(self, tensors, opts):
-        op, root, comm = _op(opts.reduceOp), opts.rootRank, self._comm
-        _check_avg(op, tensors, "reduce")
-        arrays = [_view(t) for t in tensors]
-        made = [_call(calls.reduce, comm, a, "sum" if op == "avg" else op, root,
-                      out=a if comm.rank == root else None, timeout=self._timeout)
-                for a in arrays]
-        return self._work(made, sum(a.nbytes for a in arrays),
-                          lambda: self._divide(tensors, op, comm.rank == root))
-
-    def allgather(self, output_tensors, input_tensors, opts):
+    def _sparse_allreduce(self, tensors, secs):
+        """Sparse COO allreduce, as gloo's: the list summed locally and coalesced; every rank's
+        shape and nnz gathered, then its indices and values; their sum coalesced is copied
+        into every tensor of the list.  Runs blocking (two allgathers)."""
         comm, size = self._comm, self._comm.size
-        pairs = [(_view(t), outs) for t, outs in zip(input_tensors, output_tensors)]
-        gathered = [np.empty((size,) + a.shape, a.dtype) for a, _ in pairs]
-        made = [_call(calls.allgather, comm, a, out=g, timeout=self._timeout)
-                for (a, _), g in zip(pairs, gathered)]
+        acc = tensors[0].detach()
+        for t in tensors[1:]:
+            acc = acc + t.detach()
+        acc = acc.coalesce()
+        sparse_dim, dense_dim = acc.sparse_dim(), acc.dense_dim()
+        if sparse_dim > 4 or dense_dim > 4:
+            raise _invalid("allreduce", "sparse tensors of more than 4 sparse or dense "
+                                        "dimensions are not supported")
+        meta = torch.zeros(9, dtype=torch.int64)
+        for i in range(sparse_dim):
+            meta[i] = acc.shape[i]
+        for i in range(dense_dim):
+            meta[4 + i] = acc.shape[sparse_dim + i]
+        meta[8] = acc._nnz()
+        metas = torch.empty((size, 9), dtype=torch.int64)
+        indices = acc._indices().t().contiguous()           # (nnz, sparse_dim)
+        values = acc._values().contiguous()                 # (nnz, *dense)
+        blob, pieces = _packed([indices, values])
+        row = values[0].numel() if values.shape[0] else int(np.prod(values.shape[1:]))
+        item = values.element_size()
+
+        def run():
+            comm._start(calls.allgather(comm, _view(meta), out=_view(metas), timeout=secs))
+            if not all(torch.equal(metas[r, :8], meta[:8]) for r in range(size)):
+                raise RuntimeError("shmtree: ProcessGroupShmtree.allreduce: Sparse dimensions "
+                                   "do not match")
+            return comm._start(calls.allgather(comm, _view(blob), axis=0, timeout=secs))
+
+        with self._issuing:
+            try:
+                gathered = torch.from_numpy(np.ascontiguousarray(run()))
+            except Exception as exc:
+                error = RuntimeError(f"shmtree: rank {comm.rank}: the operation failed: "
+                                     f"{type(exc).__name__}: {exc}")
+                self._failure = error
+                return _FailedWork(error, self)
+        all_idx, all_val, off = [], [], 0
+        for r in range(size):
+            nnz = int(metas[r, 8])
+            ib, vb = nnz * sparse_dim * 8, nnz * row * item
+            vo = -(-ib // _ALIGN) * _ALIGN
+            whole = max(vo + -(-vb // _ALIGN) * _ALIGN, _ALIGN)
+            all_idx.append(_unpacked(gathered, off, ib, torch.empty((nnz, sparse_dim),
+                                                                    dtype=torch.int64)))
+            all_val.append(_unpacked(gathered, off + vo, vb,
+                                     torch.empty((nnz,) + tuple(values.shape[1:]),
+                                                 dtype=values.dtype)))
+            off += whole
+        out = torch.sparse_coo_tensor(torch.cat(all_idx).t(), torch.cat(all_val), acc.shape,
+                                      dtype=acc.dtype).coalesce()
+        with torch.no_grad():                     # (a sparse tensor's detach() is another
+            for t in tensors:                     # tensor: its copy_ would not reach t)
+                t.copy_(out)
+        return _done(tensors)
+
+    def broadcast(self, tensors, opts=None, *args, **kwargs):
+        """broadcast(tensors, opts) and broadcast(tensor, root, timeout=None): the root rank's
+        tensors[opts.rootTensor] goes to every tensor of every rank's list (gloo's)."""
+        if type(opts) is not _BroadcastOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _BroadcastOptions, "broadcast", (_ROOT, _TIMEOUT))
+        if type(tensors) is not list:
+            tensors = _tensors(tensors, "broadcast")
+        comm, root, rt = self._comm, opts.rootRank, opts.rootTensor
+        secs = _seconds(opts.timeout, self._timeout)
+        _check_root("broadcast", root, comm.size)
+        if not 0 <= rt < len(tensors):
+            raise _invalid("broadcast", f"invalid root tensor: {rt}")
+        if len(tensors) == 1:
+            a = _view(tensors[0])
+            return self._work([_call(calls.broadcast, comm, a, root, out=a, timeout=secs)],
+                              a.nbytes, lambda: tensors)
+        _check_dense("broadcast", tensors)
+        _check_match("broadcast", tensors)
+        a = _view(tensors[rt])
 
         def finish():
-            for (_, outs), g in zip(pairs, gathered):
-                for r, o in enumerate(outs):
-                    o.detach().copy_(_to_torch(g[r]))
-            return output_tensors
-        return self._work(made, sum(g.nbytes for g in gathered), finish)
+            for i, t in enumerate(tensors):
+                if i != rt:
+                    t.detach().copy_(tensors[rt].detach())
+            return tensors
+        return self._work([_call(calls.broadcast, comm, a, root, out=a, timeout=secs)],
+                          a.nbytes, finish)
 
-    def _allgather_base(self, output, input, opts):
-        comm = self._comm
-        out, put = _shaped(output, (comm.size,) + tuple(input.shape), "all_gather_into_tensor")
-        made = [_call(calls.allgather, comm, _view(input), out=out, timeout=self._timeout)]
+    def reduce(self, tensors, opts=None, *args, **kwargs):
+        """reduce(tensors, opts) and reduce(tensor, root, op=SUM, timeout=None)."""
+        if type(opts) is not _ReduceOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _ReduceOptions, "reduce", (_ROOT, _OP, _TIMEOUT))
+        if type(tensors) is not list:
+            tensors = _tensors(tensors, "reduce")
+        comm, root = self._comm, opts.rootRank
+        red = _op(opts.reduceOp)
+        secs = _seconds(opts.timeout, self._timeout)
+        _check_root("reduce", root, comm.size)
+        if not 0 <= opts.rootTensor < len(tensors):
+            raise _invalid("reduce", f"invalid root tensor: {opts.rootTensor}")
+        if len(tensors) != 1:
+            raise _invalid("reduce", "requires a single-element tensor list")
+        _check_dense("reduce", tensors)
+        _check_avg(red, tensors, "reduce")
+        a = _view(tensors[0])
+        return self._work([_call(calls.reduce, comm, a, "sum" if red == "avg" else red, root,
+                                 out=a if comm.rank == root else None, timeout=secs)],
+                          a.nbytes, lambda: self._divide(tensors, red, comm.rank == root))
+
+    def allgather(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
+        """allgather(output_lists, input_tensors, opts) and allgather(output_tensors,
+        input_tensor, timeout=None).  n inputs fill each of n output lists of n*size tensors:
+        rank r's input j is entry r*n+j (gloo's); the future's value is the one output list
+        for n = 1, the list of them otherwise."""
+        what = "allgather"
+        if type(opts) is not _AllgatherOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _AllgatherOptions, what, (_TIMEOUT,))
+        if isinstance(input_tensors, _Tensor):     # the convenience form
+            output_tensors, input_tensors = [_tensors(output_tensors, what, "output_tensors")], \
+                [input_tensors]
+        else:
+            output_tensors = _tensor_lists(output_tensors, what, "output_tensors")
+            input_tensors = _tensors(input_tensors, what, "input_tensors")
+        secs = _seconds(opts.timeout, self._timeout)
+        comm, size = self._comm, self._comm.size
+        n = len(input_tensors)
+        if n == 0:
+            raise _invalid(what, "requires non-empty input tensor list")
+        if len(output_tensors) != n:
+            raise _invalid(what, "requires input/output tensor lists to have the same length")
+        for i, outs in enumerate(output_tensors):
+            if len(outs) != n * size:
+                raise _invalid(what, f"invalid output tensor list at index {i} (expected length "
+                                     f"{n * size}, got {len(outs)})")
+        _check_dense(what, input_tensors)
+        _check_match(what, input_tensors)
+        first = input_tensors[0]
+        for outs in output_tensors:
+            _check_dense(what, outs)
+            _check_match(what, outs, first.dtype, first.shape)
+        if n == 1:
+            a = _view(first)
+        else:
+            for t in input_tensors:
+                _view(t)
+            a = _view(torch.stack([t.detach() for t in input_tensors]))
+        gathered = torch.empty((size,) + tuple(a.shape), dtype=first.dtype)
+        g = _view(gathered)
+        every = gathered.view((size * n,) + tuple(first.shape))
+
+        def finish():
+            for outs in output_tensors:
+                for k, o in enumerate(outs):
+                    o.detach().copy_(every[k])
+            return output_tensors[0] if n == 1 else output_tensors
+        return self._work([_call(calls.allgather, comm, a, out=g, timeout=secs)], g.nbytes,
+                          finish)
+
+    def _allgather_base(self, output, input, opts=None):
+        """all_gather_into_tensor: output holds size copies' room, dim 0 rank-major."""
+        what = "all_gather_into_tensor"
+        comm, size = self._comm, self._comm.size
+        if output.dtype != input.dtype:
+            raise _invalid(what, f"invalid tensor type at index 0 (expected {input.dtype}, got "
+                                 f"{output.dtype})")
+        if output.numel() != size * input.numel():
+            raise _invalid(what, f"invalid tensor size at index 0 (expected {size} x "
+                                 f"{_size_text(input)}, got {_size_text(output)})")
+        out, put = _shaped(output, (size,) + tuple(input.shape), what)
+        secs = _seconds(getattr(opts, "timeout", None), self._timeout)
 
         def finish():
             if put is not None:
                 put()
-            return [output]
-        return self._work(made, out.nbytes, finish)
+            return list(output.chunk(size)) if output.dim() else [output]
+        return self._work([_call(calls.allgather, comm, _view(input), out=out, timeout=secs)],
+                          out.nbytes, finish)
 
-    def reduce_scatter(self, output_tensors, input_lists, opts):
-        op, comm = _op(opts.reduceOp), self._comm
-        _check_avg(op, output_tensors, "reduce_scatter")
-        wholes = [np.concatenate([_view(p).reshape(-1) for p in parts]) for parts in input_lists]
-        outs = [_shaped(out, (out.numel(),), "reduce_scatter") for out in output_tensors]
-        made = [_call(calls.reduce_scatter, comm, w, "sum" if op == "avg" else op, out=o,
-                      timeout=self._timeout) for w, (o, _) in zip(wholes, outs)]
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
+        """reduce_scatter(outputs, input_lists, opts) and reduce_scatter(output, inputs,
+        op=SUM, timeout=None): rank r's output gets the reduction of every rank's inputs[r];
+        the inputs' sizes may differ (rank r's output has inputs[r]'s)."""
+        what = "reduce_scatter"
+        if type(opts) is not _ReduceScatterOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
+        if isinstance(output_tensors, _Tensor):    # the convenience form
+            output_tensors, input_tensors = [output_tensors], [_tensors(input_tensors, what)]
+        else:
+            output_tensors = _tensors(output_tensors, what, "output_tensors")
+            input_tensors = _tensor_lists(input_tensors, what, "input_tensors")
+        red = _op(opts.reduceOp)
+        secs = _seconds(opts.timeout, self._timeout)
+        comm, size, rank = self._comm, self._comm.size, self._comm.rank
+        if len(output_tensors) != 1:
+            raise _invalid(what, "reduce_scatter only supports 1 output")
+        if len(input_tensors) != 1:
+            raise _invalid(what, "requires input/output tensor lists to have the same length")
+        out, parts = output_tensors[0], input_tensors[0]
+        if len(parts) != size:
+            raise _invalid(what, "invalid input tensor list size, must be world size")
+        _check_dense(what, [out] + parts)
+        for i, p in enumerate(parts):
+            if p.dtype != out.dtype:
+                raise _invalid(what, f"invalid tensor type at index {i} (expected {out.dtype}, "
+                                     f"got {p.dtype})")
+        if out.numel() != parts[rank].numel():
+            raise _invalid(what, f"invalid tensor size: the output has {out.numel()} elements, "
+                                 f"this rank's input {parts[rank].numel()}")
+        _check_avg(red, [out], what)
+        for p in parts:
+            _view(p)
+        counts = [p.numel() for p in parts]
+        base = "sum" if red == "avg" else red
+        if len(set(counts)) == 1:
+            whole = torch.cat([_flat(p) for p in parts])
+            o, put = _shaped(out, (out.numel(),), what)
+        else:                                     # uneven: each part padded to the longest
+            longest = max(counts)
+            whole = torch.zeros((size, longest), dtype=out.dtype)
+            for k, p in enumerate(parts):
+                whole[k, :counts[k]] = _flat(p)
+            block = torch.empty((1, longest), dtype=out.dtype)
+            o = _view(block)
 
-        def finish():
-            for _, put in outs:
-                if put is not None:
-                    put()
-            return self._divide(output_tensors, op)
-        return self._work(made, sum(w.nbytes for w in wholes), finish)
-
-    def _reduce_scatter_base(self, output, input, opts):
-        op, comm = _op(opts.reduceOp), self._comm
-        _check_avg(op, [output], "reduce_scatter_tensor")
-        block = (input.shape[0] // comm.size,) + tuple(input.shape[1:])
-        a = _view(input)
-        out, put = _shaped(output, block, "reduce_scatter_tensor")
-        made = [_call(calls.reduce_scatter, comm, a, "sum" if op == "avg" else op, out=out,
-                      timeout=self._timeout)]
+            def put():
+                out.detach().copy_(block[0, :counts[rank]].view(out.shape))
+        w = _view(whole)
 
         def finish():
             if put is not None:
                 put()
-            return self._divide([output], op)
-        return self._work(made, a.nbytes, finish)
+            return self._divide(output_tensors, red)
+        return self._work([_call(calls.reduce_scatter, comm, w, base, out=o, timeout=secs)],
+                          w.nbytes, finish)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        """reduce_scatter_tensor: input holds size blocks of output's size, dim 0 rank-major."""
+        what = "reduce_scatter_tensor"
+        if type(opts) is not _ReduceScatterOptions:
+            opts = _form(opts, (), {}, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
+        red, comm = _op(opts.reduceOp), self._comm
+        if output.dtype != input.dtype:
+            raise _invalid(what, f"invalid tensor type (expected {input.dtype}, got "
+                                 f"{output.dtype})")
+        if input.numel() != comm.size * output.numel():
+            raise _invalid(what, f"invalid tensor size: the input has {input.numel()} elements, "
+                                 f"expected {comm.size} x {output.numel()}")
+        _check_avg(red, [output], what)
+        a = _view(input).reshape(comm.size, -1) if input.is_contiguous() \
+            else _view(input.reshape(comm.size, -1))
+        out, put = _shaped(output, (1, output.numel()), what)
+
+        def finish():
+            if put is not None:
+                put()
+            return self._divide([output], red)
+        return self._work([_call(calls.reduce_scatter, comm, a, "sum" if red == "avg" else red,
+                                 out=out, timeout=_seconds(opts.timeout, self._timeout))],
+                          a.nbytes, finish)
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
 
-    def barrier(self, opts=None):
-        comm = self._comm
-        return self._work([_call(calls.barrier, comm, timeout=self._timeout)], 0, lambda: [])
+    def barrier(self, opts=None, *args, **kwargs):
+        """barrier(opts) and barrier(timeout=None)."""
+        if type(opts) is not _BarrierOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _BarrierOptions, "barrier", (_TIMEOUT,))
+        secs = _seconds(opts.timeout, self._timeout)
+        return self._work([_call(calls.barrier, self._comm, timeout=secs)], 0, lambda: [])
 
-    # ---- what the backend does not offer (yet): each says so (torch's own ProcessGroup would
-    # answer "No backend type associated with device type cpu", naming neither) ----
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier that raises once `timeout` runs out (gloo's monitored_barrier; shmtree's
+        barrier timeout aborts the group).  torch's dist.monitored_barrier refuses every
+        backend but gloo: call it on the group, dist.group.WORLD.monitored_barrier(timeout)."""
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        work = self.barrier(timeout=timeout)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"shmtree: rank {self._comm.rank}: monitored_barrier failed "
+                               f"(timeout {timeout}): {exc}") from None
+
+    # ---- the coalesced forms: one collective for the whole list ----
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """Each tensor reduced over the ranks (elementwise, each on its own: not together as
+        allreduce's list), as one collective."""
+        what = "allreduce_coalesced"
+        if type(opts) is not _AllreduceCoalescedOptions:
+            opts = _form(opts, (), {}, _AllreduceCoalescedOptions, what, (_OP, _TIMEOUT))
+        tensors = _tensors(tensors, what)
+        if not tensors:
+            raise _invalid(what, "requires non-empty tensor list")
+        for i, t in enumerate(tensors):
+            if t.layout != tensors[0].layout:
+                raise _invalid(what, f"invalid tensor layout at index {i} (expected "
+                                     f"{_layout_name(tensors[0])}, got {_layout_name(t)})")
+        if any(t.dtype != tensors[0].dtype for t in tensors):
+            raise _invalid(what, "tensors must all have the same type")
+        if tensors[0].layout != _STRIDED:
+            raise _invalid(what, "unsupported layout")
+        red = _op(opts.reduceOp)
+        _check_avg(red, tensors, "all_reduce_coalesced")
+        for t in tensors:
+            _view(t)
+        flat = torch.cat([_flat(t) for t in tensors])
+        a = _view(flat)
+
+        def finish():
+            if red == "avg":
+                flat.div_(self._comm.size)
+            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.detach().copy_(piece.view(t.shape))
+            return tensors
+        return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
+                                 out=a, timeout=_seconds(opts.timeout, self._timeout))],
+                          a.nbytes, finish)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """output_lists[r][j] gets rank r's input_list[j]: one allgather of their bytes."""
+        what = "allgather_coalesced"
+        output_lists = _tensor_lists(output_lists, what, "output_lists")
+        inputs = _tensors(input_list, what, "input_list")
+        size = self._comm.size
+        if not inputs:
+            raise _invalid(what, "requires non-empty input tensor list")
+        if len(output_lists) != size:
+            raise _invalid(what, "output lists should be equal to world size")
+        for outs in output_lists:
+            if len(outs) != len(inputs):
+                raise _invalid(what, f"invalid output size: (expected length {len(inputs)}, "
+                                     f"got {len(outs)})")
+            for i, (o, t) in enumerate(zip(outs, inputs)):
+                if o.dtype != t.dtype:
+                    raise _invalid(what, f"invalid tensor type at index {i} (expected "
+                                         f"{t.dtype}, got {o.dtype})")
+                if o.shape != t.shape:
+                    raise _invalid(what, f"invalid size of output tensor at index {i} "
+                                         f"(expected length {_size_text(t)}, got "
+                                         f"{_size_text(o)})")
+        _check_dense(what, inputs)
+        for t in inputs:
+            _view(t)
+
+        def place(gathered, pieces):
+            for r, outs in enumerate(output_lists):
+                for o, (off, nb) in zip(outs, pieces):
+                    o.detach().copy_(_unpacked(gathered[r], off, nb, o))
+            return output_lists
+        return self._gather_bytes(inputs, place, getattr(opts, "timeout", None))
+
+    def _gather_bytes(self, inputs, place, timeout):
+        """One allgather of the inputs' bytes (any dtypes, packed); place(gathered, pieces)
+        writes the outputs from the (size, nbytes) uint8 result and gives the value."""
+        blob, pieces = _packed(inputs)
+        gathered = torch.empty((self._comm.size, blob.numel()), dtype=torch.uint8)
+        g = _view(gathered)
+        return self._work([_call(calls.allgather, self._comm, _view(blob), out=g,
+                                 timeout=_seconds(timeout, self._timeout))], g.nbytes,
+                          lambda: place(gathered, pieces))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_into_tensor of each pair, as one allgather."""
+        what = "allgather_into_tensor_coalesced"
+        outputs, inputs = _tensors(outputs, what, "outputs"), _tensors(inputs, what, "inputs")
+        size = self._comm.size
+        if not inputs:
+            raise _invalid(what, "requires non-empty input tensor list")
+        if len(outputs) != len(inputs):
+            raise _invalid(what, "requires input/output tensor lists to have the same length")
+        for i, (o, t) in enumerate(zip(outputs, inputs)):
+            if o.dtype != t.dtype:
+                raise _invalid(what, f"invalid tensor type at index {i} (expected {t.dtype}, "
+                                     f"got {o.dtype})")
+            if o.numel() != size * t.numel():
+                raise _invalid(what, f"invalid tensor size at index {i} (expected {size} x "
+                                     f"{_size_text(t)}, got {_size_text(o)})")
+        _check_dense(what, inputs + outputs)
+        for t in inputs + outputs:
+            _view(t)
+
+        def place(gathered, pieces):
+            for o, t, (off, nb) in zip(outputs, inputs, pieces):
+                whole = torch.stack([_unpacked(gathered[r], off, nb, t) for r in range(size)])
+                o.detach().copy_(whole.view(o.shape))
+            return [[o.chunk(size)[r] if o.dim() else o for o in outputs] for r in range(size)]
+        return self._gather_bytes(inputs, place, getattr(opts, "timeout", None))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_tensor of each pair: one reduce_scatter per dtype."""
+        what = "reduce_scatter_tensor_coalesced"
+        if type(opts) is not _ReduceScatterOptions:
+            opts = _form(opts, (), {}, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
+        outputs, inputs = _tensors(outputs, what, "outputs"), _tensors(inputs, what, "inputs")
+        comm, size = self._comm, self._comm.size
+        if not inputs:
+            raise _invalid(what, "requires non-empty input tensor list")
+        if len(outputs) != len(inputs):
+            raise _invalid(what, "requires input/output tensor lists to have the same length")
+        for i, (o, t) in enumerate(zip(outputs, inputs)):
+            if o.dtype != t.dtype:
+                raise _invalid(what, f"invalid tensor type at index {i} (expected {t.dtype}, "
+                                     f"got {o.dtype})")
+            if t.numel() != size * o.numel():
+                raise _invalid(what, f"invalid tensor size at index {i} (expected {size} x "
+                                     f"{_size_text(o)}, got {_size_text(t)})")
+        _check_dense(what, inputs + outputs)
+        red = _op(opts.reduceOp)
+        _check_avg(red, outputs, what)
+        for t in inputs + outputs:
+            _view(t)
+        secs = _seconds(opts.timeout, self._timeout)
+        groups = {}
+        for i, o in enumerate(outputs):
+            groups.setdefault(o.dtype, []).append(i)
+        made, blocks, nbytes = [], [], 0
+        for dtype, which in groups.items():
+            whole = torch.cat([inputs[i].detach().reshape(size, -1) for i in which], dim=1)
+            block = torch.empty((1, whole.shape[1]), dtype=dtype)
+            blocks.append((which, block))
+            w = _view(whole)
+            nbytes += w.nbytes
+            made.append(_call(calls.reduce_scatter, comm, w, "sum" if red == "avg" else red,
+                              out=_view(block), timeout=secs))
+
+        def finish():
+            for which, block in blocks:
+                pieces = block[0].split([outputs[i].numel() for i in which])
+                for i, piece in zip(which, pieces):
+                    outputs[i].detach().copy_(piece.view(outputs[i].shape))
+            return self._divide(outputs, red)
+        return self._work(made, nbytes, finish)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ---- what the backend does not offer yet: each says so (torch's own ProcessGroup would
+    # answer "No backend type associated with device type cpu", naming neither).  Each maps onto
+    # a shmtree collective once it exists (gather, scatter, alltoall; send/recv: messages) ----
 
     gather = _unsupported("gather", "gather (torch.distributed.gather, gather_object)")
     scatter = _unsupported("scatter", "scatter (torch.distributed.scatter, "
@@ -389,24 +1103,20 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     send = _unsupported("send", "send / isend (point-to-point messages)")
     recv = _unsupported("recv", "recv / irecv (point-to-point messages)")
     recv_anysource = _unsupported("recv_anysource", "recv from any source (point-to-point)")
-    allreduce_coalesced = _unsupported("allreduce_coalesced",
-                                       "all_reduce_coalesced (and coalesced all_reduce)")
-    allgather_coalesced = _unsupported("allgather_coalesced", "all_gather_coalesced")
-    allgather_into_tensor_coalesced = _unsupported("allgather_into_tensor_coalesced",
-                                                   "coalesced all_gather_into_tensor")
-    all_gather_single_coalesced = _unsupported("all_gather_single_coalesced",
-                                               "coalesced all_gather_into_tensor")
-    reduce_scatter_tensor_coalesced = _unsupported("reduce_scatter_tensor_coalesced",
-                                                   "coalesced reduce_scatter_tensor")
-    reduce_scatter_single_coalesced = _unsupported("reduce_scatter_single_coalesced",
-                                                   "coalesced reduce_scatter_tensor")
     _start_coalescing = _unsupported("_start_coalescing",
-                                     "coalescing (batch_isend_irecv, _coalescing_manager)")
+                                     "coalescing by device (batch_isend_irecv, "
+                                     "_coalescing_manager with a device)")
     _end_coalescing = _unsupported("_end_coalescing",
-                                   "coalescing (batch_isend_irecv, _coalescing_manager)")
-    monitored_barrier = _unsupported("monitored_barrier", "monitored_barrier")
+                                   "coalescing by device (batch_isend_irecv, "
+                                   "_coalescing_manager with a device)")
 
     def shutdown(self):
+        self._stopped = True
+        q, self._completions = self._completions, None
+        if q is not None:
+            q.put(None)
+            if self._completer is not threading.current_thread():
+                self._completer.join(5)
         self._comm.close()
         self._group.close()
 
@@ -415,6 +1125,19 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             self.shutdown()
         except Exception:
             pass
+
+
+def _completion_loop(q):
+    """The completion thread: runs what posted operations' completions hand it, in order,
+    until told to stop (None)."""
+    while True:
+        fn = q.get()
+        if fn is None:
+            return
+        try:
+            fn()
+        except BaseException:                     # (a then() callback's own failure is the
+            pass                                  # future's; nothing else raises here)
 
 
 _LIVE = weakref.WeakSet()           # this process's process groups, for _stop_failed_at_exit
@@ -437,12 +1160,13 @@ def _stop_failed_at_exit():
 
 def _call(parse, comm, *args, **kwargs):
     """A call, as _work makes it: call(True) parses it (parse: calls.allreduce, ...; the
-    CallSpec every way into a collective builds) and runs it blocking, call(False) parses and
-    posts it (a Request): both through the front end's one dispatch (Front._start: a rooted
-    call's local error is said to the other ranks before it is raised, as the communicator's
-    methods do)."""
+    CallSpec every way into a collective builds; its argument errors raise here) and gives
+    the step that runs it blocking, call(False) the step that posts it (a Request): both
+    through the front end's one dispatch (Front._start: a rooted call's local error is said
+    to the other ranks before it is raised, as the communicator's methods do)."""
     def call(now):
-        return comm._start(parse(comm, *args, posted=not now, **kwargs))
+        spec = parse(comm, *args, posted=not now, **kwargs)
+        return lambda: comm._start(spec)
     return call
 
 

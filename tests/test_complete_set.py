@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shmtree
+from complete_workers import small_worker
 from procutil import run_ok
 from test_collectives import make, same_bytes, unwire, wire
 
@@ -402,6 +403,8 @@ MISMATCHES = {
                             ["alltoall"]),
     "gather0_dtype": (lambda c: c.gather(np.zeros((c.rank, 2), "f8" if c.rank else ">f8"),
                                          axis=0), ["float64", "byte-swapped"]),
+    "gather0_root": (lambda c: c.gather(np.zeros((1, 2)), root=c.rank % 2, axis=0),
+                     ["root=0", "root=1"]),
     "gather_shape": (lambda c: c.gather(np.zeros(3 + c.rank)), ["(3,)", "(4,)"]),
     "scan_op": (lambda c: c.scan(np.ones(3), op="max" if c.rank == 1 else "sum"),
                 ["'max'", "'sum'"]),
@@ -577,13 +580,6 @@ def test_shared_arrays_as_input_and_out():
         assert np.array_equal(g[4], xs[0][r])
 
 
-def small_worker(comm):
-    P, r = comm.size, comm.rank
-    x = np.arange(P * 2.0).reshape(P, 2) + r
-    return (comm.alltoall(x).tolist(), comm.scan(np.array([r + 1])).tolist(),
-            comm.scatter(x if r == 0 else None).tolist())
-
-
 def eight_worker(comm):
     P, r = comm.size, comm.rank
     x = np.arange(P * 3.0).reshape(P, 3) + 100 * r
@@ -617,6 +613,36 @@ def test_eight_ranks():
 def test_start_methods(method):
     outs = run_ok(small_worker, 2, start_method=method)
     assert outs[1] == ([[2.0, 3.0], [3.0, 4.0]], [3], [2.0, 3.0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("node_size", [0, 1])
+def test_from_mpi_one_node_and_across_nodes(node_size):
+    """One node (its own communicator makes every call, persistent calls bound there) and two
+    simulated nodes (Spanning's executors): the same results, the persistent allreduce's
+    output the same array every time."""
+    import ast
+    import subprocess
+    import sys
+    from test_multinode import _import_root, _mpiexec, _reports
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    prog = os.path.join(os.path.dirname(__file__), "complete_mpi_prog.py")
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, prog, str(node_size)],
+                          capture_output=True, timeout=100, env=env)
+    text = done.stdout.decode()
+    assert done.returncode == 0, text + done.stderr.decode()
+    reports = dict(line.split(" ", 2)[1:] for line in _reports(text, "REPORT "))
+    for r in range(2):
+        nodes, same, summed, a2a, scan, gather, after = ast.literal_eval(reports[str(r)])
+        assert nodes == (2 if node_size else 1) and same and summed == [3.0] * 3
+        assert after == [3.0] * 3
+        assert a2a == [[2.0 * r, 2.0 * r + 1]] * 2
+        assert scan == [float(sum(range(1, r + 2)))] * 3
+        assert (gather is None) == (r != 0)
 
 
 def _killed_member(group, rank, victim, n, queue):

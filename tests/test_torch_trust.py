@@ -143,6 +143,7 @@ def checks_worker(rank, size, store_path, outdir, backend):
     if backend == "shmtree":
         got["layouts"] = layouts(rank, size)
         got["unsupported"] = unsupported(rank, size)
+        got["coalesced"] = coalesced(rank, size)
         t = torch.ones(2)
         dist.all_reduce(t)
         got["after"] = t.tolist()
@@ -203,9 +204,6 @@ def unsupported(rank, size):
         "irecv": lambda: dist.irecv(torch.ones(2), src=1 - rank),
         "batch_isend_irecv": lambda: dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, torch.ones(2), 1 - rank)]),
-        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([torch.ones(2)]),
-        "all_gather_coalesced": lambda: dist.all_gather_coalesced([ones], [torch.ones(2)]),
-        "coalescing_manager": lambda: _coalesced_all_reduce(),
         "gather_object": lambda: dist.gather_object(rank, [None] * size if rank == 0 else None,
                                                     dst=0),
         "premul_sum": lambda: dist.all_reduce(torch.ones(2),
@@ -214,11 +212,23 @@ def unsupported(rank, size):
     return {name: _outcome(call) for name, call in calls.items()}
 
 
-def _coalesced_all_reduce():
+def coalesced(rank, size):
+    """The coalesced forms, unsupported before issue 25: all_reduce_coalesced,
+    all_gather_coalesced, and all_reduce under torch's coalescing manager."""
     from torch.distributed.distributed_c10d import _coalescing_manager
+    got = {}
+    ts = [torch.ones(2) * (rank + 1), torch.ones(3)]
+    dist.all_reduce_coalesced(ts)
+    got["all_reduce_coalesced"] = [t.tolist() for t in ts]
+    outs = [[torch.zeros(2)] for _ in range(size)]
+    dist.all_gather_coalesced(outs, [torch.ones(2) * rank])
+    got["all_gather_coalesced"] = [o[0].tolist() for o in outs]
+    a, b = torch.ones(2) * (rank + 1), torch.ones(3)
     with _coalescing_manager():
-        dist.all_reduce(torch.ones(2))
-        dist.all_reduce(torch.ones(3))
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    got["coalescing_manager"] = [a.tolist(), b.tolist()]
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -297,14 +307,16 @@ def test_unsupported_operations_name_shmtree_and_the_operation(checks):
         words = {"gather": "gather", "scatter": "scatter", "all_to_all": "all_to_all",
                  "all_to_all_single": "all_to_all_single", "send": "send", "recv": "recv",
                  "isend": "isend", "irecv": "irecv", "batch_isend_irecv": "isend",
-                 "all_reduce_coalesced": "all_reduce_coalesced",
-                 "all_gather_coalesced": "all_gather_coalesced",
-                 "coalescing_manager": "coalesced all_reduce", "gather_object": "gather_object",
+                 "gather_object": "gather_object",
                  "premul_sum": "ReduceOp.PREMUL_SUM is not supported"}
         assert sorted(words) == sorted(got)
         for name, word in words.items():
             assert word in got[name], (name, got[name])
         assert checks["shmtree"][rank]["after"] == [2.0, 2.0]
+        assert checks["shmtree"][rank]["coalesced"] == {
+            "all_reduce_coalesced": [[3.0, 3.0], [2.0, 2.0, 2.0]],
+            "all_gather_coalesced": [[0.0, 0.0], [1.0, 1.0]],
+            "coalescing_manager": [[3.0, 3.0], [2.0, 2.0, 2.0]]}
         assert issubclass(NotImplementedError, RuntimeError)   # (gloo's error type)
 
 
