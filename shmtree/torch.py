@@ -548,6 +548,20 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     def getBackendName(self):
         return BACKEND
 
+    # torch keeps a group's name in its backends (ProcessGroup::getGroupName: "ProcessGroup
+    # name not set" when it has none, as a Python process group has); a DeviceMesh asks for it
+    def _set_group_name(self, name):
+        self._group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:
+            pass
+
+    @property
+    def group_name(self):
+        name = getattr(self, "_group_name", None)
+        return name if name is not None else super().group_name
+
     def __repr__(self):
         return f"<ProcessGroupShmtree rank={self._comm.rank} size={self._comm.size}>"
 

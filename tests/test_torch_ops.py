@@ -319,7 +319,8 @@ def _mesh(rank, size):
     for dim in ("dp", "tp"):
         t = torch.full((2,), float(rank + 1))
         dist.all_reduce(t, group=mesh.get_group(dim))
-        got.append([dim, mesh.get_group(dim).size(), _v(t)])
+        got.append([dim, mesh.get_group(dim).size(), dist.get_backend(mesh.get_group(dim)),
+                    _v(t)])
     t = torch.full((1,), float(rank))
     outs = [torch.zeros(1), torch.zeros(1)]
     dist.all_gather(outs, t, group=mesh.get_group("tp"))
@@ -446,4 +447,8 @@ def test_device_mesh_2x2(tmp_path):
     ours = run_cases("shmtree", 4, str(tmp_path), ["mesh_2x2"])["mesh_2x2"]
     _ok(gloo)
     _ok(ours)
-    assert [v for _, v in ours] == [v for _, v in gloo]
+    for rank, ((_, mine), (_, theirs)) in enumerate(zip(ours, gloo)):
+        for axis in (0, 1):                       # each axis's group: the backend's own
+            assert (mine[axis][2], theirs[axis][2]) == ("shmtree", "gloo"), (rank, mine)
+            mine[axis][2] = theirs[axis][2] = None
+        assert mine == theirs, (rank, mine, theirs)
