@@ -24,14 +24,18 @@ the call; a failure of the collective itself (a mismatch, a dead peer, a timeout
 issue collectives (DDP comm hooks such as PowerSGD).
 
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
-integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
-the backend does not offer yet (gather, scatter, all_to_all, send/recv) raises
+integer tensors is refused before anything is touched, as gloo's RuntimeError; what the backend
+does not offer (recv from any source, ReduceOp.PREMUL_SUM, coalescing by device) raises
 NotImplementedError naming shmtree and the operation.
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
-all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier, the
-coalesced forms, monitored_barrier; CPU tensors of the dtypes shmtree reduces (bool, ints,
-float16, bfloat16 (with ml_dtypes), float32/64, complex64/128).  torch is optional:
+all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
+all_to_all, all_to_all_single (split sizes: shmtree's alltoall(counts=)), send, recv, isend,
+irecv, batch_isend_irecv (shmtree's messages, with tags), barrier, the coalesced forms,
+monitored_barrier; subgroups (new_group, DeviceMesh: a shmtree group each, made through the
+subgroup's store as the world's is - torch calls the creator on the members only); CPU tensors
+of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), float32/64,
+complex64/128).  torch is optional:
 `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
@@ -58,7 +62,8 @@ BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
-             "reduce_scatter_tensor, barrier, monitored_barrier, the coalesced forms")
+             "reduce_scatter_tensor, gather, scatter, all_to_all, all_to_all_single, send, recv, "
+             "isend, irecv, batch_isend_irecv, barrier, monitored_barrier, the coalesced forms")
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}

@@ -127,6 +127,19 @@ def scatter_checks(rank, size):
     return [e1, e2]
 
 
+@case
+def object_forms(rank, size):
+    """gather_object and scatter_object_list: torch's pickling over gather / scatter."""
+    objs = [None] * size if rank == 0 else None
+    dist.gather_object({"rank": rank, "x": [rank] * (rank + 1)}, objs, dst=0)
+    got = [objs]
+    out = [None]
+    dist.scatter_object_list(out, [("to", r, "x" * r) for r in range(size)]
+                             if rank == size - 1 else None, src=size - 1)
+    got.append(out[0])
+    return got
+
+
 # ---- all_to_all ----
 
 
