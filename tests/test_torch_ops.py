@@ -200,7 +200,7 @@ def all_to_all_lists(rank, size):
     outs = [torch.zeros(rank + 1, 2) for _ in range(size)]
     try:
         dist.all_to_all(outs, ins)
-    except RuntimeError as exc:                   # (gloo: not supported)
+    except RuntimeError as exc:                   # (a gloo without all_to_all of lists)
         return ["unsupported", "gloo" in str(exc).lower()]
     return _v(outs)
 
@@ -435,7 +435,7 @@ def test_op_gives_gloos_values(launches, name, size):
     _ok(gloo)
     _ok(ours)
     if name == "all_to_all_lists" and gloo[0][1][0] == "unsupported":
-        # gloo has no all_to_all of lists: shmtree's against what it must give
+        # a gloo that refuses all_to_all of lists: shmtree's against what it must give
         for rank, (_, value) in enumerate(ours):
             want = [_v(torch.full((rank + 1, 2), float(10 * s + rank))) for s in range(size)]
             assert value == want, (rank, value)
