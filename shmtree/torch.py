@@ -24,14 +24,18 @@ the call; a failure of the collective itself (a mismatch, a dead peer, a timeout
 issue collectives (DDP comm hooks such as PowerSGD).
 
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
-integer tensors is refused before anything is touched, as gloo's RuntimeError; every operation
-the backend does not offer yet (gather, scatter, all_to_all, send/recv) raises
+integer tensors is refused before anything is touched, as gloo's RuntimeError; what the backend
+does not offer (recv from any source, ReduceOp.PREMUL_SUM, coalescing by device) raises
 NotImplementedError naming shmtree and the operation.
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
-all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, barrier, the
-coalesced forms, monitored_barrier; CPU tensors of the dtypes shmtree reduces (bool, ints,
-float16, bfloat16 (with ml_dtypes), float32/64, complex64/128).  torch is optional:
+all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
+all_to_all, all_to_all_single (split sizes: shmtree's alltoall(counts=)), send, recv, isend,
+irecv, batch_isend_irecv (shmtree's messages, with tags), barrier, the coalesced forms,
+monitored_barrier; subgroups (new_group, DeviceMesh: a shmtree group each, made through the
+subgroup's store as the world's is - torch calls the creator on the members only); CPU tensors
+of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), float32/64,
+complex64/128).  torch is optional:
 `pip install "shmtree[torch]"`.
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ import concurrent.futures
 import datetime
 import queue
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -57,7 +62,8 @@ BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
-             "reduce_scatter_tensor, barrier, monitored_barrier, the coalesced forms")
+             "reduce_scatter_tensor, gather, scatter, all_to_all, all_to_all_single, send, recv, "
+             "isend, irecv, batch_isend_irecv, barrier, monitored_barrier, the coalesced forms")
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -70,6 +76,8 @@ _ReduceScatterOptions = dist.ReduceScatterOptions
 _AllgatherOptions = _c10d.AllgatherOptions
 _BarrierOptions = _c10d.BarrierOptions
 _AllreduceCoalescedOptions = dist.AllreduceCoalescedOptions
+_GatherOptions = _c10d.GatherOptions
+_ScatterOptions = _c10d.ScatterOptions
 _Tensor = torch.Tensor
 _CFuture = torch._C.Future
 _STRIDED = torch.strided
@@ -216,6 +224,45 @@ def _seconds(timeout, default):
     if timeout is None or timeout <= _NONE:
         return default
     return timeout.total_seconds()
+
+
+def _check_splits(what, splits, t, size):
+    """gloo's checkSplitSizes: no splits, dim 0 divides by the size; else `size` of them
+    summing to dim 0."""
+    rows = int(t.shape[0])
+    if not splits:
+        if rows % size:
+            raise _invalid(what, "Tensor's dim 0 does not divide equally across group size")
+    elif len(splits) != size:
+        raise _invalid(what, "Number of tensor splits not equal to group size")
+    elif sum(splits) != rows or any(n < 0 for n in splits):
+        raise _invalid(what, "Split sizes doesn't match total dim 0 size")
+
+
+def _single_p2p(what, tensors, tag):
+    """gloo's checkSingleTensor and checkTag: (the one contiguous dense tensor, the tag)."""
+    tensors = _tensors(tensors, what)
+    if len(tensors) != 1:
+        raise _invalid(what, "takes a single tensor")
+    t = tensors[0]
+    if not isinstance(t, _Tensor):
+        raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: expected a torch.Tensor, got "
+                        f"{type(t).__name__}")
+    if t.layout != _STRIDED:
+        raise _invalid(what, "input tensor has to be dense")
+    if not t.is_contiguous():
+        raise _invalid(what, "input tensor has to be contiguous")
+    tag = int(tag)
+    if tag < 0:
+        raise _invalid(what, "Tag must be nonnegative")
+    return t, tag
+
+
+def _p2p_bytes(t):
+    """A contiguous CPU tensor's bytes, as a 1-d uint8 numpy view (a message carries bytes:
+    the receiver's tensor gives them their dtype and shape, as gloo's)."""
+    _view(t)                                      # (its checks: a CPU tensor)
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _view(t):
@@ -485,7 +532,10 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             store.set(_TOKEN_KEY, self._group.rendezvous_token())
         else:
             self._group = Group.from_token(store.get(_TOKEN_KEY))
-        self._comm = self._group.join(rank)
+        with warnings.catch_warnings():   # (a subgroup's: this process joins another group;
+            warnings.filterwarnings(      # torch's groups do not use shmtree.current())
+                "ignore", message=".*joins a second one", category=RuntimeWarning)
+            self._comm = self._group.join(rank)
         self._size = size
         try:                              # (bfloat16's numpy type: imported by every rank here,
             import ml_dtypes  # noqa: F401    not by one rank inside its first bfloat16 call
@@ -502,6 +552,20 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND
+
+    # torch keeps a group's name in its backends (ProcessGroup::getGroupName: "ProcessGroup
+    # name not set" when it has none, as a Python process group has); a DeviceMesh asks for it
+    def _set_group_name(self, name):
+        self._group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:
+            pass
+
+    @property
+    def group_name(self):
+        name = getattr(self, "_group_name", None)
+        return name if name is not None else super().group_name
 
     def __repr__(self):
         return f"<ProcessGroupShmtree rank={self._comm.rank} size={self._comm.size}>"
@@ -572,7 +636,22 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         requests = []
         work = _PostedWork(requests, source, source.then(_settle), self)
 
-        def complete():                           # (in the completion thread)
+        complete = self._completion(work, requests, source, finish)
+
+        with self._issuing:
+            try:
+                steps = [call(False) for call in made]
+                for step in steps:
+                    requests.append(step())
+            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+        requests[-1].add_done_callback(lambda _: self._complete(complete))
+        return work
+
+    def _completion(self, work, requests, source, finish):
+        """What completes a posted Work (in the completion thread, once its last request is
+        done): source gets finish()'s value, or the first failure."""
+        def complete():
             failed = next((r.exception() for r in requests if r.exception() is not None), None)
             if failed is None:
                 try:
@@ -587,16 +666,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 source.set_result(_Failed(error))
                 return
             source.set_result(value)
-
-        with self._issuing:
-            try:
-                steps = [call(False) for call in made]
-                for step in steps:
-                    requests.append(step())
-            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
-                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
-        requests[-1].add_done_callback(lambda _: self._complete(complete))
-        return work
+        return complete
 
     def _divide(self, tensors, op, mine=True):
         """AVG: the sum, divided by the size (where the result is)."""
@@ -1090,25 +1160,244 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    # ---- what the backend does not offer yet: each says so (torch's own ProcessGroup would
-    # answer "No backend type associated with device type cpu", naming neither).  Each maps onto
-    # a shmtree collective once it exists (gather, scatter, alltoall; send/recv: messages) ----
+    # ---- gather, scatter, all_to_all: shmtree's gather, scatter and alltoall ----
 
-    gather = _unsupported("gather", "gather (torch.distributed.gather, gather_object)")
-    scatter = _unsupported("scatter", "scatter (torch.distributed.scatter, "
-                                      "scatter_object_list)")
-    alltoall = _unsupported("alltoall", "all_to_all")
-    alltoall_base = _unsupported("alltoall_base", "all_to_all_single")
-    all_to_all_single = _unsupported("all_to_all_single", "all_to_all_single")
-    send = _unsupported("send", "send / isend (point-to-point messages)")
-    recv = _unsupported("recv", "recv / irecv (point-to-point messages)")
-    recv_anysource = _unsupported("recv_anysource", "recv from any source (point-to-point)")
+    def gather(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
+        """gather(output_lists, inputs, opts) and gather(outputs, input, root, timeout=None):
+        the root's output_lists[0][r] gets rank r's inputs[0]; the others pass no output
+        (gloo's checks).  One shmtree gather; the future's value is the output lists on the
+        root, [] elsewhere."""
+        what = "gather"
+        if type(opts) is not _GatherOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _GatherOptions, what, (_ROOT, _TIMEOUT))
+        comm, size, rank = self._comm, self._comm.size, self._comm.rank
+        root = opts.rootRank
+        if isinstance(input_tensors, _Tensor):     # the convenience form
+            outs = _tensors(output_tensors, what, "output_tensors") \
+                if output_tensors is not None else []
+            output_tensors, input_tensors = ([outs] if outs or rank == root else []), \
+                [input_tensors]
+        else:
+            output_tensors = _tensor_lists(output_tensors, what, "output_tensors")
+            input_tensors = _tensors(input_tensors, what, "input_tensors")
+        _check_root(what, root, size)
+        if len(input_tensors) != 1:
+            raise _invalid(what, "requires a single-element input tensor list")
+        _check_dense(what, input_tensors)
+        inp = input_tensors[0]
+        if rank == root:
+            if len(output_tensors) != 1:
+                raise _invalid(what, f"requires a single-element output list containing a list "
+                                     f"with {size} tensors.")
+            if len(output_tensors[0]) != size:
+                raise _invalid(what, f"Incorrect output list size {len(output_tensors[0])}. "
+                                     f"Output list size should be {size}, same as size of the "
+                                     "process group.")
+            _check_dense(what, output_tensors[0])
+            _check_match(what, output_tensors[0], inp.dtype, inp.shape)
+            for o in output_tensors[0]:
+                _view(o)
+        elif output_tensors:
+            raise _invalid(what, "requires empty output on non-root")
+        a = _view(inp)
+        gathered = torch.empty((size,) + tuple(inp.shape), dtype=inp.dtype) \
+            if rank == root else None
+
+        def finish():
+            if gathered is None:
+                return []
+            for r, o in enumerate(output_tensors[0]):
+                o.detach().copy_(gathered[r])
+            return output_tensors[0]
+        return self._work([_call(calls.gather, comm, a, root,
+                                 out=_view(gathered) if gathered is not None else None,
+                                 timeout=_seconds(opts.timeout, self._timeout))],
+                          a.nbytes * (size if rank == root else 1), finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
+        """scatter(outputs, input_lists, opts) and scatter(output, inputs, root, timeout=None):
+        rank r's outputs[0] gets the root's input_lists[0][r]; the others pass no input (gloo's
+        checks).  One shmtree scatter; the future's value is the outputs."""
+        what = "scatter"
+        if type(opts) is not _ScatterOptions or args or kwargs:
+            opts = _form(opts, args, kwargs, _ScatterOptions, what, (_ROOT, _TIMEOUT))
+        comm, size, rank = self._comm, self._comm.size, self._comm.rank
+        root = opts.rootRank
+        if isinstance(output_tensors, _Tensor):    # the convenience form
+            ins = _tensors(input_tensors, what, "input_tensors") \
+                if input_tensors is not None else []
+            output_tensors, input_tensors = [output_tensors], \
+                ([ins] if ins or rank == root else [])
+        else:
+            output_tensors = _tensors(output_tensors, what, "output_tensors")
+            input_tensors = _tensor_lists(input_tensors, what, "input_tensors")
+        _check_root(what, root, size)
+        if len(output_tensors) != 1:
+            raise _invalid(what, "requires a single-element output tensor list")
+        _check_dense(what, output_tensors)
+        out_t = output_tensors[0]
+        whole = None
+        if rank == root:
+            if len(input_tensors) != 1:
+                raise _invalid(what, f"requires a single-element input list containing a list "
+                                     f"with {size} tensors")
+            if len(input_tensors[0]) != size:
+                raise _invalid(what, f"Incorrect input list size {len(input_tensors[0])}. "
+                                     f"Input list size should be {size}, same as size of the "
+                                     "process group.")
+            _check_dense(what, input_tensors[0])
+            _check_match(what, input_tensors[0], out_t.dtype, out_t.shape)
+            for t in input_tensors[0]:
+                _view(t)
+            whole = torch.stack([t.detach() for t in input_tensors[0]])
+        elif input_tensors:
+            raise _invalid(what, "requires empty input on non-root")
+        out, put = _shaped(out_t, tuple(out_t.shape), what)
+
+        def finish():
+            if put is not None:
+                put()
+            return output_tensors
+        return self._work([_call(calls.scatter, comm, _view(whole) if whole is not None
+                                 else None, root, out=out,
+                                 timeout=_seconds(opts.timeout, self._timeout))],
+                          out.nbytes * (size if rank == root else 1), finish)
+
+    def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                      opts=None):
+        """all_to_all_single: input's dim 0 split among the ranks (equally, or by
+        input_split_sizes), output's dim 0 filled in source-rank order (equally, or by
+        output_split_sizes).  Equal splits: one shmtree alltoall of (size, block) views;
+        uneven: alltoall(counts=) of the rows (dim 0)."""
+        what = "alltoall_base"
+        comm, size = self._comm, self._comm.size
+        out_s = [int(n) for n in (output_split_sizes or [])]
+        in_s = [int(n) for n in (input_split_sizes or [])]
+        _check_dense(what, [output])
+        _check_dense(what, [input])
+        if output.dtype != input.dtype:
+            raise _invalid(what, f"invalid tensor type (expected {input.dtype}, got "
+                                 f"{output.dtype})")
+        if input.dim() == 0 or output.dim() == 0:
+            raise _invalid(what, "the input and the output need at least one dimension")
+        _check_splits(what, in_s, input, size)
+        _check_splits(what, out_s, output, size)
+        secs = _seconds(getattr(opts, "timeout", None), self._timeout)
+        inner = 1
+        for n in input.shape[1:]:
+            inner *= int(n)
+        if not in_s and not out_s:
+            if output.numel() != input.numel():
+                raise _invalid(what, f"invalid tensor size: the output has {output.numel()} "
+                                     f"elements, the input {input.numel()}")
+            a = _view(input).reshape(size, -1) if input.is_contiguous() \
+                else _view(input.reshape(size, -1))
+            out, put = _shaped(output, (size, output.numel() // size), what)
+            counts = None
+        else:
+            rows = int(input.shape[0])
+            counts = in_s or [rows // size] * size
+            a = _view(input).reshape(rows, inner) if input.is_contiguous() \
+                else _view(input.reshape(rows, inner))
+            out, put = _shaped(output, (int(output.shape[0]), inner), what)
+
+        def finish():
+            if put is not None:
+                put()
+            return [output]
+        return self._work([_call(calls.alltoall, comm, a, counts, out=out, timeout=secs)],
+                          max(a.nbytes, out.nbytes), finish)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all of lists: rank r's output_tensors[s] gets rank s's input_tensors[r] (any
+        sizes, one dtype): one shmtree alltoall(counts=) of the elements."""
+        what = "alltoall"
+        comm, size = self._comm, self._comm.size
+        outputs = _tensors(output_tensors, what, "output_tensors")
+        inputs = _tensors(input_tensors, what, "input_tensors")
+        if len(inputs) != size or len(outputs) != size:
+            raise _invalid(what, f"requires input and output lists of the group's size {size} "
+                                 f"(got {len(inputs)} inputs, {len(outputs)} outputs)")
+        _check_dense(what, inputs)
+        _check_dense(what, outputs)
+        dtype = inputs[0].dtype
+        for i, t in enumerate(inputs + outputs):
+            if not isinstance(t, _Tensor):
+                raise TypeError(f"shmtree: ProcessGroupShmtree.{what}: expected a torch.Tensor, "
+                                f"got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise _invalid(what, f"invalid tensor type at index {i % size} (expected "
+                                     f"{dtype}, got {t.dtype})")
+            _view(t)
+        flat = torch.cat([_flat(t) for t in inputs])
+        got = torch.empty(sum(o.numel() for o in outputs), dtype=dtype)
+        g = _view(got)
+
+        def finish():
+            for o, piece in zip(outputs, got.split([o.numel() for o in outputs])):
+                o.detach().copy_(piece.view(o.shape))
+            return outputs
+        return self._work([_call(calls.alltoall, comm, _view(flat),
+                                 [t.numel() for t in inputs], out=g,
+                                 timeout=_seconds(getattr(opts, "timeout", None),
+                                                  self._timeout))],
+                          max(g.nbytes, flat.numel() * flat.element_size()), finish)
+
+    # ---- point-to-point: shmtree's messages (isend / irecv), always posted ----
+
+    def send(self, tensors, dstRank, tag=0):
+        """send([tensor], dst, tag): the tensor's bytes, as one shmtree message (isend); the
+        Work is done once the message is out (the tensor may then change)."""
+        t, tag = _single_p2p("send", tensors, tag)
+        buf = _p2p_bytes(t)
+        comm = self._comm
+        return self._p2p(lambda: comm.isend(buf, dstRank, tag=tag), lambda: [t])
+
+    def recv(self, tensors, srcRank, tag=0):
+        """recv([tensor], src, tag): the next message from src with that tag, into the tensor
+        (as many bytes as it holds: a sender's dtype or shape may differ, as with gloo)."""
+        t, tag = _single_p2p("recv", tensors, tag)
+        buf = _p2p_bytes(t)
+        comm = self._comm
+        return self._p2p(lambda: comm.irecv(srcRank, tag=tag, out=buf), lambda: [t])
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError(
+            "shmtree: recv from any source (torch.distributed.recv / irecv with src=None, "
+            "ProcessGroup.recv_anysource) is not supported by the shmtree backend: shmtree's "
+            "messages name their source; pass src=, or use a gloo group for this")
+
+    def _p2p(self, start, finish):
+        """A message, posted: start() gives its Request (shmtree's isend / irecv); the Work's
+        future gets finish()'s value once it is done.  Never blocking: batch_isend_irecv's
+        sends and receives are issued one after the other before anyone waits."""
+        failed, self._failure = self._failure, None
+        if failed is not None:
+            raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
+                               f"{type(failed).__name__}: {failed}")
+        if self._group.aborted():
+            raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
+                               f"{self._group.describe_abort()}")
+        source = Future()
+        requests = []
+        work = _PostedWork(requests, source, source.then(_settle), self)
+        complete = self._completion(work, requests, source, finish)
+        with self._issuing:
+            try:
+                requests.append(start())
+            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+        requests[-1].add_done_callback(lambda _: self._complete(complete))
+        return work
+
     _start_coalescing = _unsupported("_start_coalescing",
-                                     "coalescing by device (batch_isend_irecv, "
-                                     "_coalescing_manager with a device)")
+                                     "coalescing by device (_coalescing_manager with a device; "
+                                     "batch_isend_irecv runs its operations one by one)")
     _end_coalescing = _unsupported("_end_coalescing",
-                                   "coalescing by device (batch_isend_irecv, "
-                                   "_coalescing_manager with a device)")
+                                   "coalescing by device (_coalescing_manager with a device; "
+                                   "batch_isend_irecv runs its operations one by one)")
 
     def shutdown(self):
         self._stopped = True
