@@ -206,6 +206,25 @@ def _check_match(what, tensors, dtype=None, shape=None, start=0):
                                  f"{_size_text(t)})")
 
 
+def _check_pairs(what, outputs, inputs, size, gathered):
+    """gloo's checks of a coalesced call's (output, input) pairs: non-empty lists of one
+    length, each pair of one dtype, the larger of each pair holding `size` times the smaller
+    (gathered: the output, allgather; else the input, reduce_scatter), dense tensors."""
+    if not inputs:
+        raise _invalid(what, "requires non-empty input tensor list")
+    if len(outputs) != len(inputs):
+        raise _invalid(what, "requires input/output tensor lists to have the same length")
+    for i, (o, t) in enumerate(zip(outputs, inputs)):
+        if o.dtype != t.dtype:
+            raise _invalid(what, f"invalid tensor type at index {i} (expected {t.dtype}, "
+                                 f"got {o.dtype})")
+        whole, part = (o, t) if gathered else (t, o)
+        if whole.numel() != size * part.numel():
+            raise _invalid(what, f"invalid tensor size at index {i} (expected {size} x "
+                                 f"{_size_text(part)}, got {_size_text(whole)})")
+    _check_dense(what, inputs + outputs)
+
+
 def _check_dense(what, tensors):
     """gloo's assertDense / assertLayoutMatch for a collective of strided tensors on the CPU."""
     for i, t in enumerate(tensors):
@@ -1089,18 +1108,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         what = "allgather_into_tensor_coalesced"
         outputs, inputs = _tensors(outputs, what, "outputs"), _tensors(inputs, what, "inputs")
         size = self._comm.size
-        if not inputs:
-            raise _invalid(what, "requires non-empty input tensor list")
-        if len(outputs) != len(inputs):
-            raise _invalid(what, "requires input/output tensor lists to have the same length")
-        for i, (o, t) in enumerate(zip(outputs, inputs)):
-            if o.dtype != t.dtype:
-                raise _invalid(what, f"invalid tensor type at index {i} (expected {t.dtype}, "
-                                     f"got {o.dtype})")
-            if o.numel() != size * t.numel():
-                raise _invalid(what, f"invalid tensor size at index {i} (expected {size} x "
-                                     f"{_size_text(t)}, got {_size_text(o)})")
-        _check_dense(what, inputs + outputs)
+        _check_pairs(what, outputs, inputs, size, True)
         for t in inputs + outputs:
             _view(t)
 
@@ -1120,18 +1128,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             opts = _form(opts, (), {}, _ReduceScatterOptions, what, (_OP, _TIMEOUT))
         outputs, inputs = _tensors(outputs, what, "outputs"), _tensors(inputs, what, "inputs")
         comm, size = self._comm, self._comm.size
-        if not inputs:
-            raise _invalid(what, "requires non-empty input tensor list")
-        if len(outputs) != len(inputs):
-            raise _invalid(what, "requires input/output tensor lists to have the same length")
-        for i, (o, t) in enumerate(zip(outputs, inputs)):
-            if o.dtype != t.dtype:
-                raise _invalid(what, f"invalid tensor type at index {i} (expected {t.dtype}, "
-                                     f"got {o.dtype})")
-            if t.numel() != size * o.numel():
-                raise _invalid(what, f"invalid tensor size at index {i} (expected {size} x "
-                                     f"{_size_text(o)}, got {_size_text(t)})")
-        _check_dense(what, inputs + outputs)
+        _check_pairs(what, outputs, inputs, size, False)
         red = _op(opts.reduceOp)
         _check_avg(red, outputs, what)
         for t in inputs + outputs:
