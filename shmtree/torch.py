@@ -206,6 +206,23 @@ def _check_match(what, tensors, dtype=None, shape=None, start=0):
                                  f"{_size_text(t)})")
 
 
+def _check_root_list(what, lists, side, stop, size, like):
+    """gloo's checks of the root's list of lists in gather (side "output") and scatter
+    ("input"): one list of `size` dense tensors of `like`'s dtype and shape (gloo ends the
+    first message with `stop`)."""
+    if len(lists) != 1:
+        raise _invalid(what, f"requires a single-element {side} list containing a list "
+                             f"with {size} tensors{stop}")
+    if len(lists[0]) != size:
+        raise _invalid(what, f"Incorrect {side} list size {len(lists[0])}. "
+                             f"{side.capitalize()} list size should be {size}, same as size of "
+                             "the process group.")
+    _check_dense(what, lists[0])
+    _check_match(what, lists[0], like.dtype, like.shape)
+    for t in lists[0]:
+        _view(t)
+
+
 def _check_pairs(what, outputs, inputs, size, gathered):
     """gloo's checks of a coalesced call's (output, input) pairs: non-empty lists of one
     length, each pair of one dtype, the larger of each pair holding `size` times the smaller
@@ -1183,17 +1200,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         _check_dense(what, input_tensors)
         inp = input_tensors[0]
         if rank == root:
-            if len(output_tensors) != 1:
-                raise _invalid(what, f"requires a single-element output list containing a list "
-                                     f"with {size} tensors.")
-            if len(output_tensors[0]) != size:
-                raise _invalid(what, f"Incorrect output list size {len(output_tensors[0])}. "
-                                     f"Output list size should be {size}, same as size of the "
-                                     "process group.")
-            _check_dense(what, output_tensors[0])
-            _check_match(what, output_tensors[0], inp.dtype, inp.shape)
-            for o in output_tensors[0]:
-                _view(o)
+            _check_root_list(what, output_tensors, "output", ".", size, inp)
         elif output_tensors:
             raise _invalid(what, "requires empty output on non-root")
         a = _view(inp)
@@ -1235,17 +1242,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         out_t = output_tensors[0]
         whole = None
         if rank == root:
-            if len(input_tensors) != 1:
-                raise _invalid(what, f"requires a single-element input list containing a list "
-                                     f"with {size} tensors")
-            if len(input_tensors[0]) != size:
-                raise _invalid(what, f"Incorrect input list size {len(input_tensors[0])}. "
-                                     f"Input list size should be {size}, same as size of the "
-                                     "process group.")
-            _check_dense(what, input_tensors[0])
-            _check_match(what, input_tensors[0], out_t.dtype, out_t.shape)
-            for t in input_tensors[0]:
-                _view(t)
+            _check_root_list(what, input_tensors, "input", "", size, out_t)
             whole = torch.stack([t.detach() for t in input_tensors[0]])
         elif input_tensors:
             raise _invalid(what, "requires empty input on non-root")
