@@ -221,6 +221,12 @@ def _check_out(out, dtype, shape):
     return ""
 
 
+def _consumed(op, wrong):
+    """The error of a recv whose out does not fit the message it matched."""
+    return ValueError(f"shmtree: recv from rank {op.peer} (tag {op.tag}): {wrong}; the message "
+                      "is consumed")
+
+
 def _flat(a):
     """A C-contiguous array's bytes as a flat uint8 array (0-d and empty included)."""
     return a.reshape(-1).view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8)
@@ -230,7 +236,180 @@ def _flat(a):
 # the transport of one communicator
 
 
-class Transport:
+class _Matching:
+    """What both transports share (Transport on one machine, remote.Remote between nodes):
+    matching arrived messages to posted receives (recvs: source -> posted _Recv in order; kept:
+    source -> _Kept in arrival order), driving (run: progress, check, _wait of the transport),
+    and the message thread of isend and irecv."""
+
+    THREAD = "shmtree-messages-rank{}"
+
+    def _init_posting(self):
+        self.thread = None          # the message thread (isend/irecv)
+        self.wake_thread = threading.Condition(threading.Lock())
+        self.nonblocking = []       # posted nonblocking ops not yet done
+
+    # ---- posting (under the lock) ----
+
+    def post_recv(self, op):
+        kept = self.kept.get(op.peer)
+        if kept:
+            for i, k in enumerate(kept):
+                if k.tag == op.tag and k.claimant is None:
+                    del kept[i]
+                    if k.complete:
+                        self._deliver(op, k.array)
+                    else:
+                        k.claimant = op
+                    return
+        self.recvs.setdefault(op.peer, []).append(op)
+
+    def _deliver(self, op, array):
+        """A recv op gets a kept message (a private copy)."""
+        if op.out is None:
+            op.finish(array)
+            return
+        wrong = _check_out(op.out, array.dtype, array.shape)
+        if wrong:
+            op.finish(error=_consumed(op, wrong))
+        else:
+            np.copyto(op.out, array, casting="no")
+            op.finish(op.out)
+
+    def _destination(self, src, tag, dtype, shape):
+        """A message from src arrives (its description read): (op, kept, dest, out) - the first
+        posted recv from src with its tag (None: none, the message is kept, `kept`), the array
+        its payload goes into (_DISCARD: op's out does not fit, op failed: the message is
+        consumed), and op's out when it is not dest itself (copied into at the end)."""
+        posted = self.recvs.get(src)
+        op = None
+        if posted:
+            for i, r in enumerate(posted):
+                if r.tag == tag:
+                    op = posted.pop(i)
+                    break
+            if not posted:
+                del self.recvs[src]
+        if op is None:
+            k = _Kept(tag, np.empty(shape, dtype))
+            self.kept.setdefault(src, []).append(k)
+            return None, k, k.array, None
+        if op.out is None:
+            return op, None, np.empty(shape, dtype), None
+        wrong = _check_out(op.out, dtype, shape)
+        if wrong:
+            op.finish(error=_consumed(op, wrong))
+            return op, None, _DISCARD, None
+        if op.out.flags.c_contiguous:
+            return op, None, op.out, op.out
+        return op, None, np.empty(shape, dtype), op.out
+
+    def _whole(self, src, op, kept, dest, out):
+        """A message from src has arrived whole (as _destination placed it)."""
+        if kept is not None:
+            kept.complete = True
+            if kept.claimant is not None:
+                self.kept[src].remove(kept)
+                self._deliver(kept.claimant, kept.array)
+        elif dest is not _DISCARD:
+            if out is not None:
+                if out is not dest:
+                    np.copyto(out, dest, casting="no")
+                op.finish(out)
+            else:
+                op.finish(dest)
+
+    # ---- driving ----
+
+    def run(self, ops):
+        """Drive the transport until every op of `ops` is done (the caller's thread), completing
+        the Requests of nonblocking operations as they finish.  Any exception on the way (an
+        interrupt included) may leave messages half-moved: it fails every posted operation and
+        aborts the group, as an interrupted collective does."""
+        next_check = time.monotonic() + SLICE_S
+        moving = False
+        try:
+            while True:
+                with self.lock:
+                    moving = True
+                    self.progress()
+                    done = all(op.done for op in ops)
+                    if not done:
+                        now = time.monotonic()
+                        if now >= next_check or any(op.deadline is not None and
+                                                    now >= op.deadline for op in ops):
+                            self.check(now)
+                            next_check = now + SLICE_S
+                            done = all(op.done for op in ops)
+                    finished = self._finished_requests()
+                    if not done:
+                        conds, missing = self.conds()
+                        budget = SLICE_S
+                        for op in ops:
+                            if op.deadline is not None:
+                                budget = min(budget, max(0.0, op.deadline - now))
+                    moving = False
+                if finished:
+                    self._complete(finished)
+                if done:
+                    return
+                self._wait(conds, missing, budget)
+        except BaseException as exc:
+            if moving or not all(op.done for op in ops):
+                self._broken(exc)
+            raise
+
+    def _finished_requests(self):
+        done = [op for op in self.nonblocking if op.done]
+        if done:
+            self.nonblocking = [op for op in self.nonblocking if not op.done]
+        return done
+
+    @staticmethod
+    def _complete(ops):
+        for op in ops:
+            req = op.request
+            if req is None or req.done():
+                continue
+            if op.error is not None:
+                req.set_exception(op.error)
+            else:
+                req.set_result(op.result)
+
+    # ---- the message thread (isend, irecv) ----
+
+    def post_nonblocking(self, op, request):
+        op.request = request
+        self.nonblocking.append(op)
+        with self.wake_thread:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, daemon=True,
+                                               name=self.THREAD.format(self.rank))
+                self.thread.start()
+            self.wake_thread.notify()
+        self._wake()                 # (the thread may be waiting for other messages)
+
+    def _loop(self):
+        self.ident = threading.get_ident()
+        while True:
+            with self.wake_thread:
+                while not self.nonblocking and not self.closed:
+                    self.wake_thread.wait()
+                if self.closed and not self.nonblocking:
+                    return
+                ops = list(self.nonblocking)
+            try:
+                self.run(ops[:1])
+            except BaseException:
+                with self.lock:
+                    finished = self._finished_requests()
+                self._complete(finished)
+
+    def is_current_thread(self):
+        return self.thread is not None and threading.get_ident() == getattr(self, "ident", None)
+
+
+class Transport(_Matching):
     def __init__(self, comm):
         self.comm = comm
         self.group = comm.group
@@ -258,9 +437,7 @@ class Transport:
         self.kept = {}              # source -> list of _Kept, in arrival order
         self.scratch = None         # for discarded payloads
         self.idle_since = {}        # Pool: peer -> when it was first seen idle
-        self.thread = None          # the message thread (isend/irecv)
-        self.wake_thread = threading.Condition(threading.Lock())
-        self.nonblocking = []       # posted nonblocking ops not yet done
+        self._init_posting()
 
     # ---- memfds ----
 
@@ -444,39 +621,13 @@ class Transport:
                 return _NOTHING
             waited = not self.home.wait([(ring, _G)], int(budget * 1e9), self.spin_ns)
 
-    # ---- posting (under the lock) ----
+    # ---- posting (under the lock; post_recv: _Matching's) ----
 
     def post_send(self, op):
         q = self.sends.get(op.peer)
         if q is None:
             q = self.sends[op.peer] = deque()
         q.append(op)
-
-    def post_recv(self, op):
-        kept = self.kept.get(op.peer)
-        if kept:
-            for i, k in enumerate(kept):
-                if k.tag == op.tag and k.claimant is None:
-                    del kept[i]
-                    if k.complete:
-                        self._deliver(op, k.array)
-                    else:
-                        k.claimant = op
-                    return
-        self.recvs.setdefault(op.peer, []).append(op)
-
-    def _deliver(self, op, array):
-        """A recv op gets a kept message (a private copy)."""
-        if op.out is None:
-            op.finish(array)
-            return
-        wrong = _check_out(op.out, array.dtype, array.shape)
-        if wrong:
-            op.finish(error=ValueError(f"shmtree: recv from rank {op.peer} (tag {op.tag}): "
-                                       f"{wrong}; the message is consumed"))
-        else:
-            np.copyto(op.out, array, casting="no")
-            op.finish(op.out)
 
     # ---- progress (under the lock) ----
 
@@ -579,39 +730,9 @@ class Transport:
             ring.skip_read(hdr_len)
         inc = _Incoming()
         inc.tag, inc.dtype, inc.shape, inc.nbytes = tag, dtype, shape, nbytes
-        inc.pad, inc.pos, inc.out = _up(nbytes) - nbytes, 0, None
-        inc.op = inc.kept = None
+        inc.pad, inc.pos = _up(nbytes) - nbytes, 0
         inc.cma = cma
-        posted = self.recvs.get(src)
-        op = None
-        if posted:
-            for i, r in enumerate(posted):
-                if r.tag == tag:
-                    op = posted.pop(i)
-                    break
-            if not posted:
-                del self.recvs[src]
-        if op is not None:
-            inc.op = op
-            if op.out is not None:
-                wrong = _check_out(op.out, dtype, shape)
-                if wrong:
-                    op.finish(error=ValueError(f"shmtree: recv from rank {src} (tag {tag}): "
-                                               f"{wrong}; the message is consumed"))
-                    inc.dest = _DISCARD
-                elif op.out.flags.c_contiguous:
-                    inc.dest = op.out
-                    inc.out = op.out
-                else:
-                    inc.dest = np.empty(shape, dtype)
-                    inc.out = op.out
-            else:
-                inc.dest = np.empty(shape, dtype)
-        else:
-            k = _Kept(tag, np.empty(shape, dtype))
-            self.kept.setdefault(src, []).append(k)
-            inc.kept = k
-            inc.dest = k.array
+        inc.op, inc.kept, inc.dest, inc.out = self._destination(src, tag, dtype, shape)
         inc.flat = None if inc.dest is _DISCARD else _flat(inc.dest)
         self.incoming[src] = inc
         return inc
@@ -645,21 +766,7 @@ class Transport:
             ring.skip_read(inc.pad)
             inc.pad = 0
         del self.incoming[src]
-        if inc.op is not None:
-            op = inc.op
-            if inc.dest is not _DISCARD:
-                if inc.out is not None:
-                    if not inc.out.flags.c_contiguous:
-                        np.copyto(inc.out, inc.dest, casting="no")
-                    op.finish(inc.out)
-                else:
-                    op.finish(inc.dest)
-        else:
-            k = inc.kept
-            k.complete = True
-            if k.claimant is not None:
-                self.kept[src].remove(k)
-                self._deliver(k.claimant, k.array)
+        self._whole(src, inc.op, inc.kept, inc.dest, inc.out)
         return True
 
     def _cma_failed(self, src, err):
@@ -801,46 +908,6 @@ class Transport:
         for ks in self.kept.values():
             ks[:] = [k for k in ks if k.claimant is None]
 
-    # ---- driving ----
-
-    def run(self, ops):
-        """Drive the transport until every op of `ops` is done (the caller's thread), completing
-        the Requests of nonblocking operations as they finish.  Any exception on the way (an
-        interrupt included) may leave messages half-moved: it fails every posted operation and
-        aborts the group, as an interrupted collective does."""
-        next_check = time.monotonic() + SLICE_S
-        moving = False
-        try:
-            while True:
-                with self.lock:
-                    moving = True
-                    self.progress()
-                    done = all(op.done for op in ops)
-                    if not done:
-                        now = time.monotonic()
-                        if now >= next_check or any(op.deadline is not None and
-                                                    now >= op.deadline for op in ops):
-                            self.check(now)
-                            next_check = now + SLICE_S
-                            done = all(op.done for op in ops)
-                    finished = self._finished_requests()
-                    if not done:
-                        conds, missing = self.conds()
-                        budget = SLICE_S
-                        for op in ops:
-                            if op.deadline is not None:
-                                budget = min(budget, max(0.0, op.deadline - now))
-                    moving = False
-                if finished:
-                    self._complete(finished)
-                if done:
-                    return
-                self._wait(conds, missing, budget)
-        except BaseException as exc:
-            if moving or not all(op.done for op in ops):
-                self._broken(exc)
-            raise
-
     def _broken(self, exc):
         what = f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
             else "interrupted in send/recv"
@@ -870,54 +937,8 @@ class Transport:
         else:
             self.home.wait(conds, ns, self.spin_ns)
 
-    def _finished_requests(self):
-        done = [op for op in self.nonblocking if op.done]
-        if done:
-            self.nonblocking = [op for op in self.nonblocking if not op.done]
-        return done
-
-    @staticmethod
-    def _complete(ops):
-        for op in ops:
-            req = op.request
-            if req is None or req.done():
-                continue
-            if op.error is not None:
-                req.set_exception(op.error)
-            else:
-                req.set_result(op.result)
-
-    # ---- the message thread (isend, irecv) ----
-
-    def post_nonblocking(self, op, request):
-        op.request = request
-        self.nonblocking.append(op)
-        with self.wake_thread:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, daemon=True,
-                                               name=f"shmtree-messages-rank{self.rank}")
-                self.thread.start()
-            self.wake_thread.notify()
-        self.home.ring()             # (the thread may be waiting for other messages)
-
-    def _loop(self):
-        self.ident = threading.get_ident()
-        while True:
-            with self.wake_thread:
-                while not self.nonblocking and not self.closed:
-                    self.wake_thread.wait()
-                if self.closed and not self.nonblocking:
-                    return
-                ops = list(self.nonblocking)
-            try:
-                self.run(ops[:1])
-            except BaseException:
-                with self.lock:
-                    finished = self._finished_requests()
-                self._complete(finished)
-
-    def is_current_thread(self):
-        return self.thread is not None and threading.get_ident() == getattr(self, "ident", None)
+    def _wake(self):
+        self.home.ring()
 
     # ---- closing ----
 
@@ -1055,6 +1076,12 @@ class Messages:
         joined, pid, _ = self.group._seg.member(r)
         return pid if joined else 0
 
+    def _p2p_route(self, r, what):
+        """(transport, rank in it) that carries messages to or from rank r (checked: `what`
+        names it).  (A communicator across nodes routes each peer: remote.SpanningMessages.)"""
+        tr = self._p2p()
+        return tr, _rank_arg(self, r, what)
+
     def _p2p(self):
         tr = self._p2p_transport
         if self._closed or self._gen != session._fork_gen or self.group._closed \
@@ -1068,8 +1095,8 @@ class Messages:
         """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
-        tr = self._p2p()
-        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
+        tr, dest = self._p2p_route(dest, "dest")
+        tag, array = _tag_arg(tag), _send_array(array)
         if tr.quick_send(array, dest, tag):
             return None
         op = _Send(dest, tag, _deadline(timeout), array, tr.cma)
@@ -1084,8 +1111,8 @@ class Messages:
         """Receive the next message from rank `source` with tag `tag`: a new array of the
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
-        tr = self._p2p()
-        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
+        tr, source = self._p2p_route(source, "source")
+        tag, out = _tag_arg(tag), _out_arg(out)
         deadline = _deadline(timeout)
         got = tr.quick_recv(source, tag, out, deadline)
         if got is not _NOTHING:
@@ -1101,11 +1128,21 @@ class Messages:
     def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
         """Send `array` to `dest` and receive from `source` at once (neither waits for the
         other to finish): the received array (or `out`)."""
-        tr = self._p2p()
+        tr, dest = self._p2p_route(dest, "dest")
         deadline = _deadline(timeout)
-        dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
-        source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
+        sendtag = _tag_arg(sendtag, "sendtag")
+        from_tr, source = self._p2p_route(source, "source")
+        recvtag = _tag_arg(recvtag, "recvtag")
         array, out = _send_array(array), _out_arg(out)
+        if from_tr is not tr:           # (across nodes: one peer on this node, one elsewhere)
+            request = self._p2p_post(from_tr, _Recv(source, recvtag, deadline, out), "irecv")
+            op = _Send(dest, sendtag, deadline, array, tr.cma)
+            with tr.lock:
+                tr.post_send(op)
+            tr.run([op])
+            if op.error is not None:
+                raise op.error
+            return request.result()
         if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
             got = tr.quick_recv(source, recvtag, out, deadline)
             if got is not _NOTHING:
@@ -1125,16 +1162,14 @@ class Messages:
 
     def isend(self, array, dest, *, tag=0, timeout=None):
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
-        tr = self._p2p()
-        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
-                   _send_array(array), tr.cma)
+        tr, dest = self._p2p_route(dest, "dest")
+        op = _Send(dest, _tag_arg(tag), _deadline(timeout), _send_array(array), tr.cma)
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
         """recv, nonblocking: a Request whose result is the received array."""
-        tr = self._p2p()
-        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
-                   _out_arg(out))
+        tr, source = self._p2p_route(source, "source")
+        op = _Recv(source, _tag_arg(tag), _deadline(timeout), _out_arg(out))
         return self._p2p_post(tr, op, "irecv")
 
     def _p2p_post(self, tr, op, name):
@@ -1158,39 +1193,3 @@ class Messages:
         if tr is not None and tr.pid == os.getpid():
             self._p2p_transport = None
             tr.close()
-
-
-class SpanningMessages:
-    """Messages on a communicator across nodes (nodes.Spanning): between two ranks of the same
-    node they travel as on one machine (the node's communicator, `local`, with the ranks
-    translated); between nodes they are not supported yet (ShmtreeError, said before anything
-    is sent)."""
-
-    def _node_rank(self, r, what):
-        r = _rank_arg(self, r, what)
-        node, local = self._where[r]
-        if node != self.node:
-            raise ShmtreeError(
-                f"shmtree: point-to-point messages between nodes are not supported yet: rank "
-                f"{self.rank} (node {self.node}) and rank {r} (node {node}); messages between "
-                "ranks of one node work, and mpi4py carries them between nodes")
-        return local
-
-    def send(self, array, dest, *, tag=0, timeout=None):
-        return self.local.send(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
-
-    def recv(self, source, *, tag=0, out=None, timeout=None):
-        return self.local.recv(self._node_rank(source, "source"), tag=tag, out=out,
-                               timeout=timeout)
-
-    def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
-        return self.local.sendrecv(array, self._node_rank(dest, "dest"),
-                                   self._node_rank(source, "source"), sendtag=sendtag,
-                                   recvtag=recvtag, out=out, timeout=timeout)
-
-    def isend(self, array, dest, *, tag=0, timeout=None):
-        return self.local.isend(array, self._node_rank(dest, "dest"), tag=tag, timeout=timeout)
-
-    def irecv(self, source, *, tag=0, out=None, timeout=None):
-        return self.local.irecv(self._node_rank(source, "source"), tag=tag, out=out,
-                                timeout=timeout)

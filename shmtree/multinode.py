@@ -19,6 +19,7 @@ from . import nodes as _nodes, plan as _plan, session
 from .errors import ShmtreeError
 from .group import Group
 from .inter import Link
+from .remote import message_comm
 
 __all__ = ["from_mpi", "NodeGroup", "start_proxy", "refuse_proxy", "spanning_member"]
 
@@ -211,6 +212,8 @@ def from_mpi(mpi_comm, *, node_size=None, segment_bytes=None, **group_options):
             leaders.Free()
     segment = _nodes.SEGMENT_BYTES if segment_bytes is None else segment_bytes
     comm = _nodes.Spanning(local, link, rank, members, node, segment, lane=lane)
+    if len(members) > 1:
+        comm._p2p_mpi = message_comm(mpi_comm)      # (messages between nodes: remote.py)
     comm._mpi = mpi_comm          # (split: new communicators that span nodes split it, subcomm)
     session._set_current(comm)
     return comm

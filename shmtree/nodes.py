@@ -40,7 +40,7 @@ from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL,
 from .collectives import _fold, _identity
 from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
 from .front import Front
-from .messages import SpanningMessages             # point-to-point (issue 24)
+from .remote import SpanningMessages               # point-to-point (issue 24)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import Link, global_ranks
@@ -173,6 +173,7 @@ class Spanning(SpanningMessages, Front, Pipelines):
             return
         self._closed = True
         try:
+            self._messages_close()       # (remote.py: outstanding isends between nodes first)
             self.local.close()
         finally:
             for link in {self._link, self._lane} - {None}:

@@ -49,6 +49,7 @@ from .group import MPOL_INTERLEAVE as _MPOL_INTERLEAVE, MPOL_PREFERRED as _MPOL_
 from .group import Group
 from .inter import Link
 from .nodes import Spanning
+from .remote import message_comm
 from .plan import Plan
 from .topology import Topology
 from .transport import create_memfd, new_nonce
@@ -429,6 +430,7 @@ def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
         raise
     span = SubSpanning(part, link, mine.index(comm.rank), members, node, comm._segment)
     span._mpi = sub_mpi
+    span._p2p_mpi = message_comm(sub_mpi)           # (messages between nodes: remote.py)
     span.parent_ranks = tuple(mine)
     return span
 
