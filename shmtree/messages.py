@@ -26,6 +26,9 @@ waits - a blocking call in the caller's thread, or the communicator's message th
 and irecv - advances every posted operation, then waits outside the lock on the home bell (spin,
 yield, futex: _p2p.Home.wait).  Messages never go through the collectives' executor or progress
 thread, so a pending message never holds up a collective, nor a collective a message.
+
+Across nodes (remote.py): the same calls, each peer routed (Messages._p2p_route) to its node's
+Transport or to remote.Remote (MPI between nodes), which shares the matching (_Matching).
 """
 from __future__ import annotations
 
