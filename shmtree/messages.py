@@ -224,6 +224,12 @@ def _check_out(out, dtype, shape):
     return ""
 
 
+def _broken_text(exc):
+    """What broke a send or recv (an exception, or an interrupt), in words."""
+    return f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
+        else "interrupted in send/recv"
+
+
 def _consumed(op, wrong):
     """The error of a recv whose out does not fit the message it matched."""
     return ValueError(f"shmtree: recv from rank {op.peer} (tag {op.tag}): {wrong}; the message "
@@ -321,6 +327,29 @@ class _Matching:
                 op.finish(out)
             else:
                 op.finish(dest)
+
+    def _fail_ops(self, exc, op, lost):
+        """Fail every posted operation: `op` with exc, the others with `lost`; nothing is
+        posted any more (kept messages stay, for later receives)."""
+        for o in self.all_ops():
+            o.finish(error=exc if o is op else lost)
+        self.recvs.clear()
+        for ks in self.kept.values():
+            ks[:] = [k for k in ks if k.claimant is None]
+
+    def _stop(self):
+        """(close) Fail what is still posted, complete its Requests, end the message
+        thread."""
+        with self.lock:
+            self.closed = True
+            self.fail_all(ShmtreeError("shmtree: this communicator is closed"))
+            finished = self._finished_requests()
+        self._complete(finished)
+        with self.wake_thread:
+            self.wake_thread.notify()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     # ---- driving ----
 
@@ -903,17 +932,12 @@ class Transport(_Matching):
             if not self.group._closed else ShmtreeError("shmtree: the group is closed")
         if exc is not None and op is None:
             lost = exc
-        for o in self.all_ops():
-            o.finish(error=exc if o is op else lost)
+        self._fail_ops(exc, op, lost)
         self.sends.clear()
-        self.recvs.clear()
         self.incoming.clear()
-        for ks in self.kept.values():
-            ks[:] = [k for k in ks if k.claimant is None]
 
     def _broken(self, exc):
-        what = f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
-            else "interrupted in send/recv"
+        what = _broken_text(exc)
         if not self.group._closed and not self.group.aborted():
             self._abort(ABORT_FAILED, f"rank {self.rank}: {what}")
         with self.lock:
@@ -985,20 +1009,7 @@ class Transport(_Matching):
                 if not pending:
                     break
             time.sleep(0.005 if time.monotonic() - deadline_note < 1 else 0.05)
-        with self.lock:
-            self.closed = True
-            for o in self.all_ops():
-                o.finish(error=ShmtreeError("shmtree: this communicator is closed"))
-            self.sends.clear()
-            self.recvs.clear()
-            self.incoming.clear()
-            finished = self._finished_requests()
-        self._complete(finished)
-        with self.wake_thread:
-            self.wake_thread.notify()
-        thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        self._stop()
         with self.lock:
             for fd, _, _ in self.out.values():
                 os.close(fd)

@@ -39,10 +39,10 @@ import numpy as np
 
 from .codes import ABORT_FAILED, ABORT_TIMEOUT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, _NOTHING, Messages, _flat, _Matching,
-                       _parse, _rank_arg)
+from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, _NOTHING, Messages, _broken_text, _flat,
+                       _Matching, _parse, _rank_arg)
 
-__all__ = ["SpanningMessages", "Remote", "message_comm"]
+__all__ = ["SpanningMessages", "Remote", "message_comm", "free_comm"]
 
 TAG_HEAD, TAG_DATA, TAG_CTRL = 1, 2, 3
 CHUNK_BYTES = 1 << 30       # a payload's MPI messages (bytes, an int count each)
@@ -106,10 +106,11 @@ class SpanningMessages(Messages):
         finally:
             mpi, self._p2p_mpi = self._p2p_mpi, None
             if mpi is not None and (tr is None or tr.comm_free):
-                _free(mpi[0])
+                free_comm(mpi[0])
 
 
-def _free(comm):
+def free_comm(comm):
+    """Free an mpi4py communicator of shmtree's own (unless MPI is finalized already)."""
     try:
         from mpi4py import MPI
         if not MPI.Is_finalized():
@@ -338,8 +339,7 @@ class Remote(_Matching):
         buffer, is kept."""
         lost = exc if op is None else PeerLostError(
             f"shmtree: rank {self.rank}: {self.failure or 'the communicator is aborted'}")
-        for o in self.all_ops():
-            o.finish(error=exc if o is op else lost)
+        self._fail_ops(exc, op, lost)
         if self.sending or self.landing:
             for item in self.landing:
                 for r in item[0]:
@@ -350,13 +350,9 @@ class Remote(_Matching):
             _KEPT.append((self.comm, self.sending, self.landing))
             self.comm_free = False
         self.sending, self.landing = [], []
-        self.recvs.clear()
-        for ks in self.kept.values():
-            ks[:] = [k for k in ks if k.claimant is None]
 
     def _broken(self, exc):
-        what = f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
-            else "interrupted in send/recv"
+        what = _broken_text(exc)
         with self.lock:
             if self.failure is None:
                 self._abort(ABORT_FAILED, f"rank {self.rank}: {what}")
@@ -388,17 +384,7 @@ class Remote(_Matching):
             if not pending or time.monotonic() >= limit:
                 break
             time.sleep(SLEEP_S)
-        with self.lock:
-            self.closed = True
-            if self.all_ops() or self.sending or self.landing:
-                self.fail_all(ShmtreeError("shmtree: this communicator is closed"))
-            finished = self._finished_requests()
-        self._complete(finished)
-        with self.wake_thread:
-            self.wake_thread.notify()
-        thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        self._stop()
         try:
             if not self.ctrl_got and not self.ctrl.Test():
                 self.ctrl.Cancel()

@@ -49,7 +49,7 @@ from .group import MPOL_INTERLEAVE as _MPOL_INTERLEAVE, MPOL_PREFERRED as _MPOL_
 from .group import Group
 from .inter import Link
 from .nodes import Spanning
-from .remote import message_comm
+from .remote import free_comm, message_comm
 from .plan import Plan
 from .topology import Topology
 from .transport import create_memfd, new_nonce
@@ -271,12 +271,7 @@ class SubSpanning(Spanning):
         finally:
             mpi, self._mpi = self._mpi, None
             if mpi is not None:
-                try:
-                    from mpi4py import MPI
-                    if not MPI.Is_finalized():
-                        mpi.Free()
-                except Exception:
-                    pass
+                free_comm(mpi)
 
     def __repr__(self):
         return super().__repr__()[:-1] + " (split)>"
