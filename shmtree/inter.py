@@ -303,7 +303,9 @@ class Link:
         for job in jobs:
             job.error = PeerLostError(f"shmtree: {self.failure}")
             job.done.set()
-        if not own:                 # another node failed: this node's members must stop too
+        if not own and self.group is not None:    # another node failed: this node's members
+                                                  # must stop too (None: a launcher's proxy of
+                                                  # a sub-communicator, mailbox.Proxy.split)
             try:
                 self.group.abort(ABORT_FAILED, 0, note=self.failure)
             except ShmtreeError:

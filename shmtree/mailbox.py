@@ -13,6 +13,7 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
 
     header  +0  u32 abort request (the leader failed: text at +64)
             +4  u32 failed (the proxy's link failed: text at +1024)
+            +8  u32 closed (a sub-communicator's leader closed it: its proxy stops)
     slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
             +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE   +12 i32 root
             +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)
@@ -20,7 +21,18 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
             +1024 the failure text
     data    allreduce/bcast: the buffer, in place; allgatherv: N u64 counts, send, receive;
             exchange: N u64 send sizes, N u64 receive sizes, the sends back to back (node
-            order), the receives back to back
+            order), the receives back to back; split: K i64 keys, then K (pid, fd) i64 pairs
+
+Sub-communicators across nodes (subcomm.py): a split of the communicator is one more step,
+SPLIT, with a key per new communicator that spans nodes (this node's index in it, -1 where it
+has no member here): the proxy calls MPI's Split of its link's communicator once per new
+communicator (every launcher does, in the same order: the steps are in the same order on every
+node), and starts a proxy of its own (a child: a mailbox and a Link on that split) for each
+one with members here; the step's answer is the child's (launcher pid, mailbox descriptor),
+through which the new communicator's leader on this node maps the mailbox (/proc/<pid>/fd,
+same user).  A child watches no group (it did not make one: the leader's abort request and its
+link carry failures), stops when its leader closes the communicator (`closed`), and with its
+parent at the latest.
 
 The leader submits to slots in turn (0, 1, 0, ...) and waits for each in order; the proxy serves
 them in the same order.  Words are stored sequentially consistent and waited on with futexes
@@ -44,7 +56,7 @@ __all__ = ["Proxy", "ProxyLink", "Mailbox"]
 PAGE = 4096
 SLOTS = 2
 IDLE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
-ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE = 1, 2, 3, 4
+ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE, SPLIT = 1, 2, 3, 4, 5
 TEXT = 512
 POLL_S = 0.01               # the proxy looks at the group and the link this often when idle
 WAIT_SLICE_S = 0.05
@@ -59,6 +71,21 @@ class Mailbox:
         self.size = PAGE + SLOTS * self.slot_bytes
         self.map = _moving.Mapping(fd, self.size)
         self.bytes = np.frombuffer(self.map, np.uint8)
+
+    @classmethod
+    def open(cls, pid, fd, segment):
+        """Map another process's mailbox (its descriptor `fd`: /proc/<pid>/fd, same user)."""
+        try:
+            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmtreeError(f"shmtree: cannot map the launcher's mailbox (process {pid}): "
+                               f"{exc}") from None
+        try:
+            if os.fstat(mine).st_uid != os.getuid():
+                raise ShmtreeError("shmtree: the launcher's mailbox belongs to another user")
+            return cls(mine, segment)
+        finally:
+            os.close(mine)
 
     @classmethod
     def create(cls, segment):
@@ -121,10 +148,11 @@ class _Job:
 class ProxyLink:
     """The leader's link through its launcher: the interface of shmtree.inter.Link."""
 
-    def __init__(self, mailbox):
+    def __init__(self, mailbox, owned=False):
         self.box = mailbox
         self.capacity = mailbox.segment
         self._next = 0
+        self._owned = owned          # a sub-communicator's: closing it stops its proxy
 
     @property
     def failure(self):
@@ -170,6 +198,13 @@ class ProxyLink:
             raw, at = None, 8 * n + send.size
             box.put_u64(ctl + 24, recv.size)
             box.put_u64(ctl + 16, send.size)
+        elif fn is Proxy.split:
+            keys, = args
+            step, n = SPLIT, len(keys)
+            out = np.zeros((n, 2), np.int64)
+            data[:8 * n].view(np.int64)[:] = keys
+            raw, at = None, 8 * n
+            box.put_u64(ctl + 16, n)
         elif fn is Link.exchange:
             send, recv = args
             step, out = EXCHANGE, recv
@@ -218,6 +253,9 @@ class ProxyLink:
             raise PeerLostError(f"shmtree: {box.get_text(ctl + 1024) or self.failure}")
         data = box.data(job.slot)
         at = job.at
+        if job.step == SPLIT:
+            job.out[...] = data[at:at + job.out.nbytes].view(np.int64).reshape(job.out.shape)
+            return job.out
         if job.step == EXCHANGE:           # (the receives follow the sends)
             for part in job.out:
                 part[...] = data[at:at + part.size]
@@ -240,7 +278,8 @@ class ProxyLink:
         box.set_word(0, 1)
 
     def close(self):
-        pass
+        if self._owned:
+            self.box.set_word(8, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,13 +290,18 @@ class Proxy:
     """The launcher's part: the mailbox, the Link to the other launchers, the thread serving the
     mailbox.  `group` is the node's Group (this process created it)."""
 
-    def __init__(self, group, inter, segment, box=None):
+    def __init__(self, group, inter, segment, box=None, own=None):
+        """own: an MPI communicator for the link, made for it (a child's: `group` is None)."""
         self.group = group
         self.box, self.fd = box if box is not None else Mailbox.create(segment)
-        self.link = Link(inter.Dup(), group)     # (its messages never meet the program's)
+        # (its messages never meet the program's)
+        self.link = Link(inter.Dup() if own is None else own, group)
         self.link.interrupt = self._interrupt
         self._stop = False
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._busy = False                       # a step is being served
+        self.children = []                       # proxies of sub-communicators (split)
         self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
         self._thread.start()
 
@@ -279,6 +323,9 @@ class Proxy:
                     continue
             if not told:
                 told = self._watch()
+            if box.word(8):                   # (a child: its sub-communicator was closed)
+                self.close()
+                return
 
     def _interrupt(self):
         """Checked by the link while a step waits on MPI: this node failed (the leader asked
@@ -286,7 +333,7 @@ class Proxy:
         box = self.box
         if box.word(0):
             return box.get_text(64)
-        if not self.group.closed and self.group.aborted():
+        if self.group is not None and not self.group.closed and self.group.aborted():
             return self._node_text()
         return None
 
@@ -302,8 +349,8 @@ class Proxy:
         box, link = self.box, self.link
         if box.word(0) and link.failure is None:
             link.abort(box.get_text(64))
-        elif link.failure is None and not self.group.closed and self.group.aborted():
-            link.abort(self._node_text())
+        elif link.failure is None and self._interrupt():
+            link.abort(self._interrupt())
         if link.failure is not None:
             box.put_text(1024, link.failure)
             box.set_word(4, 1)
@@ -331,6 +378,10 @@ class Proxy:
                 send = data[8 * n:8 * n + nbytes]
                 recv = data[8 * n + nbytes:8 * n + nbytes + recv_bytes]
                 link.run(Link.allgatherv, send, recv, counts)
+            elif step == SPLIT:
+                keys = data[:8 * nbytes].view(np.int64).tolist()
+                data[8 * nbytes:8 * nbytes * 3].view(np.int64)[:] = \
+                    np.array(self.split(keys), np.int64).reshape(-1)
             elif step == EXCHANGE:
                 n = link.n
                 sizes = data[:16 * n].view(np.uint64).astype(np.int64).tolist()
@@ -354,11 +405,36 @@ class Proxy:
             self._busy = False
             box.set_word(ctl, FAILED)
 
+    def split(self, keys):
+        """The SPLIT step: for each key (this node's index in a new communicator that spans
+        nodes, -1: no member here), MPI's Split of the link's communicator (collective over
+        it, in the same order on every launcher) and a child proxy where the key is >= 0.  Its
+        (pid, mailbox descriptor) per key, (0, -1) where none."""
+        MPI = self.link.MPI
+        out = []
+        for key in keys:
+            comm = self.link.comm.Split(0 if key >= 0 else MPI.UNDEFINED, key=max(key, 0))
+            if key < 0:
+                out.append((0, -1))
+                continue
+            child = Proxy(None, None, self.box.segment, own=comm)
+            self.children.append(child)
+            out.append((os.getpid(), child.fd))
+        self.children = [c for c in self.children if not c._closed]
+        return out
+
     def close(self):
         """Stop serving (Group.close in the launcher, before the group is marked closed).  A
         clean close (no step in flight, the node healthy) tells the other nodes nothing: they
         may still be finishing their last call.  A failure of this node that the thread has
-        not carried yet, or a step still in flight, fails the other nodes too."""
+        not carried yet, or a step still in flight, fails the other nodes too.  The children
+        (sub-communicators' proxies) close first."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for child in self.children:
+            child.close()
         self._stop = True
         mine = threading.current_thread() is self._thread
         if self._thread.is_alive() and not mine and not self._busy:

@@ -29,10 +29,11 @@ local and frees its mapping at once.  A member's death is seen by the group's ow
 checks, so every communicator the member belongs to fails and the others go on.
 
 Across nodes (nodes.Spanning), the rounds cross the nodes, and each new communicator's members
-on one node form its node-local part, made as above.  One that spans nodes (from_mpi's only:
-its processes have MPI) is a SubSpanning around this node's part, whose leaders' Link is made by
-splitting the parent's MPI communicator; with a launcher per node (inter=), whose workers have
-no MPI, such a split raises ShmtreeError on every rank (not supported yet).
+on one node form its node-local part, made as above.  One that spans nodes is a SubSpanning
+around this node's part: from_mpi's leaders' Link is made by splitting the parent's MPI
+communicator (_across_nodes); with a launcher per node (inter=), whose workers have no MPI, the
+launchers split theirs and start a proxy per new communicator (_across_proxies,
+mailbox.Proxy.split).
 """
 from __future__ import annotations
 
@@ -326,15 +327,6 @@ def make_split(comm, color, key=None):
         groups[c].sort(key=lambda r: (keys[r], r))
     nodes, local_ranks, local = _where(comm)
     spanning = sorted(c for c, m in groups.items() if len({nodes[r] for r in m}) > 1)
-    if spanning and getattr(comm, "_mpi", None) is None:
-        # (every rank sees the same table: every rank raises, before anything is made)
-        m = groups[spanning[0]]
-        raise ShmtreeError(
-            f"shmtree: split: a sub-communicator that spans nodes needs MPI in every process "
-            f"(from_mpi); with a launcher per node (inter=) it is not supported yet (color "
-            f"{spanning[0]}: ranks {ranks_text(m).removeprefix('ranks ').removeprefix('rank ')}"
-            f" are on nodes {sorted({nodes[r] for r in m})}); split within each node, e.g. "
-            f"split_by('node') first")
     # the node-local part of each new communicator: its members on this rank's node
     members = [r for r in groups[color] if nodes[r] == nodes[comm.rank]] if color >= 0 \
         else None
@@ -383,7 +375,8 @@ def make_split(comm, color, key=None):
     if group is not None:
         group.release_descriptor()
     if spanning:                        # (every rank takes part in MPI's splits)
-        sub = _across_nodes(comm, sub, color, groups, nodes, spanning, oks)
+        across = _across_nodes if getattr(comm, "_mpi", None) is not None else _across_proxies
+        sub = across(comm, sub, color, groups, nodes, spanning, oks)
     if members is None:
         return None
     failed = [r for r in groups[color] if oks[r]]
@@ -426,6 +419,55 @@ def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
     span = SubSpanning(part, link, mine.index(comm.rank), members, node, comm._segment)
     span._mpi = sub_mpi
     span._p2p_mpi = message_comm(sub_mpi)           # (messages between nodes: remote.py)
+    span.parent_ranks = tuple(mine)
+    return span
+
+
+def _across_proxies(comm, part, color, groups, nodes, spanning, oks):
+    """The communicators that span nodes with a launcher per node (inter=: the workers have no
+    MPI): the leader of each node asks its launcher (one SPLIT step through its mailbox,
+    mailbox.Proxy.split) for a proxy per new communicator with members on this node, made on
+    a Split of the launchers' communicator; the answers, (launcher pid, mailbox descriptor) per
+    new communicator, reach the node's ranks in a broadcast of the node's communicator; the
+    new communicator's leader on this node maps its mailbox (its ProxyLink closes the proxy
+    when the communicator closes)."""
+    from .mailbox import Mailbox, Proxy, ProxyLink
+    here = nodes[comm.rank]
+    keys = []
+    for c in spanning:
+        m = groups[c]
+        order = list(dict.fromkeys(nodes[r] for r in m))
+        keys.append(order.index(here) if here in order and not any(oks[r] for r in m) else -1)
+    local = comm.local
+    answer = np.zeros((len(spanning) + 1, 2), np.int64)     # (last row: ok)
+    if local.rank == 0:
+        try:
+            answer[:-1] = comm._link.run(Proxy.split, keys)
+        except Exception as exc:
+            answer[-1] = -1
+            err = exc
+    answer = local.broadcast(answer, root=0) if local.size > 1 else answer
+    if answer[-1, 0] < 0:
+        _discard(part, None)
+        if local.rank == 0:
+            raise err
+        raise ShmtreeError("shmtree: split: this node's launcher could not make the proxies of "
+                           "the new communicators across nodes (its leader raised)")
+    if color < 0 or color not in spanning or keys[spanning.index(color)] < 0:
+        return part
+    mine = groups[color]
+    order = list(dict.fromkeys(nodes[r] for r in mine))
+    members = [[k for k, r in enumerate(mine) if nodes[r] == n] for n in order]
+    link = None
+    if part.rank == 0:
+        pid, fd = answer[spanning.index(color)].tolist()
+        try:
+            link = ProxyLink(Mailbox.open(pid, fd, comm._segment), owned=True)
+        except BaseException:
+            _discard(part, None)
+            raise
+    span = SubSpanning(part, link, mine.index(comm.rank), members, order.index(here),
+                       comm._segment)
     span.parent_ranks = tuple(mine)
     return span
 

@@ -678,10 +678,9 @@ def test_split_and_close_in_a_loop_leaves_nothing_behind():
                                            (6, "from_mpi", 2), (2, "launch", 2)])
 def test_splits_of_communicators_across_nodes(nprocs, mode, n):
     """Node-local splits of from_mpi's and inter='s communicators work (split_by("node"),
-    nested, reversed, None).  from_mpi: splits whose new communicators span nodes work too
-    (every collective, i-calls with the parent's calls meanwhile, nested splits across nodes and
-    node-local); inter=: such a split raises ShmtreeError on every rank (the workers have no
-    MPI: not supported yet) and leaves the communicator usable."""
+    nested, reversed, None), and so do splits whose new communicators span nodes (every
+    collective, i-calls with the parent's calls meanwhile, nested splits across nodes and
+    node-local): from_mpi's over MPI splits, inter='s through proxies its launchers start."""
     pytest.importorskip("mpi4py")
     import subprocess
     import sys
