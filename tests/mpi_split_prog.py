@@ -44,6 +44,13 @@ def check(comm):
         out.close()
     if comm.nodes > 1:
         check_across(comm)
+        if getattr(comm, "_mpi", None) is None:     # inter=: no messages between nodes yet
+            elsewhere = next(r for r in range(comm.size) if node_ranks[r] != comm.node)
+            try:
+                comm.send(np.zeros(1), elsewhere)
+                raise AssertionError("a message between nodes under inter= was sent")
+            except shmtree.ShmtreeError as exc:
+                assert "inter=" in str(exc) and "not supported yet" in str(exc), exc
     assert int(comm.allreduce(np.array([1]))[0]) == comm.size
     return g
 
