@@ -2,6 +2,8 @@
 
     mpiexec -n N python tests/mpi_p2p_prog.py NODE_SIZE [fail]
 
+(N a multiple of 2 * NODE_SIZE for the pairwise checks and `fail`; else the ring's only.)
+
 Between two ranks of one node messages travel as on one machine, between nodes over MPI, with
 the same semantics: dtypes and sizes (0 B .. 64 MiB), tags out of order, out= mismatch,
 modify-after-send, isend/irecv, a sendrecv ring whose steps are partly within and partly
@@ -23,8 +25,11 @@ FAIL = sys.argv[2:] == ["fail"]
 comm = shmtree.from_mpi(W, node_size=NS)
 r, P = comm.rank, comm.size
 partner = r ^ 1
-other = (r + NS) % P               # a rank of another node (the pairs r <-> r + NS)
-assert comm.nodes > 1 and other // NS != r // NS
+# a rank of another node: the pairs r <-> r + NS (every rank has one when the nodes pair up;
+# else, nodes of uneven sizes, the pairwise checks are left out and the ring's remain)
+PAIRED = P % (2 * NS) == 0
+other = r + NS if (r // NS) % 2 == 0 else r - NS
+assert comm.nodes > 1 and (not PAIRED or other // NS != r // NS)
 
 
 def same_node():
@@ -117,6 +122,9 @@ def between_nodes():
     assert not req.test()
     comm.send(np.array([r]), other, tag=9)
     assert int(req.wait(60)[0]) == other
+
+
+def ring():
     # a ring of sendrecv (dest r+1, source r-1: some steps within a node, some between) at
     # every size, and one of isend/irecv
     for n in (1, 1000, 1 << 17, 1 << 21):
@@ -125,6 +133,11 @@ def between_nodes():
     rq = comm.irecv((r - 1) % P, tag=12)
     comm.isend(np.array([r]), (r + 1) % P, tag=12).wait(60)
     assert int(rq.wait(60)[0]) == (r - 1) % P
+    # two ahead (between nodes for most ranks), tags received in reverse order
+    reqs = [comm.isend(np.array([r, k]), (r + 2) % P, tag=20 + k) for k in range(5)]
+    for k in (4, 3, 2, 1, 0):
+        assert comm.recv((r - 2) % P, tag=20 + k).tolist() == [(r - 2) % P, k]
+    shmtree.wait_all(reqs, 60)
 
 
 def on_sub_communicator():
@@ -135,11 +148,11 @@ def on_sub_communicator():
         assert sub.nodes > 1
         p = sub.size
         nxt, prv = (sub.rank + 1) % p, (sub.rank - 1) % p
-        comm_req = comm.irecv(other, tag=0)
+        comm_req = comm.irecv((r - 1) % P, tag=0)
         got = sub.sendrecv(np.array([r, 10 * r]), nxt, prv)
         assert got.tolist() == [sub.parent_ranks[prv], 10 * sub.parent_ranks[prv]], got
-        comm.send(np.array([-r]), other, tag=0)
-        assert int(comm_req.wait(60)[0]) == -other
+        comm.send(np.array([-r]), (r + 1) % P, tag=0)
+        assert int(comm_req.wait(60)[0]) == -((r - 1) % P)
         big = sub.sendrecv(np.full(1 << 19, r, np.int32), nxt, prv, sendtag=3, recvtag=3)
         assert (big == sub.parent_ranks[prv]).all()
         assert int(sub.allreduce(np.array([1]))[0]) == p
@@ -168,7 +181,9 @@ same_node()
 if FAIL:
     failures()
 else:
-    between_nodes()
+    if PAIRED:
+        between_nodes()
+    ring()
     on_sub_communicator()
     total = comm.allreduce(np.ones(1))             # the communicator is still in order
     assert total[0] == P

@@ -586,9 +586,10 @@ def test_in_the_test_process_nothing_leaks():
 # across nodes (from_mpi): within a node as on one machine, between nodes over MPI
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["", "fail"])
-def test_across_simulated_nodes(mode):
-    """tests/mpi_p2p_prog.py under mpiexec, 4 ranks on 2 simulated nodes: messages within and
+@pytest.mark.parametrize("nprocs,mode", [(4, ""), (4, "fail"), (5, "")])
+def test_across_simulated_nodes(nprocs, mode):
+    """tests/mpi_p2p_prog.py under mpiexec, 4 ranks on 2 simulated nodes (5: nodes of 2, 2 and
+    1 ranks, no lanes: the rings and the sub-communicator only): messages within and
     between nodes with the same semantics (dtypes, 0 B .. 64 MiB, tags out of order, out=
     mismatch, the ring, collectives meanwhile, a sub-communicator across nodes); `fail`: a
     timeout between nodes, and every other rank raises PeerLostError instead of hanging.
@@ -603,8 +604,8 @@ def test_across_simulated_nodes(mode):
     before = _shm()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
-    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, prog, "2"] + ([mode] if mode
-                                                                                else []),
+    proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, prog, "2"] +
+                            ([mode] if mode else []),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     try:
