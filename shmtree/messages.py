@@ -204,9 +204,7 @@ class _Incoming:
 
 
 _DISCARD = object()
-_NOTHING = object()
 _CMA = 1                    # envelope flag: the payload is read from the sender's memory
-_QUICK_BYTES = RING_BYTES // 2
 
 
 def _check_out(out, dtype, shape):
@@ -377,72 +375,22 @@ class Transport:
         self.inn[src] = (m, ring, home, pid)
         return ring
 
-    # ---- the quick paths of the blocking calls: a whole record at once ----
+    # ---- the quick paths of the blocking calls: a whole record at once (natively) ----
 
     def quick_send(self, array, dest, tag):
-        """Nothing else is being sent to dest and the whole message fits in the ring now:
-        write it (one copy, one publication).  False: take the general path."""
-        nbytes = array.nbytes
-        if nbytes > _QUICK_BYTES:
+        """Send a small message whole when nothing else is being sent to dest and it fits in
+        the ring now (_p2p.quick_send); the arguments are checked already.  False: nothing was
+        done, take the general path."""
+        if array.nbytes > _p2p.QUICK_BYTES:
             return False
-        with self.lock:
-            if dest in self.sends or self.closed:
-                return False
-            ring = self._out_ring(dest)
-            if not ring.has_peer and ring.is_attached():
-                self._link_receiver(ring, dest)
-            if nbytes and not array.flags.c_contiguous:
-                array = np.array(array, order="C", copy=True)
-            done = ring.put_record(_header(array.dtype, array.shape, tag, nbytes),
-                                   _addr(array) if nbytes else 0, nbytes, _up(nbytes) - nbytes)
-            if done and not ring.has_peer and ring.is_attached():
-                self._link_receiver(ring, dest)
-            return done
+        _header(array.dtype, array.shape, tag, array.nbytes)     # (known to the native path)
+        return _p2p.quick_send(self, array, dest, tag, _headers)
 
     def quick_recv(self, src, tag, out, deadline):
-        """Nothing else is being received from src: take the next record from it when it is
-        the one wanted and all there (waiting for it up to one slice, natively).  _NOTHING:
-        take the general path."""
-        waited = False
-        while True:
-            with self.lock:
-                if src in self.recvs or src in self.incoming or self.kept.get(src) \
-                        or self.closed:
-                    return _NOTHING
-                ring = self._in_ring(src)
-                if ring is None:
-                    return _NOTHING
-                env = ring.envelope()
-                if env is not None:
-                    magic, etag, nbytes, meta_len, hdr_len, have, flags, address = env
-                    cma = flags & _CMA
-                    if magic != _MAGIC or etag != tag or \
-                            have < hdr_len + (0 if cma else _up(nbytes)):
-                        return _NOTHING
-                    dtype, shape = _parse(ring.description(meta_len))
-                    if out is not None:
-                        wrong = _check_out(out, dtype, shape)
-                        if wrong or not out.flags.c_contiguous:
-                            return _NOTHING
-                        dest = out
-                    else:
-                        dest = np.empty(shape, dtype)
-                    if cma:
-                        if nbytes:
-                            err = _p2p.cma_read(self.inn[src][3], address, _addr(dest), nbytes)
-                            if err:
-                                self._cma_failed(src, err)
-                        ring.skip_read(hdr_len)
-                    else:
-                        ring.take_record(hdr_len, _addr(dest) if nbytes else 0, nbytes,
-                                         _up(nbytes) - nbytes)
-                    return dest
-            if waited:
-                return _NOTHING
-            budget = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
-            if budget <= 0:
-                return _NOTHING
-            waited = not self.home.wait([(ring, _G)], int(budget * 1e9), self.spin_ns)
+        """The next message from src when nothing else is being received from it and it is the
+        one wanted and all there (waiting for it up to one slice, natively: _p2p.quick_recv).
+        None: nothing was done, take the general path."""
+        return _p2p.quick_recv(self, src, tag, out, deadline, SLICE_NS, _parse, time.monotonic)
 
     # ---- posting (under the lock) ----
 
@@ -1069,6 +1017,8 @@ class Messages:
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
         tr = self._p2p()
+        if _p2p.quick_send(tr, array, dest, tag, _headers):     # (a repeated message)
+            return None
         dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
         if tr.quick_send(array, dest, tag):
             return None
@@ -1085,11 +1035,11 @@ class Messages:
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
         tr = self._p2p()
-        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
         deadline = _deadline(timeout)
-        got = tr.quick_recv(source, tag, out, deadline)
-        if got is not _NOTHING:
+        got = tr.quick_recv(source, tag, out, deadline)      # (checks what it takes)
+        if got is not None:
             return got
+        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
         op = _Recv(source, tag, deadline, out)
         with tr.lock:
             tr.post_recv(op)
@@ -1108,7 +1058,7 @@ class Messages:
         array, out = _send_array(array), _out_arg(out)
         if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
             got = tr.quick_recv(source, recvtag, out, deadline)
-            if got is not _NOTHING:
+            if got is not None:
                 return got
             ops = [_Recv(source, recvtag, deadline, out)]
         else:
