@@ -221,7 +221,7 @@ cdef class Ring:
     cdef readonly bint sender
     cdef volatile uint32_t *pbell
     cdef volatile uint32_t *psleepers
-    # the quick paths' memo of the last message on this channel (quick_send, quick_recv): its
+    # the quick paths' memo of the last message on this channel (Quick.send, Quick.recv): its
     # dtype, shape and tag; the sender's record header, the receiver's description bytes
     cdef object q_dtype
     cdef object q_tag
@@ -404,7 +404,7 @@ cdef class Ring:
         ring_bell(self.pbell, self.psleepers)
 
 
-# ---- the blocking calls' quick paths (messages.Transport.quick_send / quick_recv) ----
+# ---- the blocking calls' quick paths (messages.Transport.quick: Quick.send, Quick.recv) ----
 #
 # A whole small record at once, under the transport's lock, with no Python-level work when the
 # message is described as the last one on its channel was (the ring's memo): the hot path of a
@@ -422,137 +422,160 @@ cdef inline uint64_t _up(uint64_t n) noexcept nogil:
     return (n + 63) & ~(<uint64_t>63)
 
 
-def quick_send(tr, array, dest, tag, dict headers):
-    """The blocking send of a small ndarray to dest: True once its record is in the ring (one
-    copy, one publication); False, nothing done, when anything else is sent to dest, the
-    channel is not made yet, the record does not fit now, or its header is not known yet
-    (headers: (dtype, shape, tag) -> header, filled by the general path after it has checked
-    the arguments, so a header found means dtype and tag were checked)."""
-    cdef cnp.ndarray a
-    cdef Ring ring
-    cdef uint64_t nbytes
-    cdef bytes header
-    cdef bint done
-    if type(array) is not _NDARRAY or type(dest) is not int or type(tag) is not int:
-        return False
-    a = <cnp.ndarray>array
-    nbytes = <uint64_t>cnp.PyArray_NBYTES(a)
-    if nbytes > QUICK_BYTES:
-        return False
-    if nbytes and not cnp.PyArray_IS_C_CONTIGUOUS(a):
-        a = _COPY(a, order="C", copy=True)
-    lock = tr.lock
-    lock.acquire()
-    try:
-        if tr.closed or dest in tr.sends:
-            return False
-        chan = tr.out.get(dest)
-        if chan is None:
-            return False
-        ring = <Ring>chan[2]
-        if ring.q_dtype is a.descr and ring._same_shape(a.ndim, a.shape) and ring.q_tag == tag:
-            header = ring.q_bytes
-        else:
-            header = headers.get((a.descr, array.shape, tag))
-            if header is None:
-                return False
-            ring.q_dtype, ring.q_tag, ring.q_bytes = a.descr, tag, header
-            ring._memo_shape(a.ndim, a.shape)
-        if ring.pbell == NULL and ring.is_attached():
-            tr._link_receiver(ring, dest)
-        done = ring._put(PyBytes_AS_STRING(header), <uint64_t>PyBytes_GET_SIZE(header),
-                         <const char *>cnp.PyArray_DATA(a), nbytes, _up(nbytes) - nbytes)
-        if done and ring.pbell == NULL and ring.is_attached():
-            tr._link_receiver(ring, dest)
-        return done
-    finally:
-        lock.release()
-
-
-def quick_recv(tr, src, tag, out, deadline, int64_t slice_ns, parse, clock):
-    """The blocking recv from src: the next record from src when nothing else is received
-    from it and the record, all there, has the tag wanted (and fits `out`, when given),
-    waiting for it up to one slice (natively); None: nothing done, take the general path.
-    parse: description bytes -> (dtype, shape); clock: time.monotonic (for a deadline)."""
-    cdef Ring ring
+cdef class Quick:
+    """A transport's quick paths (messages.Transport.quick): they read the transport's state
+    (its lock, its tables of posted operations and channels, whether it is closed) through
+    the references kept here, with no attribute lookups."""
+    cdef object tr
+    cdef object acquire
+    cdef object release
+    cdef dict sends, recvs, incoming, kept, out, inn, headers
     cdef Home home
-    cdef Cond cond
-    cdef cnp.ndarray dst
-    cdef uint64_t want, t, have, nbytes, meta_len, hdr_len
-    cdef uint64_t env[8]
-    cdef char meta[MEMO_META]
-    cdef bint waited = False, known
-    cdef int64_t budget, spin = tr.spin_ns
-    cdef int nd, i
-    if type(src) is not int or type(tag) is not int or tag < 0 or tag >= 2**63 or (
-            out is not None and type(out) is not _NDARRAY):
-        return None
-    want = tag
-    lock = tr.lock
-    while True:
-        lock.acquire()
+    cdef int64_t spin_ns, slice_ns
+    cdef public bint closed
+    cdef object parse, clock
+
+    def __init__(self, tr, dict headers, parse, clock, int64_t slice_ns):
+        self.tr = tr
+        self.acquire, self.release = tr.lock.acquire, tr.lock.release
+        self.sends, self.recvs, self.incoming = tr.sends, tr.recvs, tr.incoming
+        self.kept, self.out, self.inn = tr.kept, tr.out, tr.inn
+        self.home = <Home?>tr.home
+        self.spin_ns = tr.spin_ns
+        self.headers, self.parse, self.clock = headers, parse, clock
+        self.slice_ns = slice_ns
+        self.closed = False
+
+    def send(self, array, dest, tag):
+        """The blocking send of a small ndarray to dest: True once its record is in the ring
+        (one copy, one publication); False, nothing done, when anything else is sent to dest,
+        the channel is not made yet, the record does not fit now, or its header is not known
+        yet (headers: (dtype, shape, tag) -> header, filled by the general path after it has
+        checked the arguments, so a header found means dtype and tag were checked)."""
+        cdef cnp.ndarray a
+        cdef Ring ring
+        cdef uint64_t nbytes
+        cdef bytes header
+        cdef bint done
+        if type(array) is not _NDARRAY or type(dest) is not int or type(tag) is not int:
+            return False
+        a = <cnp.ndarray>array
+        nbytes = <uint64_t>cnp.PyArray_NBYTES(a)
+        if nbytes > QUICK_BYTES:
+            return False
+        if nbytes and not cnp.PyArray_IS_C_CONTIGUOUS(a):
+            a = _COPY(a, order="C", copy=True)
+        self.acquire()
         try:
-            if tr.closed or src in tr.recvs or src in tr.incoming or tr.kept.get(src):
-                return None
-            chan = tr.inn.get(src)
+            if self.closed or dest in self.sends:
+                return False
+            chan = self.out.get(dest)
             if chan is None:
-                return None
-            ring = <Ring>chan[1]
-            t = shm_load_relaxed64(ring.tail)
-            have = shm_load_acquire64(ring.head) - t
-            if have >= GRANULE:
-                ring._copy_out(t, <char *>env, GRANULE)
-                nbytes, meta_len, hdr_len = env[2], env[3], env[4]
-                if env[0] != MAGIC or env[1] != want or have < hdr_len + (
-                        0 if env[5] & FLAG_CMA else _up(nbytes)):
-                    return None
-                known = False
-                if ring.q_bytes is not None and meta_len <= MEMO_META and \
-                        <uint64_t>PyBytes_GET_SIZE(ring.q_bytes) == meta_len:
-                    ring._copy_out(t + GRANULE, meta, meta_len)
-                    known = memcmp(meta, PyBytes_AS_STRING(ring.q_bytes), meta_len) == 0
-                if not known:
-                    b = ring.description(meta_len)
-                    dtype, shape = parse(b)
-                    nd = len(shape)
-                    if nd > MEMO_DIMS:
-                        return None
-                    for i in range(nd):
-                        ring.q_dims[i] = shape[i]
-                    ring.q_nd = nd
-                    ring.q_dtype, ring.q_bytes = dtype, b
-                if out is not None:
-                    dst = <cnp.ndarray>out
-                    if not (cnp.PyArray_IS_C_CONTIGUOUS(dst) and cnp.PyArray_ISWRITEABLE(dst)
-                            and (dst.descr is ring.q_dtype or dst.descr == ring.q_dtype)
-                            and ring._same_shape(dst.ndim, dst.shape)):
-                        return None
-                else:
-                    Py_INCREF(ring.q_dtype)
-                    dst = PyArray_Empty(ring.q_nd, ring.q_dims, <cnp.PyArray_Descr *>ring.q_dtype, 0)
-                if env[5] & FLAG_CMA:
-                    if nbytes:
-                        err = cma_read(chan[3], env[6], <size_t>cnp.PyArray_DATA(dst), nbytes)
-                        if err:
-                            tr._cma_failed(src, err)
-                    ring.skip_read(hdr_len)
-                else:
-                    ring._take(hdr_len, <char *>cnp.PyArray_DATA(dst), nbytes,
-                               _up(nbytes) - nbytes)
-                return dst
+                return False
+            ring = <Ring>chan[2]
+            if ring.q_dtype is a.descr and ring._same_shape(a.ndim, a.shape) and \
+                    ring.q_tag == tag:
+                header = ring.q_bytes
+            else:
+                header = self.headers.get((a.descr, array.shape, tag))
+                if header is None:
+                    return False
+                ring.q_dtype, ring.q_tag, ring.q_bytes = a.descr, tag, header
+                ring._memo_shape(a.ndim, a.shape)
+            if ring.pbell == NULL and ring.is_attached():
+                self.tr._link_receiver(ring, dest)
+            done = ring._put(PyBytes_AS_STRING(header), <uint64_t>PyBytes_GET_SIZE(header),
+                             <const char *>cnp.PyArray_DATA(a), nbytes, _up(nbytes) - nbytes)
+            if done and ring.pbell == NULL and ring.is_attached():
+                self.tr._link_receiver(ring, dest)
+            return done
         finally:
-            lock.release()
-        if waited:
+            self.release()
+
+    def recv(self, src, tag, out, deadline):
+        """The blocking recv from src: the next record from src when nothing else is received
+        from it and the record, all there, has the tag wanted (and fits `out`, when given),
+        waiting for it up to one slice (natively); None: nothing done, take the general path.
+        (parse: description bytes -> (dtype, shape); clock: time.monotonic, for a deadline.)"""
+        cdef Ring ring
+        cdef Cond cond
+        cdef cnp.ndarray dst
+        cdef uint64_t want, t, have, nbytes, meta_len, hdr_len
+        cdef uint64_t env[8]
+        cdef char meta[MEMO_META]
+        cdef bint waited = False, known
+        cdef int64_t budget
+        cdef int nd, i
+        if type(src) is not int or type(tag) is not int or tag < 0 or tag >= 2**63 or (
+                out is not None and type(out) is not _NDARRAY):
             return None
-        budget = slice_ns
-        if deadline is not None:
-            budget = min(budget, <int64_t>((deadline - clock()) * 1e9))
-            if budget <= 0:
+        want = tag
+        while True:
+            self.acquire()
+            try:
+                if self.closed or src in self.recvs or src in self.incoming or \
+                        self.kept.get(src):
+                    return None
+                chan = self.inn.get(src)
+                if chan is None:
+                    return None
+                ring = <Ring>chan[1]
+                t = shm_load_relaxed64(ring.tail)
+                have = shm_load_acquire64(ring.head) - t
+                if have >= GRANULE:
+                    ring._copy_out(t, <char *>env, GRANULE)
+                    nbytes, meta_len, hdr_len = env[2], env[3], env[4]
+                    if env[0] != MAGIC or env[1] != want or have < hdr_len + (
+                            0 if env[5] & FLAG_CMA else _up(nbytes)):
+                        return None
+                    known = False
+                    if ring.q_bytes is not None and meta_len <= MEMO_META and \
+                            <uint64_t>PyBytes_GET_SIZE(ring.q_bytes) == meta_len:
+                        ring._copy_out(t + GRANULE, meta, meta_len)
+                        known = memcmp(meta, PyBytes_AS_STRING(ring.q_bytes), meta_len) == 0
+                    if not known:
+                        b = ring.description(meta_len)
+                        dtype, shape = self.parse(b)
+                        nd = len(shape)
+                        if nd > MEMO_DIMS:
+                            return None
+                        for i in range(nd):
+                            ring.q_dims[i] = shape[i]
+                        ring.q_nd = nd
+                        ring.q_dtype, ring.q_bytes = dtype, b
+                    if out is not None:
+                        dst = <cnp.ndarray>out
+                        if not (cnp.PyArray_IS_C_CONTIGUOUS(dst) and cnp.PyArray_ISWRITEABLE(dst)
+                                and (dst.descr is ring.q_dtype or dst.descr == ring.q_dtype)
+                                and ring._same_shape(dst.ndim, dst.shape)):
+                            return None
+                    else:
+                        Py_INCREF(ring.q_dtype)
+                        dst = PyArray_Empty(ring.q_nd, ring.q_dims,
+                                            <cnp.PyArray_Descr *>ring.q_dtype, 0)
+                    if env[5] & FLAG_CMA:
+                        if nbytes:
+                            err = cma_read(chan[3], env[6], <size_t>cnp.PyArray_DATA(dst),
+                                           nbytes)
+                            if err:
+                                self.tr._cma_failed(src, err)
+                        ring.skip_read(hdr_len)
+                    else:
+                        ring._take(hdr_len, <char *>cnp.PyArray_DATA(dst), nbytes,
+                                   _up(nbytes) - nbytes)
+                    return dst
+            finally:
+                self.release()
+            if waited:
                 return None
-        home = <Home>tr.home
-        _cond(&cond, ring, GRANULE)
-        with nogil:
-            waited = not home._wait(&cond, 1, budget, spin)
+            budget = self.slice_ns
+            if deadline is not None:
+                budget = min(budget, <int64_t>((deadline - self.clock()) * 1e9))
+                if budget <= 0:
+                    return None
+            _cond(&cond, ring, GRANULE)
+            with nogil:
+                waited = not self.home._wait(&cond, 1, budget, self.spin_ns)
 
 
 cdef inline char *_b(m) except NULL:

@@ -241,7 +241,6 @@ class Transport:
         self.spin_ns = int(plan.spin_ns)
         self.stall_timeout = plan.stall_timeout
         self.lock = threading.Lock()
-        self.closed = False
         self.home_fd, self.home_map = self._memfd(f"h{self.rank}", _p2p.PAGE_BYTES)
         _p2p.init_home(self.home_map, self.nonce, self.rank)
         self.home = _p2p.Home(self.home_map)
@@ -259,6 +258,15 @@ class Transport:
         self.thread = None          # the message thread (isend/irecv)
         self.wake_thread = threading.Condition(threading.Lock())
         self.nonblocking = []       # posted nonblocking ops not yet done
+        self.quick = _p2p.Quick(self, _headers, _parse, time.monotonic, SLICE_NS)
+
+    @property
+    def closed(self):
+        return self.quick.closed
+
+    @closed.setter
+    def closed(self, value):
+        self.quick.closed = value
 
     # ---- memfds ----
 
@@ -375,22 +383,16 @@ class Transport:
         self.inn[src] = (m, ring, home, pid)
         return ring
 
-    # ---- the quick paths of the blocking calls: a whole record at once (natively) ----
+    # ---- the quick path of the blocking calls: a whole record at once (natively) ----
 
     def quick_send(self, array, dest, tag):
         """Send a small message whole when nothing else is being sent to dest and it fits in
-        the ring now (_p2p.quick_send); the arguments are checked already.  False: nothing was
-        done, take the general path."""
+        the ring now (_p2p.Quick.send); the arguments are checked already.  False: nothing was
+        done, take the general path.  (self.quick.recv is the receiving side.)"""
         if array.nbytes > _p2p.QUICK_BYTES:
             return False
         _header(array.dtype, array.shape, tag, array.nbytes)     # (known to the native path)
-        return _p2p.quick_send(self, array, dest, tag, _headers)
-
-    def quick_recv(self, src, tag, out, deadline):
-        """The next message from src when nothing else is being received from it and it is the
-        one wanted and all there (waiting for it up to one slice, natively: _p2p.quick_recv).
-        None: nothing was done, take the general path."""
-        return _p2p.quick_recv(self, src, tag, out, deadline, SLICE_NS, _parse, time.monotonic)
+        return self.quick.send(array, dest, tag)
 
     # ---- posting (under the lock) ----
 
@@ -1017,7 +1019,7 @@ class Messages:
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
         tr = self._p2p()
-        if _p2p.quick_send(tr, array, dest, tag, _headers):     # (a repeated message)
+        if tr.quick.send(array, dest, tag):      # (a message described as one sent before)
             return None
         dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
         if tr.quick_send(array, dest, tag):
@@ -1036,7 +1038,7 @@ class Messages:
         message is consumed)."""
         tr = self._p2p()
         deadline = _deadline(timeout)
-        got = tr.quick_recv(source, tag, out, deadline)      # (checks what it takes)
+        got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
         if got is not None:
             return got
         source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
@@ -1057,7 +1059,7 @@ class Messages:
         source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
         array, out = _send_array(array), _out_arg(out)
         if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
-            got = tr.quick_recv(source, recvtag, out, deadline)
+            got = tr.quick.recv(source, recvtag, out, deadline)
             if got is not None:
                 return got
             ops = [_Recv(source, recvtag, deadline, out)]
