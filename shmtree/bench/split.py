@@ -1,7 +1,8 @@
 """shmtree-bench split: sub-communicators beside MPI, measured in the same run.
 
-For shmtree (P ranks, default 4: shmtree.run) and for MPI (mpi4py under the mpiexec beside
-the interpreter, e.g. the mpich wheel's; split_worker.py), in alternating rounds:
+For shmtree (P ranks, default 4: shmtree.run) and for each MPI (mpi4py under the mpiexec
+beside the interpreter, e.g. the mpich wheel's, or each --mpi-python's; split_worker.py), in
+alternating rounds:
 
 - split: the median time of `comm.split(color, key)` into two halves (MPI: Comm.Split), and of
   a split of everyone into one (`comm.dup()`'s work), with the new communicator's close or Free
@@ -9,7 +10,8 @@ the interpreter, e.g. the mpich wheel's; split_worker.py), in alternating rounds
 - an 8 B float64 sum allreduce in place on the parent, on its dup (a sub-communicator of the
   same size) and on a half; microseconds per call, the slowest rank's.
 
-Each figure is the best of the rounds (--rounds, default 3: the least disturbed by other load).
+Each figure is the best of the rounds (--rounds, default 3: the least disturbed by other load);
+the last column is shmtree's over the best MPI's (below 1: shmtree is faster).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import os
 import sys
 
 from .harness import BenchError
-from .mpi import OPEN_MPI_ENV, find_mpiexec, run_job
+from .mpi import alternate, run_worker
 from .split_worker import measure, slowest
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "split_worker.py")
@@ -41,53 +43,39 @@ def run_shmtree(nprocs, splits, calls, rounds):
 
 
 def run_mpi(nprocs, splits, calls, rounds, python=None, timeout=300):
-    python = python or sys.executable
-    mpiexec = find_mpiexec(python)
-    if mpiexec is None:
-        raise BenchError("no mpiexec beside the interpreter nor on PATH")
-    cmd = [mpiexec, "-n", str(nprocs), python, WORKER, str(splits), str(calls), str(rounds)]
-    out, err, rc = run_job(cmd, dict(os.environ, **OPEN_MPI_ENV), timeout, "mpiexec")
-    for line in out.splitlines():
-        if line.startswith("SPLIT-RESULT "):
-            data = json.loads(line[len("SPLIT-RESULT "):])
-            return data["library"], data["figures"]
-    raise BenchError(f"the MPI worker failed (exit {rc}): {err.strip()[-2000:]}")
+    return run_worker(python or sys.executable, nprocs, WORKER, [splits, calls, rounds],
+                      "SPLIT-RESULT", timeout)
 
 
 def _best(a, b):
-    return b if a is None else {k: min(a[k], b[k]) for k in a}
+    return {k: min(a[k], b[k]) for k in a}
 
 
 def cmd_split(args):
     if args.nprocs < 2:
         raise BenchError("split needs at least 2 processes (-n)")
-    shm = mpi = None
-    library, problem = None, None
-    for _ in range(args.rounds):
-        shm = _best(shm, run_shmtree(args.nprocs, args.splits, args.calls, 3))
-        if problem is None and not args.no_mpi:
-            try:
-                library, got = run_mpi(args.nprocs, args.splits, args.calls, 3)
-                mpi = _best(mpi, got)
-            except BenchError as exc:
-                problem = str(exc)
-    first = (library or "MPI").splitlines()[0]
-    name = " ".join(first.replace("Version:", "").split())[:24]
+    pythons = [] if args.no_mpi else (args.mpi_python or [sys.executable])
+    shm, mpis = alternate(args.rounds, lambda: run_shmtree(args.nprocs, args.splits, args.calls,
+                                                           3),
+                          lambda python: run_mpi(args.nprocs, args.splits, args.calls, 3, python),
+                          pythons, _best)
     print(f"sub-communicators, {args.nprocs} ranks, best of {args.rounds} alternating round(s)"
-          + (f"; MPI: {problem}" if problem else f"; MPI: {name}"))
-    print(f"{'measure':<26}{'shmtree':>12}{name:>26}{'shmtree/MPI':>13}")
+          + "".join(f"; {name}: {problem}" for name, _, problem in mpis if problem))
+    mpis = [(name, figures) for name, figures, _ in mpis if figures]
+    print(f"{'measure':<26}{'shmtree':>12}" + "".join(f"{n[:22]:>24}" for n, _ in mpis)
+          + ("  shmtree/best MPI" if mpis else ""))
     for key, what, unit in ROWS:
-        s, m = shm[key], (mpi[key] if mpi else None)
-        print(f"{what:<26}{s:>9.3f} {unit:<2}"
-              f"{'' if m is None else f'{m:>9.3f} {unit}':>26}"
-              f"{'' if m is None else f'{s / m:.2f}':>13}")
+        s = shm[key]
+        print(f"{what:<26}{s:>9.3f} {unit:<2}" + "".join(f"{f[key]:>21.3f} {unit:<2}"
+                                                         for _, f in mpis)
+              + (f"{s / min(f[key] for _, f in mpis):>18.2f}" if mpis else ""))
     print(f"a dup's 8 B allreduce over the parent's: {shm['dup_us'] / shm['parent_us']:.2f} "
-          "(shmtree)" + ("" if mpi is None else
-                         f", {mpi['dup_us'] / mpi['parent_us']:.2f} (MPI)"))
+          "(shmtree)" + "".join(f", {f['dup_us'] / f['parent_us']:.2f} ({name})"
+                                for name, f in mpis))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"nprocs": args.nprocs, "shmtree": shm, "mpi": mpi,
-                       "mpi_library": library, "mpi_problem": problem}, f, indent=1)
+            json.dump({"nprocs": args.nprocs, "shmtree": shm,
+                       "mpi": {name: figures for name, figures in mpis}}, f, indent=1)
     return 0
 
 
@@ -104,6 +92,9 @@ def add_parser(sub, arg, positive):
                    help="timed 8 B allreduces per measurement (default 2000)")
     p.add_argument("--rounds", type=arg(positive), default=3,
                    help="alternating rounds of shmtree and MPI; the best of each (default 3)")
+    p.add_argument("--mpi-python", action="append", metavar="PATH",
+                   help="an interpreter with mpi4py (repeatable: one MPI column each; default: "
+                        "this interpreter)")
     p.add_argument("--no-mpi", action="store_true", help="shmtree only")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     return p
