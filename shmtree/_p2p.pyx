@@ -19,9 +19,19 @@ counter, issues a full fence and rings the peer's bell only when the peer's slee
 up; a waiter raises its count, fences, reads the bell, looks again and only then sleeps with the
 bell value it read.  No wake-up is lost.
 """
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
+
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.PyArray_Descr *descr, int fortran)  # steals descr
 
 
 cdef extern from "sched.h" nogil:
@@ -68,6 +78,8 @@ RECORD_GRANULE = GRANULE
 PIECE = 65536             # a copy publishes (and rings) after every piece: the peer starts early
 
 DEF MAX_CONDS = 256
+DEF MEMO_DIMS = 64        # (numpy's most dimensions)
+DEF MEMO_META = 512       # the quick paths remember descriptions of at most this many bytes
 DEF C_PIECE = 65536
 DEF YIELD_NS = 200000
 DEF SLEEP_NS = 5000000
@@ -145,50 +157,55 @@ cdef class Home:
             n = MAX_CONDS
         cdef Cond cs[MAX_CONDS]
         cdef Ring rg
-        cdef int64_t start, now, end
-        cdef uint32_t seen
-        cdef bint ok = False
+        cdef bint ok
         for i in range(n):
             r, need = conds[i]
             rg = <Ring?>r
-            cs[i].head = rg.head
-            cs[i].tail = rg.tail
-            cs[i].size = rg.size
-            cs[i].sender = rg.sender
-            cs[i].need = need
+            _cond(&cs[i], rg, need)
         with nogil:
-            start = shm_now_ns()
-            end = start + slice_ns
-            while True:
+            ok = self._wait(cs, n, slice_ns, spin_ns)
+        return ok
+
+    cdef bint _wait(self, Cond *cs, int n, int64_t slice_ns, int64_t spin_ns) noexcept nogil:
+        cdef int64_t start, now, end
+        cdef uint32_t seen
+        cdef bint ok = False
+        cdef int i
+        start = shm_now_ns()
+        end = start + slice_ns
+        while True:
+            for i in range(n):
+                if cond_ready(&cs[i]):
+                    return True
+            now = shm_now_ns()
+            if now >= end:
+                return False
+            if now - start < spin_ns:
+                for i in range(32):
+                    shm_cpu_relax()
+            elif now - start < spin_ns + YIELD_NS:
+                sched_yield()
+            else:
+                shm_fetch_add32(self.sleepers, 1)
+                shm_fence()
+                seen = shm_load_seqcst32(self.bell)
                 for i in range(n):
                     if cond_ready(&cs[i]):
                         ok = True
                         break
-                if ok:
-                    break
-                now = shm_now_ns()
-                if now >= end:
-                    break
-                if now - start < spin_ns:
-                    for i in range(32):
-                        shm_cpu_relax()
-                elif now - start < spin_ns + YIELD_NS:
-                    sched_yield()
-                else:
-                    shm_fetch_add32(self.sleepers, 1)
-                    shm_fence()
-                    seen = shm_load_seqcst32(self.bell)
-                    for i in range(n):
-                        if cond_ready(&cs[i]):
-                            ok = True
-                            break
-                    if not ok:
-                        shm_futex_wait(self.bell, seen, min(end - now, <int64_t>SLEEP_NS))
-                    shm_fetch_add32(self.sleepers, <uint32_t>-1)
-                    if ok or shm_load_seqcst32(self.bell) != seen:
-                        ok = True
-                        break
-        return ok
+                if not ok:
+                    shm_futex_wait(self.bell, seen, min(end - now, <int64_t>SLEEP_NS))
+                shm_fetch_add32(self.sleepers, <uint32_t>-1)
+                if ok or shm_load_seqcst32(self.bell) != seen:
+                    return True
+
+
+cdef inline void _cond(Cond *c, Ring rg, uint64_t need) noexcept:
+    c.head = rg.head
+    c.tail = rg.tail
+    c.size = rg.size
+    c.sender = rg.sender
+    c.need = need
 
 
 cdef class Ring:
@@ -204,6 +221,13 @@ cdef class Ring:
     cdef readonly bint sender
     cdef volatile uint32_t *pbell
     cdef volatile uint32_t *psleepers
+    # the quick paths' memo of the last message on this channel (Quick.send, Quick.recv): its
+    # dtype, shape and tag; the sender's record header, the receiver's description bytes
+    cdef object q_dtype
+    cdef object q_tag
+    cdef bytes q_bytes
+    cdef int q_nd
+    cdef cnp.npy_intp q_dims[MEMO_DIMS]
 
     def __cinit__(self, m, bint sender):
         cdef char *base = <char *><size_t>m.address
@@ -325,21 +349,28 @@ cdef class Ring:
         if k > first:
             memcpy(dst + first, self.data, k - first)
 
-    def put_record(self, const unsigned char[::1] header, size_t addr, uint64_t nbytes,
-                   uint64_t pad):
+    cdef bint _put(self, const char *header, uint64_t n, const char *src, uint64_t nbytes,
+                   uint64_t pad) noexcept:
         """A whole small record at once (header, payload, padding), published once: True, or
         False (nothing written) when the ring has not the room."""
-        cdef uint64_t n = header.shape[0]
         cdef uint64_t h = shm_load_relaxed64(self.head)
         if self.size - (h - shm_load_acquire64(self.tail)) < n + nbytes + pad:
             return False
-        self._copy_in(h, <const char *>&header[0], n)
+        self._copy_in(h, header, n)
         if nbytes:
             with nogil:
-                self._copy_in(h + n, <const char *>addr, nbytes)
+                self._copy_in(h + n, src, nbytes)
         shm_store_release64(self.head, h + n + nbytes + pad)
         ring_bell(self.pbell, self.psleepers)
         return True
+
+    cdef bint _same_shape(self, int nd, cnp.npy_intp *dims) noexcept:
+        return nd == self.q_nd and memcmp(dims, self.q_dims, nd * sizeof(cnp.npy_intp)) == 0
+
+    cdef void _memo_shape(self, int nd, cnp.npy_intp *dims) noexcept:
+        self.q_nd = nd if nd <= MEMO_DIMS else -1
+        if nd <= MEMO_DIMS:
+            memcpy(self.q_dims, dims, nd * sizeof(cnp.npy_intp))
 
     def envelope(self):
         """(magic, tag, payload bytes, description bytes, header bytes, data available, flags,
@@ -358,12 +389,12 @@ cdef class Ring:
         self._copy_out(shm_load_relaxed64(self.tail) + GRANULE, <char *>b, meta_len)
         return b
 
-    def take_record(self, uint64_t hdr_len, size_t addr, uint64_t nbytes, uint64_t pad):
-        """Consume a whole record that is all there: its payload into addr."""
+    cdef void _take(self, uint64_t hdr_len, char *dst, uint64_t nbytes, uint64_t pad) noexcept:
+        """Consume a whole record that is all there: its payload into dst."""
         cdef uint64_t t = shm_load_relaxed64(self.tail)
         if nbytes:
             with nogil:
-                self._copy_out(t + hdr_len, <char *>addr, nbytes)
+                self._copy_out(t + hdr_len, dst, nbytes)
         shm_store_release64(self.tail, t + hdr_len + nbytes + pad)
         ring_bell(self.pbell, self.psleepers)
 
@@ -371,6 +402,180 @@ cdef class Ring:
         """Release n bytes (padding, or a record read by peeking)."""
         shm_store_release64(self.tail, shm_load_relaxed64(self.tail) + n)
         ring_bell(self.pbell, self.psleepers)
+
+
+# ---- the blocking calls' quick paths (messages.Transport.quick: Quick.send, Quick.recv) ----
+#
+# A whole small record at once, under the transport's lock, with no Python-level work when the
+# message is described as the last one on its channel was (the ring's memo): the hot path of a
+# ping-pong or a halo exchange.  Anything unusual returns False / None with nothing done, and the
+# caller takes the general path, which also checks and names every bad argument.
+
+cdef object _NDARRAY = np.ndarray
+cdef object _COPY = np.array
+DEF MAGIC = 0x3147534d54534d53      # "SMSTMSG1" (messages._MAGIC)
+DEF FLAG_CMA = 1                    # the payload stays in the sender's memory (messages._CMA)
+QUICK_BYTES = 1 << 19               # (half the ring)
+
+
+cdef inline uint64_t _up(uint64_t n) noexcept nogil:
+    return (n + 63) & ~(<uint64_t>63)
+
+
+cdef class Quick:
+    """A transport's quick paths (messages.Transport.quick): they read the transport's state
+    (its lock, its tables of posted operations and channels, whether it is closed) through
+    the references kept here, with no attribute lookups."""
+    cdef object tr
+    cdef object acquire
+    cdef object release
+    cdef dict sends, recvs, incoming, kept, out, inn, headers
+    cdef Home home
+    cdef int64_t spin_ns, slice_ns
+    cdef public bint closed
+    cdef object parse, clock
+
+    def __init__(self, tr, dict headers, parse, clock, int64_t slice_ns):
+        self.tr = tr
+        self.acquire, self.release = tr.lock.acquire, tr.lock.release
+        self.sends, self.recvs, self.incoming = tr.sends, tr.recvs, tr.incoming
+        self.kept, self.out, self.inn = tr.kept, tr.out, tr.inn
+        self.home = <Home?>tr.home
+        self.spin_ns = tr.spin_ns
+        self.headers, self.parse, self.clock = headers, parse, clock
+        self.slice_ns = slice_ns
+        self.closed = False
+
+    def send(self, array, dest, tag):
+        """The blocking send of a small ndarray to dest: True once its record is in the ring
+        (one copy, one publication); False, nothing done, when anything else is sent to dest,
+        the channel is not made yet, the record does not fit now, or its header is not known
+        yet (headers: (dtype, shape, tag) -> header, filled by the general path after it has
+        checked the arguments, so a header found means dtype and tag were checked)."""
+        cdef cnp.ndarray a
+        cdef Ring ring
+        cdef uint64_t nbytes
+        cdef bytes header
+        cdef bint done
+        if type(array) is not _NDARRAY or type(dest) is not int or type(tag) is not int:
+            return False
+        a = <cnp.ndarray>array
+        nbytes = <uint64_t>cnp.PyArray_NBYTES(a)
+        if nbytes > QUICK_BYTES:
+            return False
+        if nbytes and not cnp.PyArray_IS_C_CONTIGUOUS(a):
+            a = _COPY(a, order="C", copy=True)
+        self.acquire()
+        try:
+            if self.closed or dest in self.sends:
+                return False
+            chan = self.out.get(dest)
+            if chan is None:
+                return False
+            ring = <Ring>chan[2]
+            if ring.q_dtype is a.descr and ring._same_shape(a.ndim, a.shape) and \
+                    ring.q_tag == tag:
+                header = ring.q_bytes
+            else:
+                header = self.headers.get((a.descr, array.shape, tag))
+                if header is None:
+                    return False
+                ring.q_dtype, ring.q_tag, ring.q_bytes = a.descr, tag, header
+                ring._memo_shape(a.ndim, a.shape)
+            if ring.pbell == NULL and ring.is_attached():
+                self.tr._link_receiver(ring, dest)
+            done = ring._put(PyBytes_AS_STRING(header), <uint64_t>PyBytes_GET_SIZE(header),
+                             <const char *>cnp.PyArray_DATA(a), nbytes, _up(nbytes) - nbytes)
+            if done and ring.pbell == NULL and ring.is_attached():
+                self.tr._link_receiver(ring, dest)
+            return done
+        finally:
+            self.release()
+
+    def recv(self, src, tag, out, deadline):
+        """The blocking recv from src: the next record from src when nothing else is received
+        from it and the record, all there, has the tag wanted (and fits `out`, when given),
+        waiting for it up to one slice (natively); None: nothing done, take the general path.
+        (parse: description bytes -> (dtype, shape); clock: time.monotonic, for a deadline.)"""
+        cdef Ring ring
+        cdef Cond cond
+        cdef cnp.ndarray dst
+        cdef uint64_t want, t, have, nbytes, meta_len, hdr_len
+        cdef uint64_t env[8]
+        cdef char meta[MEMO_META]
+        cdef bint waited = False, known
+        cdef int64_t budget
+        cdef int nd, i
+        if type(src) is not int or type(tag) is not int or tag < 0 or tag >= 2**63 or (
+                out is not None and type(out) is not _NDARRAY):
+            return None
+        want = tag
+        while True:
+            self.acquire()
+            try:
+                if self.closed or src in self.recvs or src in self.incoming or \
+                        self.kept.get(src):
+                    return None
+                chan = self.inn.get(src)
+                if chan is None:
+                    return None
+                ring = <Ring>chan[1]
+                t = shm_load_relaxed64(ring.tail)
+                have = shm_load_acquire64(ring.head) - t
+                if have >= GRANULE:
+                    ring._copy_out(t, <char *>env, GRANULE)
+                    nbytes, meta_len, hdr_len = env[2], env[3], env[4]
+                    if env[0] != MAGIC or env[1] != want or have < hdr_len + (
+                            0 if env[5] & FLAG_CMA else _up(nbytes)):
+                        return None
+                    known = False
+                    if ring.q_bytes is not None and meta_len <= MEMO_META and \
+                            <uint64_t>PyBytes_GET_SIZE(ring.q_bytes) == meta_len:
+                        ring._copy_out(t + GRANULE, meta, meta_len)
+                        known = memcmp(meta, PyBytes_AS_STRING(ring.q_bytes), meta_len) == 0
+                    if not known:
+                        b = ring.description(meta_len)
+                        dtype, shape = self.parse(b)
+                        nd = len(shape)
+                        if nd > MEMO_DIMS:
+                            return None
+                        for i in range(nd):
+                            ring.q_dims[i] = shape[i]
+                        ring.q_nd = nd
+                        ring.q_dtype, ring.q_bytes = dtype, b
+                    if out is not None:
+                        dst = <cnp.ndarray>out
+                        if not (cnp.PyArray_IS_C_CONTIGUOUS(dst) and cnp.PyArray_ISWRITEABLE(dst)
+                                and (dst.descr is ring.q_dtype or dst.descr == ring.q_dtype)
+                                and ring._same_shape(dst.ndim, dst.shape)):
+                            return None
+                    else:
+                        Py_INCREF(ring.q_dtype)
+                        dst = PyArray_Empty(ring.q_nd, ring.q_dims,
+                                            <cnp.PyArray_Descr *>ring.q_dtype, 0)
+                    if env[5] & FLAG_CMA:
+                        if nbytes:
+                            err = cma_read(chan[3], env[6], <size_t>cnp.PyArray_DATA(dst),
+                                           nbytes)
+                            if err:
+                                self.tr._cma_failed(src, err)
+                        ring.skip_read(hdr_len)
+                    else:
+                        ring._take(hdr_len, <char *>cnp.PyArray_DATA(dst), nbytes,
+                                   _up(nbytes) - nbytes)
+                    return dst
+            finally:
+                self.release()
+            if waited:
+                return None
+            budget = self.slice_ns
+            if deadline is not None:
+                budget = min(budget, <int64_t>((deadline - self.clock()) * 1e9))
+                if budget <= 0:
+                    return None
+            _cond(&cond, ring, GRANULE)
+            with nogil:
+                waited = not self.home._wait(&cond, 1, budget, self.spin_ns)
 
 
 cdef inline char *_b(m) except NULL:

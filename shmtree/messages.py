@@ -207,9 +207,7 @@ class _Incoming:
 
 
 _DISCARD = object()
-_NOTHING = object()
 _CMA = 1                    # envelope flag: the payload is read from the sender's memory
-_QUICK_BYTES = RING_BYTES // 2
 
 
 def _check_out(out, dtype, shape):
@@ -454,7 +452,6 @@ class Transport(_Matching):
         self.spin_ns = int(plan.spin_ns)
         self.stall_timeout = plan.stall_timeout
         self.lock = threading.Lock()
-        self.closed = False
         self.home_fd, self.home_map = self._memfd(f"h{self.rank}", _p2p.PAGE_BYTES)
         _p2p.init_home(self.home_map, self.nonce, self.rank)
         self.home = _p2p.Home(self.home_map)
@@ -470,6 +467,15 @@ class Transport(_Matching):
         self.scratch = None         # for discarded payloads
         self.idle_since = {}        # Pool: peer -> when it was first seen idle
         self._init_posting()
+        self.quick = _p2p.Quick(self, _headers, _parse, time.monotonic, SLICE_NS)
+
+    @property
+    def closed(self):
+        return self.quick.closed
+
+    @closed.setter
+    def closed(self, value):
+        self.quick.closed = value
 
     # ---- memfds ----
 
@@ -586,72 +592,16 @@ class Transport(_Matching):
         self.inn[src] = (m, ring, home, pid)
         return ring
 
-    # ---- the quick paths of the blocking calls: a whole record at once ----
+    # ---- the quick path of the blocking calls: a whole record at once (natively) ----
 
     def quick_send(self, array, dest, tag):
-        """Nothing else is being sent to dest and the whole message fits in the ring now:
-        write it (one copy, one publication).  False: take the general path."""
-        nbytes = array.nbytes
-        if nbytes > _QUICK_BYTES:
+        """Send a small message whole when nothing else is being sent to dest and it fits in
+        the ring now (_p2p.Quick.send); the arguments are checked already.  False: nothing was
+        done, take the general path.  (self.quick.recv is the receiving side.)"""
+        if array.nbytes > _p2p.QUICK_BYTES:
             return False
-        with self.lock:
-            if dest in self.sends or self.closed:
-                return False
-            ring = self._out_ring(dest)
-            if not ring.has_peer and ring.is_attached():
-                self._link_receiver(ring, dest)
-            if nbytes and not array.flags.c_contiguous:
-                array = np.array(array, order="C", copy=True)
-            done = ring.put_record(_header(array.dtype, array.shape, tag, nbytes),
-                                   _addr(array) if nbytes else 0, nbytes, _up(nbytes) - nbytes)
-            if done and not ring.has_peer and ring.is_attached():
-                self._link_receiver(ring, dest)
-            return done
-
-    def quick_recv(self, src, tag, out, deadline):
-        """Nothing else is being received from src: take the next record from it when it is
-        the one wanted and all there (waiting for it up to one slice, natively).  _NOTHING:
-        take the general path."""
-        waited = False
-        while True:
-            with self.lock:
-                if src in self.recvs or src in self.incoming or self.kept.get(src) \
-                        or self.closed:
-                    return _NOTHING
-                ring = self._in_ring(src)
-                if ring is None:
-                    return _NOTHING
-                env = ring.envelope()
-                if env is not None:
-                    magic, etag, nbytes, meta_len, hdr_len, have, flags, address = env
-                    cma = flags & _CMA
-                    if magic != _MAGIC or etag != tag or \
-                            have < hdr_len + (0 if cma else _up(nbytes)):
-                        return _NOTHING
-                    dtype, shape = _parse(ring.description(meta_len))
-                    if out is not None:
-                        wrong = _check_out(out, dtype, shape)
-                        if wrong or not out.flags.c_contiguous:
-                            return _NOTHING
-                        dest = out
-                    else:
-                        dest = np.empty(shape, dtype)
-                    if cma:
-                        if nbytes:
-                            err = _p2p.cma_read(self.inn[src][3], address, _addr(dest), nbytes)
-                            if err:
-                                self._cma_failed(src, err)
-                        ring.skip_read(hdr_len)
-                    else:
-                        ring.take_record(hdr_len, _addr(dest) if nbytes else 0, nbytes,
-                                         _up(nbytes) - nbytes)
-                    return dest
-            if waited:
-                return _NOTHING
-            budget = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
-            if budget <= 0:
-                return _NOTHING
-            waited = not self.home.wait([(ring, _G)], int(budget * 1e9), self.spin_ns)
+        _header(array.dtype, array.shape, tag, array.nbytes)     # (known to the native path)
+        return self.quick.send(array, dest, tag)
 
     # ---- posting (under the lock; post_recv: _Matching's) ----
 
@@ -1091,10 +1041,11 @@ class Messages:
         return pid if joined else 0
 
     def _p2p_route(self, r, what):
-        """(transport, rank in it) that carries messages to or from rank r (checked: `what`
-        names it).  (A communicator across nodes routes each peer: remote.SpanningMessages.)"""
-        tr = self._p2p()
-        return tr, _rank_arg(self, r, what)
+        """(transport, rank in it) that carries messages to or from rank r (`what` names it):
+        here the one transport and r as given (the native quick path checks what it takes, the
+        calls check it with _rank_arg otherwise).  (A communicator across nodes routes each
+        peer, checked and translated: remote.SpanningMessages.)"""
+        return self._p2p(), r
 
     def _p2p(self):
         tr = self._p2p_transport
@@ -1110,7 +1061,9 @@ class Messages:
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
         tr, dest = self._p2p_route(dest, "dest")
-        tag, array = _tag_arg(tag), _send_array(array)
+        if tr.quick.send(array, dest, tag):      # (a message described as one sent before)
+            return None
+        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
         if tr.quick_send(array, dest, tag):
             return None
         op = _Send(dest, tag, _deadline(timeout), array, tr.cma)
@@ -1126,11 +1079,11 @@ class Messages:
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
         tr, source = self._p2p_route(source, "source")
-        tag, out = _tag_arg(tag), _out_arg(out)
         deadline = _deadline(timeout)
-        got = tr.quick_recv(source, tag, out, deadline)
-        if got is not _NOTHING:
+        got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
+        if got is not None:
             return got
+        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
         op = _Recv(source, tag, deadline, out)
         with tr.lock:
             tr.post_recv(op)
@@ -1143,10 +1096,10 @@ class Messages:
         """Send `array` to `dest` and receive from `source` at once (neither waits for the
         other to finish): the received array (or `out`)."""
         tr, dest = self._p2p_route(dest, "dest")
-        deadline = _deadline(timeout)
-        sendtag = _tag_arg(sendtag, "sendtag")
         from_tr, source = self._p2p_route(source, "source")
-        recvtag = _tag_arg(recvtag, "recvtag")
+        deadline = _deadline(timeout)
+        dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
+        source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
         array, out = _send_array(array), _out_arg(out)
         if from_tr is not tr:           # (across nodes: one peer on this node, one elsewhere)
             request = self._p2p_post(from_tr, _Recv(source, recvtag, deadline, out), "irecv")
@@ -1158,8 +1111,8 @@ class Messages:
                 raise op.error
             return request.result()
         if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
-            got = tr.quick_recv(source, recvtag, out, deadline)
-            if got is not _NOTHING:
+            got = tr.quick.recv(source, recvtag, out, deadline)
+            if got is not None:
                 return got
             ops = [_Recv(source, recvtag, deadline, out)]
         else:
@@ -1177,13 +1130,15 @@ class Messages:
     def isend(self, array, dest, *, tag=0, timeout=None):
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
         tr, dest = self._p2p_route(dest, "dest")
-        op = _Send(dest, _tag_arg(tag), _deadline(timeout), _send_array(array), tr.cma)
+        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
+                   _send_array(array), tr.cma)
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
         """recv, nonblocking: a Request whose result is the received array."""
         tr, source = self._p2p_route(source, "source")
-        op = _Recv(source, _tag_arg(tag), _deadline(timeout), _out_arg(out))
+        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
+                   _out_arg(out))
         return self._p2p_post(tr, op, "irecv")
 
     def _p2p_post(self, tr, op, name):

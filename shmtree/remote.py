@@ -39,8 +39,8 @@ import numpy as np
 
 from .codes import ABORT_FAILED, ABORT_TIMEOUT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, _NOTHING, Messages, _broken_text, _flat,
-                       _Matching, _parse, _rank_arg)
+from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, Messages, _broken_text, _flat, _Matching,
+                       _parse, _rank_arg)
 
 __all__ = ["SpanningMessages", "Remote", "message_comm", "free_comm"]
 
@@ -119,12 +119,26 @@ def free_comm(comm):
         pass
 
 
+class _NoQuick:
+    """Remote's quick paths (messages.Messages tries them first): none, every message goes
+    the general way."""
+
+    @staticmethod
+    def send(array, dest, tag):
+        return False
+
+    @staticmethod
+    def recv(source, tag, out, deadline):
+        return None
+
+
 class Remote(_Matching):
     """The transport of a communicator's messages between nodes (see the module docstring);
     ranks are the communicator's (its message communicator's)."""
 
     THREAD = "shmtree-messages-mpi-rank{}"
     cma = False
+    quick = _NoQuick()
 
     def __init__(self, span):
         from mpi4py import MPI
@@ -169,9 +183,6 @@ class Remote(_Matching):
 
     def quick_send(self, array, dest, tag):
         return False
-
-    def quick_recv(self, src, tag, out, deadline):
-        return _NOTHING
 
     def _wake(self):
         pass                         # (the message thread polls)

@@ -286,3 +286,24 @@ def repo_root():
     import shmtree
 
     return os.path.dirname(os.path.dirname(os.path.abspath(shmtree.__file__)))
+
+
+# ---- long tests: opt-in (SHMTREE_LONG=1), as the full fault matrix and torch's world size 3 ----
+# A test marked `long` repeats at a larger size what a default test checks already (more nodes,
+# more processes, torchrun at world size 4): CI keeps the default suite under 10 minutes.
+
+LONG = os.environ.get("SHMTREE_LONG", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a larger variant of a default test; runs only "
+                                       "with SHMTREE_LONG=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="a larger variant of a default test: set SHMTREE_LONG=1")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

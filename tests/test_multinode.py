@@ -208,7 +208,8 @@ def test_a_killed_rank_ends_the_job():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("nprocs,base", [(2, 1), (3, 1)], ids=["1+2", "1+2+3"])
+@pytest.mark.parametrize("nprocs,base", [(2, 1), pytest.param(3, 1, marks=pytest.mark.long)],
+                         ids=["1+2", "1+2+3"])
 def test_launchers_every_collective(nprocs, base):
     """mpiexec starts one launcher per node; each forks its workers with run(..., inter=);
     the workers never call MPI (their results are checked through shmtree itself)."""

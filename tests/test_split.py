@@ -706,3 +706,19 @@ def test_splits_of_communicators_across_nodes(nprocs, mode, n):
         _unlink_own_mpich_segments(before)
     text = out.decode(errors="replace")
     assert proc.returncode == 0 and f"OK {mode}" in text, text[-4000:]
+
+
+def test_bench_split_runs(capsys, tmp_path):
+    """shmtree-bench split (shmtree only here; the MPI side is split_worker.py under mpiexec):
+    every figure measured and positive, and the dup's ratio printed."""
+    import json
+
+    from shmtree.bench.cli import main
+    path = tmp_path / "split.json"
+    assert main(["split", "--no-mpi", "-n", "3", "--rounds", "1", "--splits", "2", "--calls",
+                 "20", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "split into halves" in out and "a dup's 8 B allreduce over the parent's" in out
+    got = json.loads(path.read_text())["shmtree"]
+    assert sorted(got) == ["dup_ms", "dup_us", "half_us", "parent_us", "split_ms"]
+    assert all(v > 0 for v in got.values()), got

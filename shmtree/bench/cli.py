@@ -31,14 +31,15 @@ import signal
 import sys
 import threading
 
-from . import commands, compare, machine, multinode, overlap, p2p, persistent, plot, scaling
+from . import (commands, compare, machine, multinode, overlap, p2p, persistent, plot, scaling,
+               split)
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
-            "p2p", "persistent")
+            "p2p", "persistent", "split")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -219,6 +220,7 @@ def build_parser():
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _scaling_parser(sub)
     p2p.add_parser(sub, _arg, _positive)             # point-to-point (issue 24)
+    split.add_parser(sub, _arg, _positive)           # sub-communicators (issue 24)
     _persistent_parser(sub)
     return parser
 
@@ -344,7 +346,7 @@ def _main(argv):
                 "numa": commands.cmd_numa, "topology": commands.cmd_topology,
                 "overlap": commands.cmd_overlap, "multinode": commands.cmd_multinode,
                 "scaling": scaling.cmd_scaling, "p2p": p2p.cmd_p2p,
-                "persistent": persistent.cmd_persistent}[args.command](args)
+                "split": split.cmd_split, "persistent": persistent.cmd_persistent}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1

@@ -228,3 +228,41 @@ def short_name(library):
     if library.startswith("Open MPI"):
         return library.split(",")[0].strip()
     return library.split(",")[0][:24].strip()
+
+
+def run_worker(python, nprocs, worker, argv, marker, timeout=300):
+    """(library, figures) of one of the bench's MPI workers (`worker`: a script's path, run with
+    `argv` by the mpiexec beside `python`, nprocs processes), whose rank 0 prints the line
+    '<marker> {"library": ..., "figures": ...}'.  BenchError when it cannot run or fails."""
+    mpiexec = find_mpiexec(python)
+    if mpiexec is None:
+        raise BenchError(f"no mpiexec beside {python} nor on PATH")
+    cmd = [mpiexec, "-n", str(nprocs), python, worker, *map(str, argv)]
+    out, err, rc = run_job(cmd, dict(os.environ, **OPEN_MPI_ENV), timeout, "mpiexec")
+    for line in out.splitlines():
+        if line.startswith(marker + " "):
+            data = json.loads(line[len(marker) + 1:])
+            return data["library"], data["figures"]
+    raise BenchError(f"the MPI worker failed (exit {rc}): {err.strip()[-2000:]}")
+
+
+def alternate(rounds, shmtree_round, mpi_round, pythons, best):
+    """shmtree and every MPI (one per interpreter in `pythons`) measured in alternating rounds,
+    each figure the best of its rounds (best(a, b) merges two rounds' figures; a round's are
+    shmtree_round() and mpi_round(python) -> (library, figures)).  Returns shmtree's figures
+    and one (column name, figures or None, problem or None) per MPI; an MPI that fails is
+    not tried again."""
+    shm, mpis = None, [[python, None, None, None] for python in pythons]
+    for _ in range(rounds):
+        got = shmtree_round()
+        shm = got if shm is None else best(shm, got)
+        for m in mpis:
+            if m[3] is None:
+                try:
+                    library, got = mpi_round(m[0])
+                except BenchError as exc:
+                    m[3] = str(exc)
+                    continue
+                m[1] = short_name(library.strip().splitlines()[0])
+                m[2] = got if m[2] is None else best(m[2], got)
+    return shm, [(name or python, figures, problem) for python, name, figures, problem in mpis]

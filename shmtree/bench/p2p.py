@@ -1,15 +1,16 @@
 """shmtree-bench p2p: point-to-point messages beside MPI, measured in the same run.
 
-Two figures, each for shmtree (2 ranks: shmtree.run) and for MPI (mpi4py under the mpiexec
-beside the interpreter, e.g. the mpich wheel's; p2p_worker.py):
+Two figures, each for shmtree (2 ranks: shmtree.run) and for each MPI (mpi4py under the mpiexec
+beside the interpreter, e.g. the mpich wheel's, or each --mpi-python's; p2p_worker.py):
 
 - ping-pong: rank 0 sends, rank 1 receives into a preallocated array and sends back; the figure
   is half the round trip (send + recv of one message), in microseconds;
 - sendrecv bandwidth: both ranks `sendrecv` the size to each other at once (into a
   preallocated out); bytes one rank receives per second, GB/s.
 
-The two libraries are measured in alternating rounds (--rounds, default 3) and each figure is
-the best round's (the least disturbed by other load), so a busy machine slows both alike.
+The libraries are measured in alternating rounds (--rounds, default 3) and each figure is the
+best round's (the least disturbed by other load), so a busy machine slows all alike; the last
+column is the best MPI's figure over shmtree's (above 1: shmtree is better).
 """
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ import json
 import os
 import sys
 
-from .harness import BenchError
-from .mpi import OPEN_MPI_ENV, find_mpiexec, run_job
+from .mpi import alternate, run_worker
 from .p2p_worker import measure
 from .units import format_size, parse_sizes
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "p2p_worker.py")
 DEFAULT_PINGPONG = "8,32K"
 DEFAULT_BANDWIDTH = "2M,16M"
+ROWS = (("pingpong", "half round trip", "us", min), ("bandwidth", "sendrecv bandwidth", "GB/s",
+                                                         max))
 
 
 def _shmtree_rank(comm, pingpong, bandwidth):
@@ -39,60 +41,39 @@ def run_shmtree(pingpong, bandwidth):
 
 
 def run_mpi(pingpong, bandwidth, python=None, timeout=300):
-    python = python or sys.executable
-    mpiexec = find_mpiexec(python)
-    if mpiexec is None:
-        raise BenchError("no mpiexec beside the interpreter nor on PATH")
-    cmd = [mpiexec, "-n", "2", python, WORKER, ",".join(map(str, pingpong)),
-           ",".join(map(str, bandwidth))]
-    out, err, rc = run_job(cmd, dict(os.environ, **OPEN_MPI_ENV), timeout, "mpiexec")
-    for line in out.splitlines():
-        if line.startswith("P2P-RESULT "):
-            data = json.loads(line[len("P2P-RESULT "):])
-            return data["library"], {k: {int(n): v for n, v in d.items()}
-                                     for k, d in data["figures"].items()}
-    raise BenchError(f"the MPI worker failed (exit {rc}): {err.strip()[-2000:]}")
+    library, figures = run_worker(python or sys.executable, 2, WORKER,
+                                  [",".join(map(str, pingpong)), ",".join(map(str, bandwidth))],
+                                  "P2P-RESULT", timeout)
+    return library, {k: {int(n): v for n, v in d.items()} for k, d in figures.items()}
 
 
-def _best(a, b, key):
-    if a is None:
-        return b
-    return {n: (min if key == "pingpong" else max)(a[n], b[n]) for n in a}
+def _best(a, b):
+    return {k: {n: better(a[k][n], b[k][n]) for n in a[k]} for k, _, _, better in ROWS}
 
 
 def cmd_p2p(args):
     pingpong, bandwidth = args.pingpong, args.bandwidth
-    shm = {"pingpong": None, "bandwidth": None}
-    mpi = {"pingpong": None, "bandwidth": None}
-    library, problem = None, None
-    for _ in range(args.rounds):
-        got = run_shmtree(pingpong, bandwidth)
-        for k in shm:
-            shm[k] = _best(shm[k], got[k], k)
-        if problem is None and not args.no_mpi:
-            try:
-                library, got = run_mpi(pingpong, bandwidth)
-                for k in mpi:
-                    mpi[k] = _best(mpi[k], got[k], k)
-            except BenchError as exc:
-                problem = str(exc)
-    first = (library or "MPI").splitlines()[0]
-    name = " ".join(first.replace("Version:", "").split())[:24]
+    pythons = [] if args.no_mpi else (args.mpi_python or [sys.executable])
+    shm, mpis = alternate(args.rounds, lambda: run_shmtree(pingpong, bandwidth),
+                          lambda python: run_mpi(pingpong, bandwidth, python), pythons, _best)
     print(f"point-to-point, 2 ranks, best of {args.rounds} alternating round(s)"
-          + (f"; MPI: {problem}" if problem else f"; MPI: {name}"))
-    print(f"{'measure':<22}{'size':>8}{'shmtree':>12}{name:>26}{'MPI/shmtree':>13}")
-    for k, unit, sizes in (("pingpong", "us", pingpong), ("bandwidth", "GB/s", bandwidth)):
-        for n in sizes:
+          + "".join(f"; {name}: {problem}" for name, _, problem in mpis if problem))
+    mpis = [(name, figures) for name, figures, _ in mpis if figures]
+    print(f"{'measure':<22}{'size':>8}{'shmtree':>13}" + "".join(f"{n[:22]:>24}" for n, _ in mpis)
+          + ("  best MPI/shmtree" if mpis else ""))
+    for k, what, unit, better in ROWS:
+        for n in (pingpong if k == "pingpong" else bandwidth):
             s = shm[k][n]
-            m = mpi[k][n] if mpi[k] else None
-            ratio = "" if m is None else f"{(m / s if k == 'pingpong' else s / m):.2f}"
-            what = "half round trip" if k == "pingpong" else "sendrecv bandwidth"
-            print(f"{what:<22}{format_size(n):>8}{s:>9.2f} {unit:<3}"
-                  f"{'' if m is None else f'{m:>9.2f} {unit}':>26}{ratio:>13}")
+            line = f"{what:<22}{format_size(n):>8}{s:>9.2f} {unit:<4}"
+            line += "".join(f"{f[k][n]:>19.2f} {unit:<4}" for _, f in mpis)
+            if mpis:
+                m = better(f[k][n] for _, f in mpis)
+                line += f"{(m / s if k == 'pingpong' else s / m):>18.2f}"
+            print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shmtree": shm, "mpi": mpi, "mpi_library": library,
-                       "mpi_problem": problem}, f, indent=1)
+            json.dump({"shmtree": shm, "mpi": {name: figures for name, figures in mpis}}, f,
+                      indent=1)
     return 0
 
 
@@ -106,6 +87,9 @@ def add_parser(sub, arg, positive):
                    help=f"sendrecv sizes (default {DEFAULT_BANDWIDTH})")
     p.add_argument("--rounds", type=arg(positive), default=3,
                    help="alternating rounds of shmtree and MPI; the best of each (default 3)")
+    p.add_argument("--mpi-python", action="append", metavar="PATH",
+                   help="an interpreter with mpi4py (repeatable: one MPI column each; default: "
+                        "this interpreter)")
     p.add_argument("--no-mpi", action="store_true", help="shmtree only")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     return p
