@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-SOAK_SECONDS = 16
+SOAK_SECONDS = 8
 
 
 @pytest.fixture(scope="module")

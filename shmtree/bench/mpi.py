@@ -266,3 +266,20 @@ def alternate(rounds, shmtree_round, mpi_round, pythons, best):
                 m[1] = short_name(library.strip().splitlines()[0])
                 m[2] = got if m[2] is None else best(m[2], got)
     return shm, [(name or python, figures, problem) for python, name, figures, problem in mpis]
+
+
+def add_round_options(p, arg, positive):
+    """The options of a command measured by `alternate`: --rounds, --mpi-python, --no-mpi,
+    --json."""
+    p.add_argument("--rounds", type=arg(positive), default=3,
+                   help="alternating rounds of shmtree and MPI; the best of each (default 3)")
+    p.add_argument("--mpi-python", action="append", metavar="PATH",
+                   help="an interpreter with mpi4py (repeatable: one MPI column each; default: "
+                        "this interpreter)")
+    p.add_argument("--no-mpi", action="store_true", help="shmtree only")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+
+
+def mpi_pythons(args):
+    """The interpreters whose MPI a command measures (none with --no-mpi)."""
+    return [] if args.no_mpi else (args.mpi_python or [sys.executable])

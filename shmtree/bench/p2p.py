@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from .mpi import alternate, run_worker
+from .mpi import add_round_options, alternate, mpi_pythons, run_worker
 from .p2p_worker import measure
 from .units import format_size, parse_sizes
 
@@ -53,7 +53,7 @@ def _best(a, b):
 
 def cmd_p2p(args):
     pingpong, bandwidth = args.pingpong, args.bandwidth
-    pythons = [] if args.no_mpi else (args.mpi_python or [sys.executable])
+    pythons = mpi_pythons(args)
     shm, mpis = alternate(args.rounds, lambda: run_shmtree(pingpong, bandwidth),
                           lambda python: run_mpi(pingpong, bandwidth, python), pythons, _best)
     print(f"point-to-point, 2 ranks, best of {args.rounds} alternating round(s)"
@@ -85,11 +85,5 @@ def add_parser(sub, arg, positive):
                    help=f"ping-pong sizes (default {DEFAULT_PINGPONG})")
     p.add_argument("--bandwidth", type=arg(parse_sizes), default=parse_sizes(DEFAULT_BANDWIDTH),
                    help=f"sendrecv sizes (default {DEFAULT_BANDWIDTH})")
-    p.add_argument("--rounds", type=arg(positive), default=3,
-                   help="alternating rounds of shmtree and MPI; the best of each (default 3)")
-    p.add_argument("--mpi-python", action="append", metavar="PATH",
-                   help="an interpreter with mpi4py (repeatable: one MPI column each; default: "
-                        "this interpreter)")
-    p.add_argument("--no-mpi", action="store_true", help="shmtree only")
-    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    add_round_options(p, arg, positive)
     return p

@@ -20,7 +20,7 @@ import os
 import sys
 
 from .harness import BenchError
-from .mpi import alternate, run_worker
+from .mpi import add_round_options, alternate, mpi_pythons, run_worker
 from .split_worker import measure, slowest
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "split_worker.py")
@@ -54,7 +54,7 @@ def _best(a, b):
 def cmd_split(args):
     if args.nprocs < 2:
         raise BenchError("split needs at least 2 processes (-n)")
-    pythons = [] if args.no_mpi else (args.mpi_python or [sys.executable])
+    pythons = mpi_pythons(args)
     shm, mpis = alternate(args.rounds, lambda: run_shmtree(args.nprocs, args.splits, args.calls,
                                                            3),
                           lambda python: run_mpi(args.nprocs, args.splits, args.calls, 3, python),
@@ -90,11 +90,5 @@ def add_parser(sub, arg, positive):
                    help="timed splits of each kind per round (default 20)")
     p.add_argument("--calls", type=arg(positive), default=2000,
                    help="timed 8 B allreduces per measurement (default 2000)")
-    p.add_argument("--rounds", type=arg(positive), default=3,
-                   help="alternating rounds of shmtree and MPI; the best of each (default 3)")
-    p.add_argument("--mpi-python", action="append", metavar="PATH",
-                   help="an interpreter with mpi4py (repeatable: one MPI column each; default: "
-                        "this interpreter)")
-    p.add_argument("--no-mpi", action="store_true", help="shmtree only")
-    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    add_round_options(p, arg, positive)
     return p
