@@ -302,6 +302,7 @@ class Proxy:
         self._close_lock = threading.Lock()
         self._busy = False                       # a step is being served
         self.children = []                       # proxies of sub-communicators (split)
+        self.relay = None                        # remote.Relay (the top proxy's)
         self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
         self._thread.start()
 
@@ -435,6 +436,8 @@ class Proxy:
             self._closed = True
         for child in self.children:
             child.close()
+        if self.relay is not None:
+            self.relay.close()
         self._stop = True
         mine = threading.current_thread() is self._thread
         if self._thread.is_alive() and not mine and not self._busy:

@@ -45,7 +45,7 @@ import numpy as np
 
 from . import _moving, _p2p, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
-                    ABORT_TIMEOUT, ST_IDLE, ST_LEFT)
+                    ABORT_TIMEOUT, ST_BUSY, ST_IDLE, ST_LEFT)
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .requests import Request
 
@@ -207,6 +207,8 @@ class _Incoming:
 
 
 _DISCARD = object()
+ANY_TAG = -1                # a receive of any tag (inter='s launcher relaying: remote.Relay;
+                            # its tag becomes the message's)
 _CMA = 1                    # envelope flag: the payload is read from the sender's memory
 
 
@@ -262,7 +264,8 @@ class _Matching:
         kept = self.kept.get(op.peer)
         if kept:
             for i, k in enumerate(kept):
-                if k.tag == op.tag and k.claimant is None:
+                if (k.tag == op.tag or op.tag == ANY_TAG) and k.claimant is None:
+                    op.tag = k.tag
                     del kept[i]
                     if k.complete:
                         self._deliver(op, k.array)
@@ -292,8 +295,9 @@ class _Matching:
         op = None
         if posted:
             for i, r in enumerate(posted):
-                if r.tag == tag:
+                if r.tag == tag or r.tag == ANY_TAG:
                     op = posted.pop(i)
+                    op.tag = tag
                     break
             if not posted:
                 del self.recvs[src]
@@ -466,6 +470,10 @@ class Transport(_Matching):
         self.kept = {}              # source -> list of _Kept, in arrival order
         self.scratch = None         # for discarded payloads
         self.idle_since = {}        # Pool: peer -> when it was first seen idle
+        self.relay = False          # the launcher's (remote.Relay): peers that leave are no error
+        self.relayed = 0            # inter=: the size of the communicator across nodes whose
+                                    # messages to other nodes go through the launcher (their
+                                    # tags fold the global rank: remote.SpanningMessages)
         self._init_posting()
         self.quick = _p2p.Quick(self, _headers, _parse, time.monotonic, SLICE_NS)
 
@@ -821,8 +829,12 @@ class Transport(_Matching):
             p = op.peer
             if p == self.rank:
                 continue
-            state = group._seg.state(p)
-            how = group.death_of(p) if state != ST_LEFT else ""
+            member = p < group.size       # (else the node's launcher, inter=: remote.Relay)
+            state = group._seg.state(p) if member else ST_BUSY
+            how = group.death_of(p) if state != ST_LEFT and member else ""
+            if self.relay and (state == ST_LEFT or how):
+                op.finish(error=ShmtreeError(f"shmtree: rank {p} left"))    # (the launcher:
+                continue                                                   # not an error)
             if state == ST_LEFT or how:
                 self.progress()       # (what the peer did before it went counts: look again)
                 if op.done:
@@ -843,8 +855,11 @@ class Transport(_Matching):
                                             "group is aborted"), op)
                 return
             if op.deadline is not None and now >= op.deadline:
+                peer, tag = (f"rank {p}", op.tag) if member or not self.relayed else \
+                    (f"global rank {op.tag % self.relayed} of another node, through the "
+                     "launcher", op.tag // self.relayed)
                 text = (f"rank {self.rank} timed out in {op.kind} "
-                        f"{'to' if op.kind == 'send' else 'from'} rank {p} (tag {op.tag})")
+                        f"{'to' if op.kind == 'send' else 'from'} {peer} (tag {tag})")
                 self._abort(ABORT_TIMEOUT, text)
                 self.fail_all(CollectiveTimeoutError(f"shmtree: {text}; the group is aborted"),
                               op)
@@ -932,8 +947,8 @@ class Transport(_Matching):
                 pending = [op for op in self.nonblocking if op.kind == "send" and not op.done
                            and op.peer != self.rank]
                 if pending and not (group._closed or group.aborted()):
-                    pending = [op for op in pending if not group.death_of(op.peer)
-                               and group._seg.state(op.peer) != ST_LEFT]
+                    pending = [op for op in pending if op.peer >= group.size or (
+                        not group.death_of(op.peer) and group._seg.state(op.peer) != ST_LEFT)]
                 else:
                     pending = []
                 conds, _ = self.conds()
@@ -954,8 +969,8 @@ class Transport(_Matching):
                            if ring.unread() and not ring.is_attached() and d != self.rank]
                 if not pending or self.group._closed or self.group.aborted():
                     break
-                pending = [d for d in pending if not self.group.death_of(d)
-                           and self.group._seg.state(d) != ST_LEFT]
+                pending = [d for d in pending if d >= self.group.size or (
+                    not self.group.death_of(d) and self.group._seg.state(d) != ST_LEFT)]
                 if not pending:
                     break
             time.sleep(0.005 if time.monotonic() - deadline_note < 1 else 0.05)
@@ -1037,15 +1052,17 @@ class Messages:
         """The pid of rank r's process (0 while it has not joined): from its join record in
         the group's segment.  (A communicator whose ranks are not its group's overrides this
         and _p2p_nonce.)"""
+        if r >= self.group.size:         # (inter=: the node's launcher, relaying between nodes)
+            return os.getppid()
         joined, pid, _ = self.group._seg.member(r)
         return pid if joined else 0
 
-    def _p2p_route(self, r, what):
-        """(transport, rank in it) that carries messages to or from rank r (`what` names it):
-        here the one transport and r as given (the native quick path checks what it takes, the
-        calls check it with _rank_arg otherwise).  (A communicator across nodes routes each
-        peer, checked and translated: remote.SpanningMessages.)"""
-        return self._p2p(), r
+    def _p2p_route(self, r, what, tag, tag_what="tag"):
+        """(transport, rank in it, tag in it) that carry messages with `tag` to or from rank r
+        (`what`, `tag_what` name them): here the one transport, r and tag as given (the native
+        quick path checks what it takes, the calls check them otherwise).  (A communicator
+        across nodes routes each peer, checked and translated: remote.SpanningMessages.)"""
+        return self._p2p(), r, tag
 
     def _p2p(self):
         tr = self._p2p_transport
@@ -1060,7 +1077,7 @@ class Messages:
         """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
-        tr, dest = self._p2p_route(dest, "dest")
+        tr, dest, tag = self._p2p_route(dest, "dest", tag)
         if tr.quick.send(array, dest, tag):      # (a message described as one sent before)
             return None
         dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
@@ -1078,7 +1095,7 @@ class Messages:
         """Receive the next message from rank `source` with tag `tag`: a new array of the
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
-        tr, source = self._p2p_route(source, "source")
+        tr, source, tag = self._p2p_route(source, "source", tag)
         deadline = _deadline(timeout)
         got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
         if got is not None:
@@ -1095,8 +1112,8 @@ class Messages:
     def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
         """Send `array` to `dest` and receive from `source` at once (neither waits for the
         other to finish): the received array (or `out`)."""
-        tr, dest = self._p2p_route(dest, "dest")
-        from_tr, source = self._p2p_route(source, "source")
+        tr, dest, sendtag = self._p2p_route(dest, "dest", sendtag, "sendtag")
+        from_tr, source, recvtag = self._p2p_route(source, "source", recvtag, "recvtag")
         deadline = _deadline(timeout)
         dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
         source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
@@ -1129,14 +1146,14 @@ class Messages:
 
     def isend(self, array, dest, *, tag=0, timeout=None):
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
-        tr, dest = self._p2p_route(dest, "dest")
+        tr, dest, tag = self._p2p_route(dest, "dest", tag)
         op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
                    _send_array(array), tr.cma)
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
         """recv, nonblocking: a Request whose result is the received array."""
-        tr, source = self._p2p_route(source, "source")
+        tr, source, tag = self._p2p_route(source, "source", tag)
         op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
                    _out_arg(out))
         return self._p2p_post(tr, op, "irecv")

@@ -84,6 +84,8 @@ def start_proxy(group, inter, segment_bytes):
     if len(info) == 1:
         return None, None
     proxy = Proxy(group, inter, segment, box)
+    from .remote import Relay              # (messages between nodes: the launcher relays them)
+    proxy.relay = Relay(group, inter.Dup(), [s for s, _, _ in info])
     return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
 
 
@@ -110,7 +112,9 @@ def spanning_member(group, comm):
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     members = [list(range(starts[n], starts[n + 1])) for n in range(len(sizes))]
     link = ProxyLink(Mailbox(box_fd, segment)) if comm.rank == 0 else None
-    return _nodes.Spanning(comm, link, starts[node] + comm.rank, members, node, segment)
+    span = _nodes.Spanning(comm, link, starts[node] + comm.rank, members, node, segment)
+    span._p2p_relay = True            # (messages between nodes: through the launcher, Relay)
+    return span
 
 
 # ---------------------------------------------------------------------------------------------

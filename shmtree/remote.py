@@ -39,12 +39,12 @@ import numpy as np
 
 from .codes import ABORT_FAILED, ABORT_TIMEOUT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, Messages, _broken_text, _flat, _Matching,
-                       _parse, _rank_arg)
+from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, ANY_TAG, Messages, _broken_text, _flat,
+                       _header, _Matching, _parse, _rank_arg, _Recv, _Send, _tag_arg, Transport)
 
-__all__ = ["SpanningMessages", "Remote", "message_comm", "free_comm"]
+__all__ = ["SpanningMessages", "Remote", "Relay", "message_comm", "free_comm"]
 
-TAG_HEAD, TAG_DATA, TAG_CTRL = 1, 2, 3
+TAG_HEAD, TAG_DATA, TAG_CTRL, TAG_ROUTE = 1, 2, 3, 4
 CHUNK_BYTES = 1 << 30       # a payload's MPI messages (bytes, an int count each)
 CTRL_BYTES = 512
 EPOCH_BYTES = 8
@@ -53,6 +53,7 @@ SPIN_S = 0.002              # a waiting call yields between polls this long afte
 SLEEP_S = 0.0005
 CLOSE_WAIT_S = 30.0         # close: how long outstanding isends have to complete
 
+_TAG_LIMIT = 1 << 63
 _KEPT = []                  # (communicator, requests, buffers) of transports that failed
 
 
@@ -80,23 +81,33 @@ class SpanningMessages(Messages):
     _p2p_remote = None
     _posted = 0
 
-    def _p2p_route(self, r, what):
+    _p2p_relay = False           # inter=: the node's launcher relays between nodes (Relay)
+
+    def _p2p_route(self, r, what, tag, tag_what="tag"):
         self._check_open()
         r = _rank_arg(self, r, what)
         node, local = self._where[r]
         if node == self.node:
-            return self.local._p2p(), local
+            return self.local._p2p(), local, tag
+        if self._p2p_relay:          # to or from the launcher (the rank after the node's
+            tag = _tag_arg(tag, tag_what)                     # members), r folded into tag
+            if tag >= _TAG_LIMIT // self.size:
+                raise ValueError(f"shmtree: {tag_what} {tag} is too large for a message "
+                                 f"between nodes with a launcher per node (inter=): at most "
+                                 f"{_TAG_LIMIT // self.size - 1} with {self.size} ranks")
+            tr = self.local._p2p()
+            tr.relayed = self.size
+            return tr, self.local.size, tag * self.size + r
         tr = self._p2p_remote
         if tr is None:
             if self._p2p_mpi is None:
                 raise ShmtreeError(
-                    f"shmtree: point-to-point messages between nodes need MPI in every process "
-                    f"(from_mpi); with a launcher per node (inter=) they are not supported yet: "
-                    f"rank {self.rank} (node {self.node}) and rank {r} (node {node}); messages "
-                    "between ranks of one node work, and mpi4py in the launchers carries data "
-                    "between nodes")
+                    f"shmtree: point-to-point messages between nodes of this communicator are "
+                    f"not supported: rank {self.rank} (node {self.node}) and rank {r} (node "
+                    f"{node}); with a launcher per node (inter=) only the communicator that "
+                    "the launchers made carries them (not a sub-communicator across nodes)")
             tr = self._p2p_remote = Remote(self)
-        return tr, r
+        return tr, r, tag
 
     def _messages_close(self):
         tr, self._p2p_remote = self._p2p_remote, None
@@ -407,3 +418,161 @@ class Remote(_Matching):
                     self.comm_free = False
         except Exception:
             self.comm_free = False
+
+
+# ---------------------------------------------------------------------------------------------
+# inter=: the launcher relays its workers' messages between nodes
+
+
+class _Ranks:
+    """What a Transport needs of a communicator, for the launcher's rank in its node's messages:
+    the rank after the node's members (they reach it as the rank of that number)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = group.size + 1
+        self.rank = group.size
+        self._closed = False
+
+    def _p2p_nonce(self):
+        return self.group._nonce
+
+    def _p2p_pid(self, r):
+        if r == self.rank:
+            return os.getpid()
+        joined, pid, _ = self.group._seg.member(r)
+        return pid if joined else 0
+
+
+class Relay:
+    """A launcher's relay of its workers' messages to ranks of other nodes (inter=; started by
+    multinode.start_proxy).  A worker sends such a message to the launcher (the rank after its
+    node's members) through the node's transport, the destination folded into the tag
+    (tag * size + destination: SpanningMessages._p2p_route); the launcher receives any tag
+    from every worker, in order, and sends it over MPI (`comm`, a Dup of the launchers'
+    communicator) to the destination's launcher: a route (source, destination, tag), the
+    record header and the payload, as Remote does.  That launcher sends it on to the
+    destination through its node's transport, the source folded into the tag, so the
+    receiver's matching (per source and tag, in order), out=, kept messages and Requests are
+    the local ones.  Failures travel as for collectives: a worker that fails aborts its node's
+    group, which the launcher's proxy carries to every node."""
+
+    def __init__(self, group, comm, sizes):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.group = group
+        self.comm = comm
+        self.node = comm.Get_rank()
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.size = self.starts[-1]
+        self.tr = Transport(_Ranks(group))
+        self.tr.relay = True
+        self.tr.stall_timeout = None
+        self.status = MPI.Status()
+        self.posted = {}              # worker -> its receive of any tag
+        self.next_look = 0.0          # when to look for channels of workers not seen yet
+        self.sent = []                # (MPI requests, what they send)
+        self.stop = False
+        self.thread = threading.Thread(target=self._loop, name="shmtree-relay", daemon=True)
+        self.thread.start()
+
+    def _node_of(self, g):
+        for n in range(len(self.starts) - 1):
+            if g < self.starts[n + 1]:
+                return n
+        raise ShmtreeError(f"shmtree: no rank {g}")
+
+    def _loop(self):
+        tr, group, idle_since = self.tr, self.group, time.monotonic()
+        while not self.stop:
+            if group.closed or group.aborted():
+                time.sleep(0.01)
+                continue
+            moved = False
+            try:
+                with tr.lock:
+                    look = time.monotonic() >= self.next_look
+                    if look:                   # (a channel is looked up in /proc at most
+                        self.next_look = time.monotonic() + 0.05      # every 50 ms)
+                    for a in range(group.size):
+                        if a not in self.posted and (a in tr.inn or look and
+                                                     tr._in_ring(a) is not None):
+                            op = self.posted[a] = _Recv(a, ANY_TAG, None, None)
+                            tr.post_recv(op)
+                    moved = tr.progress()
+                    got = [(a, op) for a, op in self.posted.items() if op.done]
+                    for a, _ in got:
+                        del self.posted[a]
+                for a, op in got:
+                    if op.error is None:
+                        self._forward(a, op.tag, op.result)
+                moved = self._receive() or moved or bool(got)
+                self.sent = [s for s in self.sent if not self.MPI.Request.Testall(s[0])]
+            except Exception as exc:       # (the node fails: its proxy tells the others)
+                if not group.closed and not group.aborted():
+                    group.abort(ABORT_FAILED, -1, note=f"the launcher's relay of messages "
+                                f"between nodes failed: {type(exc).__name__}: {exc}")
+                continue
+            now = time.monotonic()
+            if moved:
+                idle_since = now
+            if now - idle_since < SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(SLEEP_S)
+
+    def _forward(self, a, tag, array):
+        """A worker's message for a rank of another node: over MPI to that node's launcher."""
+        MPI = self.MPI
+        g, t = tag % self.size, tag // self.size
+        to = self._node_of(g)
+        route = np.array([self.starts[self.node] + a, g, t], np.int64)
+        nbytes = array.nbytes
+        head = np.frombuffer(_header(array.dtype, array.shape, t, nbytes), np.uint8)
+        flat = _flat(np.ascontiguousarray(array)) if nbytes else None
+        reqs = [self.comm.Isend([route, MPI.BYTE], to, TAG_ROUTE),
+                self.comm.Isend([head, MPI.BYTE], to, TAG_HEAD)]
+        for at in range(0, nbytes, CHUNK_BYTES):
+            reqs.append(self.comm.Isend([flat[at:at + CHUNK_BYTES], MPI.BYTE], to, TAG_DATA))
+        self.sent.append((reqs, (route, head, flat)))
+
+    def _receive(self):
+        """Messages from other launchers for this node's workers: on to them."""
+        MPI, comm, status, moved = self.MPI, self.comm, self.status, False
+        while True:
+            msg = comm.Improbe(MPI.ANY_SOURCE, TAG_ROUTE, status)
+            if msg is None:
+                return moved
+            route = np.empty(3, np.int64)
+            msg.Recv([route, MPI.BYTE])
+            src_node = status.Get_source()
+            msg = comm.Mprobe(src_node, TAG_HEAD, status)
+            head = bytearray(status.Get_count(MPI.BYTE))
+            msg.Recv([head, MPI.BYTE])
+            _, tag, nbytes, meta_len = _ENVELOPE.unpack_from(head)[:4]
+            dtype, shape = _parse(bytes(head[_G:_G + meta_len]))
+            array = np.empty(shape, dtype)
+            flat = _flat(array) if nbytes else None
+            for at in range(0, nbytes, CHUNK_BYTES):
+                comm.Recv([flat[at:at + CHUNK_BYTES], MPI.BYTE], src_node, TAG_DATA)
+            src, g, t = route.tolist()
+            with self.tr.lock:
+                self.tr.post_send(_Send(g - self.starts[self.node], t * self.size + src, None,
+                                        array, False))
+            moved = True
+
+    def close(self):
+        """(The launcher's group closes.)  Stop relaying; the launcher's transport closes (its
+        messages still unread by workers that live wait for them, as a closing rank's do)."""
+        self.stop = True
+        if self.thread is not threading.current_thread():
+            self.thread.join(10)
+        try:
+            self.tr.close()
+        except Exception:
+            pass
+        if self.sent:
+            _KEPT.append((self.comm, self.sent))
+        else:
+            free_comm(self.comm)
+

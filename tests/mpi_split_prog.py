@@ -5,12 +5,17 @@
     mpiexec -n N python tests/mpi_split_prog.py launch WORKERS       (a launcher per node, each
                                                                        running WORKERS workers;
                                                                        splits across nodes go
-                                                                       through their proxies)
+                                                                       through their proxies,
+                                                                       messages between nodes
+                                                                       through the launchers)
+    mpiexec -n N python tests/mpi_split_prog.py launch-fail WORKERS  (a timeout between nodes:
+                                                                       every worker raises)
 
 Every rank checks its results itself and exits non-zero (a traceback) on any failure; rank 0
 (launcher 0) prints "OK <mode>" at the end.
 """
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -44,15 +49,70 @@ def check(comm):
         out.close()
     if comm.nodes > 1:
         check_across(comm)
-        if getattr(comm, "_mpi", None) is None:     # inter=: no messages between nodes yet
-            elsewhere = next(r for r in range(comm.size) if node_ranks[r] != comm.node)
-            try:
-                comm.send(np.zeros(1), elsewhere)
-                raise AssertionError("a message between nodes under inter= was sent")
-            except shmtree.ShmtreeError as exc:
-                assert "inter=" in str(exc) and "not supported yet" in str(exc), exc
+        messages_between_nodes(comm)
     assert int(comm.allreduce(np.array([1]))[0]) == comm.size
     return g
+
+
+def messages_between_nodes(comm):
+    """Messages between nodes (from_mpi: over MPI; inter=: relayed by the launchers): rings at
+    every size, tags received in reverse, a structured dtype, out= mismatch, an irecv pending
+    across a collective.  Under inter=, a sub-communicator across nodes has no messages
+    between its nodes (ShmtreeError), within them it has."""
+    r, P = comm.rank, comm.size
+    for n in (1, 1000, 1 << 17, 1 << 21):
+        got = comm.sendrecv(np.full(n, r), (r + 1) % P, (r - 1) % P, sendtag=3, recvtag=3)
+        assert got.shape == (n,) and (got == (r - 1) % P).all(), (r, n)
+    reqs = [comm.isend(np.array([r, k]), (r + 2) % P, tag=20 + k) for k in range(5)]
+    for k in (4, 3, 2, 1, 0):
+        assert comm.recv((r - 2) % P, tag=20 + k).tolist() == [(r - 2) % P, k]
+    shmtree.wait_all(reqs, 60)
+    dt = np.dtype([("a", "<i2"), ("b", ">f8", (2,))])
+    x = np.zeros((3, 2), dt)
+    x["a"], x["b"] = r, -r
+    got = comm.sendrecv(x, (r + 1) % P, (r - 1) % P, sendtag=4, recvtag=4)
+    assert got.dtype == dt and got.shape == (3, 2) and (got["a"] == (r - 1) % P).all()
+    try:
+        comm.sendrecv(np.ones(3), (r + 1) % P, (r - 1) % P, sendtag=5, recvtag=5,
+                      out=np.empty(4))
+        raise AssertionError("out= of the wrong shape was taken")
+    except ValueError as exc:
+        assert "consumed" in str(exc), exc
+    req = comm.irecv((r - 1) % P, tag=6)
+    assert int(comm.allreduce(np.array([1]))[0]) == P
+    comm.send(np.array([r]), (r + 1) % P, tag=6)
+    assert int(req.wait(60)[0]) == (r - 1) % P
+    if getattr(comm, "_mpi", None) is None:
+        with comm.split(r % 2) as sub:              # (across the nodes: no relay for it)
+            nodes = [int(v) for v in sub.allgather(np.array(sub.node))]
+            there = next((q for q in range(sub.size) if nodes[q] != sub.node), None)
+            if there is not None:
+                try:
+                    sub.send(np.zeros(1), there)
+                    raise AssertionError("a message between nodes of a sub-communicator")
+                except shmtree.ShmtreeError as exc:
+                    assert "not supported" in str(exc), exc
+
+
+def failing(comm):
+    """inter=: rank 0 times out in a receive from a rank of another node; every other rank,
+    in a receive nothing satisfies, raises PeerLostError within seconds (the launchers carry
+    the failure)."""
+    r, P = comm.rank, comm.size
+    t0 = time.monotonic()
+    try:
+        if r == 0:
+            comm.recv(P - 1, tag=5, timeout=0.5)
+        else:
+            comm.recv((r + 2) % P, tag=6)
+        raise AssertionError("a receive returned")
+    except shmtree.CollectiveTimeoutError as exc:
+        assert r == 0 and "through the launcher" in str(exc), exc
+    except shmtree.PeerLostError as exc:
+        assert r != 0 and "timed out" in str(exc), exc
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
+    print(f"worker {r} raised as expected", flush=True)
+    raise SystemExit(3)                             # (the worker's failure ends the run)
 
 
 def check_across(comm):
@@ -88,7 +148,14 @@ def check_across(comm):
 
 def main():
     mode, n = sys.argv[1], int(sys.argv[2])
-    if mode == "from_mpi":
+    if mode == "launch-fail":
+        try:
+            shmtree.run(failing, n, inter=W)
+            raise AssertionError("run returned")
+        except shmtree.WorkerError as exc:
+            assert "SystemExit: 3" in str(exc), exc
+            print(f"launcher {W.rank}: {exc}", flush=True)
+    elif mode == "from_mpi":
         comm = shmtree.from_mpi(W, node_size=n)
         check(comm)
         comm.close()

@@ -675,12 +675,15 @@ def test_split_and_close_in_a_loop_leaves_nothing_behind():
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("nprocs,mode,n", [(4, "from_mpi", 2), (5, "from_mpi", 3),
-                                           (6, "from_mpi", 2), (2, "launch", 2)])
+                                           (6, "from_mpi", 2), (2, "launch", 2),
+                                           (2, "launch-fail", 2)])
 def test_splits_of_communicators_across_nodes(nprocs, mode, n):
     """Node-local splits of from_mpi's and inter='s communicators work (split_by("node"),
     nested, reversed, None), and so do splits whose new communicators span nodes (every
     collective, i-calls with the parent's calls meanwhile, nested splits across nodes and
-    node-local): from_mpi's over MPI splits, inter='s through proxies its launchers start."""
+    node-local): from_mpi's over MPI splits, inter='s through proxies its launchers start.
+    Messages between nodes too (from_mpi: over MPI; inter=: relayed by the launchers), and
+    launch-fail: a timeout in a message between nodes makes every worker raise."""
     pytest.importorskip("mpi4py")
     import subprocess
     import sys
@@ -706,6 +709,8 @@ def test_splits_of_communicators_across_nodes(nprocs, mode, n):
         _unlink_own_mpich_segments(before)
     text = out.decode(errors="replace")
     assert proc.returncode == 0 and f"OK {mode}" in text, text[-4000:]
+    if mode == "launch-fail":
+        assert text.count("raised as expected") == nprocs * n, text[-4000:]
 
 
 def test_bench_split_runs(capsys, tmp_path):
