@@ -12,12 +12,12 @@ between nodes, interleaving with collectives, a from_mpi sub-communicator across
 blocked in a receive, raises PeerLostError instead of hanging.  Rank 0 prints "OK p2p".
 """
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import shmtree
+from mpi_split_prog import time_out_between_nodes
 
 W = MPI.COMM_WORLD
 NS = int(sys.argv[1])
@@ -160,26 +160,10 @@ def on_sub_communicator():
         sub.close()
 
 
-def failures():
-    """rank 0 times out in a receive from its partner on another node; every other rank, in a
-    receive that nothing will satisfy, raises PeerLostError within seconds."""
-    t0 = time.monotonic()
-    try:
-        if r == 0:
-            comm.recv(other, tag=77, timeout=0.5)
-        else:
-            comm.recv(other, tag=78)
-        raise AssertionError("a receive returned")
-    except shmtree.CollectiveTimeoutError as exc:
-        assert r == 0 and "timed out in recv from rank" in str(exc), exc
-    except shmtree.PeerLostError as exc:
-        assert r != 0 and "timed out" in str(exc), exc
-    assert time.monotonic() - t0 < 20, time.monotonic() - t0
-
 
 same_node()
 if FAIL:
-    failures()
+    time_out_between_nodes(comm)
 else:
     if PAIRED:
         between_nodes()

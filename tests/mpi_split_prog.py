@@ -94,10 +94,10 @@ def messages_between_nodes(comm):
                     assert "not supported" in str(exc), exc
 
 
-def failing(comm):
-    """inter=: rank 0 times out in a receive from a rank of another node; every other rank,
-    in a receive nothing satisfies, raises PeerLostError within seconds (the launchers carry
-    the failure)."""
+def time_out_between_nodes(comm, words="timed out in recv from rank"):
+    """Rank 0 times out in a receive from the last rank (on another node); every other rank,
+    in a receive nothing satisfies, raises PeerLostError within seconds instead of hanging.
+    (Also tests/mpi_p2p_prog.py's, under from_mpi.)"""
     r, P = comm.rank, comm.size
     t0 = time.monotonic()
     try:
@@ -107,11 +107,17 @@ def failing(comm):
             comm.recv((r + 2) % P, tag=6)
         raise AssertionError("a receive returned")
     except shmtree.CollectiveTimeoutError as exc:
-        assert r == 0 and "through the launcher" in str(exc), exc
+        assert r == 0 and words in str(exc), exc
     except shmtree.PeerLostError as exc:
         assert r != 0 and "timed out" in str(exc), exc
     assert time.monotonic() - t0 < 20, time.monotonic() - t0
-    print(f"worker {r} raised as expected", flush=True)
+
+
+def failing(comm):
+    """inter=: the timeout between nodes (the launchers relay the message and carry the
+    failure); the worker then fails on purpose (SystemExit 3), as its run must."""
+    time_out_between_nodes(comm, "through the launcher")
+    print(f"worker {comm.rank} raised as expected", flush=True)
     raise SystemExit(3)                             # (the worker's failure ends the run)
 
 
