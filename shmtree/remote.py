@@ -5,8 +5,9 @@ between nodes (Remote).
 Routing.  Each call is Messages' (messages.py: one description of its arguments and checks);
 only the transport differs, chosen per peer (_p2p_route): a peer on this node is reached through
 the node's own communicator (its local rank), as on one machine; a peer on another node through
-Remote, over MPI.  A sendrecv whose two peers are reached by different transports posts its
-receive first (an irecv), then sends.
+Remote, over MPI, or with a launcher per node (inter=) through the node's own transport to the
+launcher, which relays it (Relay, at the end).  A sendrecv whose two peers are reached by
+different transports posts its receive first (an irecv), then sends.
 
 Remote.  Made on first use from the communicator's message communicator (message_comm: a Dup of
 the MPI communicator of a from_mpi communicator or of a sub-communicator across nodes, made
@@ -73,9 +74,10 @@ def message_comm(mpi):
 
 class SpanningMessages(Messages):
     """Messages on a communicator across nodes (nodes.Spanning): Messages' calls, each peer
-    reached through the node's communicator (same node) or Remote (another node: from_mpi's
-    communicators and their sub-communicators; with a launcher per node, inter=, not supported
-    yet: ShmtreeError, said before anything is sent)."""
+    reached through the node's communicator (same node) or, on another node, Remote (from_mpi's
+    communicators and their sub-communicators) or the launcher's Relay (inter='s communicator;
+    its sub-communicators across nodes have none: ShmtreeError, said before anything is
+    sent)."""
 
     _p2p_mpi = None              # (mpi4py communicator, epoch): message_comm's
     _p2p_remote = None
