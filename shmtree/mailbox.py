@@ -14,6 +14,8 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
     header  +0  u32 abort request (the leader failed: text at +64)
             +4  u32 failed (the proxy's link failed: text at +1024)
             +8  u32 closed (a sub-communicator's leader closed it: its proxy stops)
+            +16 u64 the launcher's pid (its workers reach its relay of messages between
+                nodes: remote.Relay)
     slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
             +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE   +12 i32 root
             +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)

@@ -224,6 +224,18 @@ def _check_out(out, dtype, shape):
     return ""
 
 
+def _launcher_pid(group):
+    """The pid of the launcher of a node's group (inter=): in its mailbox's header (+16, u64:
+    mailbox.py), which every worker of the node holds a descriptor of; 0 when unknown."""
+    span = getattr(group, "_span", None)
+    if span is None or span[3] is None:
+        return 0
+    try:
+        return int.from_bytes(os.pread(span[3], 8, 16), "little")
+    except OSError:
+        return 0
+
+
 def _broken_text(exc):
     """What broke a send or recv (an exception, or an interrupt), in words."""
     return f"{type(exc).__name__} in send/recv: {exc}" if isinstance(exc, Exception) \
@@ -1053,7 +1065,7 @@ class Messages:
         the group's segment.  (A communicator whose ranks are not its group's overrides this
         and _p2p_nonce.)"""
         if r >= self.group.size:         # (inter=: the node's launcher, relaying between nodes)
-            return os.getppid()
+            return _launcher_pid(self.group)
         joined, pid, _ = self.group._seg.member(r)
         return pid if joined else 0
 

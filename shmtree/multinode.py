@@ -86,6 +86,7 @@ def start_proxy(group, inter, segment_bytes):
     proxy = Proxy(group, inter, segment, box)
     from .remote import Relay              # (messages between nodes: the launcher relays them)
     proxy.relay = Relay(group, inter.Dup(), [s for s, _, _ in info])
+    proxy.box.put_u64(16, os.getpid())     # (where the workers find the relay)
     return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
 
 

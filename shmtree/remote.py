@@ -52,6 +52,7 @@ EPOCH_BYTES = 8
 SPIN_S = 0.002              # a waiting call yields between polls this long after anything
                             # moved (or was posted), then sleeps SLEEP_S between polls
 SLEEP_S = 0.0005
+IDLE_S, IDLE_SLEEP_S = 0.1, 0.005     # the launcher's relay, idle this long, sleeps longer
 CLOSE_WAIT_S = 30.0         # close: how long outstanding isends have to complete
 
 _TAG_LIMIT = 1 << 63
@@ -520,8 +521,8 @@ class Relay:
                 idle_since = now
             if now - idle_since < SPIN_S:
                 os.sched_yield()
-            else:
-                time.sleep(SLEEP_S)
+            else:                        # (idle for long: a launcher's CPU is its workers')
+                time.sleep(SLEEP_S if now - idle_since < IDLE_S else IDLE_SLEEP_S)
 
     def _forward(self, a, tag, array):
         """A worker's message for a rank of another node: over MPI to that node's launcher."""
