@@ -81,6 +81,26 @@ def address(cnp.ndarray a):
     return <size_t>cnp.PyArray_DATA(a)
 
 
+cdef object _ASCONTIGUOUS = np.ascontiguousarray
+
+
+def bytes_of(cnp.ndarray a):
+    """A C-contiguous, aligned uint8 view of a's bytes (a copy when a is not laid out so), as
+    writable as a; an empty array's: a new empty one (calls.bytes_of)."""
+    cdef cnp.ndarray v
+    cdef cnp.npy_intp n
+    if not (cnp.PyArray_IS_C_CONTIGUOUS(a) and cnp.PyArray_ISALIGNED(a)):
+        a = _ASCONTIGUOUS(a)
+    n = cnp.PyArray_NBYTES(a)
+    if n == 0:
+        return np.empty(0, np.uint8)
+    v = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, cnp.PyArray_DATA(a))
+    if not cnp.PyArray_ISWRITEABLE(a):
+        cnp.PyArray_CLEARFLAGS(v, cnp.NPY_ARRAY_WRITEABLE)
+    cnp.set_array_base(v, a)
+    return v
+
+
 # ---------------------------------------------------------------------------------------------
 # words of a Mapping shared between processes: the mailbox of a node's proxy (mailbox.py)
 

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
+from . import _moving
 from .codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST,
                     KIND_EXSCAN, KIND_GATHER, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP,
                     KIND_SCAN, KIND_SCATTER)
@@ -459,11 +460,8 @@ def finish(result, copy_back):
     return copy_back
 
 
-def bytes_of(a):
-    """A C-contiguous, aligned uint8 view of a's bytes (a copy when a is not laid out so)."""
-    if not (a.flags.c_contiguous and a.flags.aligned):
-        a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
+bytes_of = _moving.bytes_of     # a C-contiguous, aligned uint8 view of an array's bytes (a copy
+                                # when it is not laid out so)
 
 
 # ---- dtypes as the descriptors carry them ----
