@@ -268,6 +268,51 @@ def batch_isend_irecv_ring(rank, size):
 
 
 @case
+def small_receives_held_back(rank, size):
+    """shmtree holds a small recv back until it is waited for or something else is asked
+    (ProcessGroupShmtree.recv): same-tag messages still arrive in issue order, is_completed
+    polling alone completes one, and a sender whose messages overflow the ring gets them all
+    taken while the receiver waits outside torch (the store) before waiting for its Works."""
+    got = []
+    store = dist.distributed_c10d._get_default_store()
+    n, many = 1024, 600                           # 600 x 4 KiB: more than a channel's ring
+    if rank == 0:
+        for v, tag in ((1.0, 7), (2.0, 7), (3.0, 0)):
+            dist.send(torch.tensor([v]), 1, tag=tag)
+        works = [dist.isend(torch.full((n,), float(i)), 1, tag=9) for i in range(many)]
+        for w in works:
+            w.wait()
+        store.set("held_back/sent", "1")
+        x = torch.zeros(1)
+        dist.recv(x, 1)
+        got.append(_v(x))
+    elif rank == 1:
+        a, b = torch.zeros(1), torch.zeros(1)
+        wa = dist.irecv(a, 0, tag=7)
+        wb = dist.irecv(b, 0, tag=7)
+        wb.wait()                                 # the later one first
+        wa.wait()
+        got.append(_v([a, b]))
+        c = torch.zeros(1)
+        wc = dist.irecv(c, 0)
+        if dist.get_backend() == "shmtree":       # (gloo's recv Work reports completion
+            deadline = time.monotonic() + 30      # from wait() only)
+            while not wc.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert wc.is_completed(), "is_completed polling alone did not complete a recv"
+        wc.wait()
+        got.append(_v(c))
+        rs = [torch.zeros(n) for _ in range(many)]
+        ws = [dist.irecv(r, 0, tag=9) for r in rs]
+        store.wait(["held_back/sent"], datetime.timedelta(seconds=30))
+        for w in ws:
+            w.wait()
+        got.append([float(r[0]) for r in rs] == [float(i) for i in range(many)])
+        dist.send(torch.tensor([5.0]), 0)
+    return got
+
+
+@case
 def send_checks(rank, size):
     pg = dist.group.WORLD
     e1 = _error(lambda: pg.send([torch.zeros(2), torch.zeros(2)], (rank + 1) % size, 0))
