@@ -303,6 +303,32 @@ def _p2p_bytes(t):
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+def _blocks_of_one(tensors, avoid=None):
+    """The tensor of shape (n, *shape) whose rows are `tensors` - n contiguous tensors of one
+    shape and dtype lying one after the other in the same memory (list(x.chunk(n)) of a
+    contiguous x) - as a view of that memory; None when they are not (or when that memory
+    overlaps the tensor `avoid`).  gather and scatter use it instead of a copy."""
+    try:
+        t0 = tensors[0].detach()
+        nbytes = t0.numel() * t0.element_size()
+        if not nbytes:
+            return None
+        start = t0.data_ptr()
+        for i, t in enumerate(tensors):
+            if t.layout != _STRIDED or t.dtype != t0.dtype or t.shape != t0.shape \
+                    or not t.is_contiguous() or t.data_ptr() != start + i * nbytes \
+                    or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr():
+                return None
+        if avoid is not None:
+            lo, hi = avoid.data_ptr(), avoid.data_ptr() + avoid.numel() * avoid.element_size()
+            if lo < start + len(tensors) * nbytes and start < hi:
+                return None
+        whole = t0.as_strided((len(tensors), t0.numel()), (t0.numel(), 1))
+        return whole.view((len(tensors),) + tuple(t0.shape))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _view(t):
     """A numpy view of a CPU tensor's memory (a tensor that requires grad: of its detach();
     bfloat16 as ml_dtypes.bfloat16)."""
@@ -1278,14 +1304,18 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         elif output_tensors:
             raise _invalid(what, "requires empty output on non-root")
         a = _view(inp)
-        gathered = torch.empty((size,) + tuple(inp.shape), dtype=inp.dtype) \
-            if rank == root else None
+        gathered = direct = None
+        if rank == root:                           # (into the outputs when they are one
+            direct = _blocks_of_one(output_tensors[0], avoid=inp)   # buffer's blocks)
+            gathered = direct if direct is not None else \
+                torch.empty((size,) + tuple(inp.shape), dtype=inp.dtype)
 
         def finish():
             if gathered is None:
                 return []
-            for r, o in enumerate(output_tensors[0]):
-                o.detach().copy_(gathered[r])
+            if direct is None:
+                for r, o in enumerate(output_tensors[0]):
+                    o.detach().copy_(gathered[r])
             return output_tensors[0]
         return self._work([_call(calls.gather, comm, a, root,
                                  out=_view(gathered) if gathered is not None else None,
@@ -1317,7 +1347,9 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         whole = None
         if rank == root:
             _check_root_list(what, input_tensors, "input", "", size, out_t)
-            whole = torch.stack([t.detach() for t in input_tensors[0]])
+            whole = _blocks_of_one(input_tensors[0])     # (one buffer's blocks: no copy)
+            if whole is None:
+                whole = torch.stack([t.detach() for t in input_tensors[0]])
         elif input_tensors:
             raise _invalid(what, "requires empty input on non-root")
         out, put = _shaped(out_t, tuple(out_t.shape), what)

@@ -268,6 +268,42 @@ def batch_isend_irecv_ring(rank, size):
 
 
 @case
+def gather_scatter_blocks_of_one_buffer(rank, size):
+    """The root's list as one buffer's blocks (list(x.chunk(size)): shmtree gathers into and
+    scatters from that buffer, without a copy), also as blocks in another order, overlapping
+    the input, or of a transposed buffer (copied as before)."""
+    got = []
+    for m in (3, 40000):
+        whole = torch.zeros(size * m)
+        outs = list(whole.chunk(size)) if rank == 0 else None
+        dist.gather(torch.arange(m, dtype=torch.float32) + 100 * rank, outs, dst=0)
+        got.append(_v(whole[::997]) if rank == 0 else None)
+        if rank == 0:
+            whole = torch.arange(size * m, dtype=torch.float32) * 2
+            ins = list(whole.chunk(size))
+            more = torch.arange(2 * size * m, dtype=torch.float32) * 3
+            mixed = list(more.chunk(2 * size))[:size][::-1]   # one buffer's, not in order
+        out = torch.zeros(m)
+        dist.scatter(out, ins if rank == 0 else None, src=0)
+        got.append(_v(out[::997]))
+        dist.scatter(out, mixed if rank == 0 else None, src=0)
+        got.append(_v(out[::997]))
+        if rank == 0:                             # the root's input: an output block, the last
+            whole = torch.zeros(size * m)
+            outs = list(whole.chunk(size))
+            outs[-1] += 7
+            dist.gather(outs[-1], outs, dst=0)
+            got.append(_v(whole[::997]))
+        else:
+            dist.gather(torch.full((m,), float(rank)), None, dst=0)
+        base = torch.zeros(m, size)               # blocks of a transposed buffer
+        outs = list(base.t()) if rank == 0 else None
+        dist.gather(torch.arange(m, dtype=torch.float32) - rank, outs, dst=0)
+        got.append(_v(base[::997]) if rank == 0 else None)
+    return got
+
+
+@case
 def small_receives_held_back(rank, size):
     """shmtree holds a small recv back until it is waited for or something else is asked
     (ProcessGroupShmtree.recv): same-tag messages still arrive in issue order, is_completed
