@@ -71,7 +71,7 @@ def _call(dist, torch, op, nbytes, group, rank, size, dtype=None):
         a, b = torch.zeros(m, dtype=dtype), torch.empty(m, dtype=dtype)
         return lambda: dist.all_to_all_single(b, a, group=group)
     if op == "gather":
-        blocks = [torch.empty_like(block) for _ in range(size)] if rank == 0 else None
+        blocks = list(whole.chunk(size)) if rank == 0 else None
         return lambda: dist.gather(block, blocks, dst=0, group=group)
     if op == "scatter":
         blocks = list(whole.chunk(size)) if rank == 0 else None
