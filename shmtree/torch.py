@@ -582,11 +582,15 @@ class _LazyRecvWork(dist.Work):
         self._pg, self._t, self._buf, self._src, self._tag = pg, t, buf, src, tag
         self._posted = None             # the _PostedWork, once posted
         self._done = False              # received here
+        self._error = None              # posting it failed (raised by wait)
 
     def _post(self):                    # (under the group's _issuing; by _post_lazy)
         comm, buf, src, tag, t = self._pg._comm, self._buf, self._src, self._tag, self._t
-        self._posted = self._pg._p2p_post(lambda: comm.irecv(src, tag=tag, out=buf),
-                                          lambda: [t])
+        try:
+            self._posted = self._pg._p2p_post(lambda: comm.irecv(src, tag=tag, out=buf),
+                                              lambda: [t])
+        except RuntimeError as exc:     # (not the failure of whatever made it post)
+            self._error = exc
 
     def _posted_work(self):
         pg = self._pg
@@ -597,28 +601,35 @@ class _LazyRecvWork(dist.Work):
         return self._posted
 
     def wait(self, timeout=None):
-        if timeout is not None and self._posted is None and not self._done:
+        if timeout is not None:                  # (a wait that may give up: posted)
             self._posted_work()
+        pg = self._pg
+        if self._posted is None and self._error is None and not self._done:
+            with pg._issuing:
+                if pg._lazy is self:             # (else posted meanwhile, by another thread)
+                    pg._lazy = None
+                    try:
+                        pg._comm.recv(self._src, tag=self._tag, out=self._buf)
+                    except Exception as exc:
+                        raise RuntimeError(f"shmtree: rank {pg._comm.rank}: the operation "
+                                           f"failed: {type(exc).__name__}: {exc}") from None
+                    self._done = True
+                    return True
+        if self._error is not None:
+            raise self._error
         if self._posted is not None:
             return self._posted.wait(timeout)
-        if self._done:
-            return True
-        pg = self._pg
-        with pg._issuing:
-            if pg._lazy is not self:            # (posted meanwhile, by another thread)
-                return self._posted.wait(timeout) if self._posted is not None else True
-            pg._lazy = None
-            try:
-                pg._comm.recv(self._src, tag=self._tag, out=self._buf)
-            except Exception as exc:
-                raise RuntimeError(f"shmtree: rank {pg._comm.rank}: the operation failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
-            self._done = True
         return True
 
     def get_future(self):
         posted = self._posted_work()
-        return posted.get_future() if posted is not None else _DoneWork([self._t]).get_future()
+        if posted is not None:
+            return posted.get_future()
+        if self._error is not None:
+            fut = Future()
+            fut.set_exception(self._error)
+            return fut
+        return _DoneWork([self._t]).get_future()
 
     def is_completed(self):
         posted = self._posted_work()
@@ -626,11 +637,11 @@ class _LazyRecvWork(dist.Work):
 
     def is_success(self):
         posted = self._posted_work()
-        return posted.is_success() if posted is not None else True
+        return posted.is_success() if posted is not None else self._error is None
 
     def exception(self):
         posted = self._posted_work()
-        return posted.exception() if posted is not None else None
+        return posted.exception() if posted is not None else self._error
 
     def result(self):
         self.wait()

@@ -390,3 +390,50 @@ def test_torchrun_standalone_two_processes(tmp_path):
     gathered = [[0, 0], [1, 10]]
     assert lines == [f"rank {r}/2 local {r}: [1.0, 3.0, 5.0] 1.0 {gathered} "
                      f"[0.5, 0.5, 1.5, 1.5]" for r in range(2)], out[-3000:]
+
+
+def dead_sender_worker(rank, size, store_path, outdir):
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import shmtree.torch  # noqa: F401
+
+    dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    t = torch.zeros(4)
+    if rank == 0:                                 # one small message each way first (rank 1
+        dist.recv(t, 1)                           # dies only once rank 0 has received)
+        dist.send(t, 1)
+    else:
+        dist.send(t + 1, 0)
+        dist.recv(t, 0)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.recv(t, 1)                           # a small recv, received in this thread
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(outdir, "dead-sender.txt"), "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\n{t.tolist()}\n{outcome}")
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_sender_makes_a_waiting_recv_raise(tmp_path):
+    ctx = mp.spawn(dead_sender_worker, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                   nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(60)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in ctx.processes] == [0, -9]
+    took, values, outcome = (tmp_path / "dead-sender.txt").read_text().split("\n", 2)
+    assert values == "[1.0, 1.0, 1.0, 1.0]"
+    assert outcome.startswith("RuntimeError") and "rank 1 died" in outcome, outcome
+    assert float(took) < 10, took
