@@ -107,7 +107,7 @@ def _timed(dist, call, group, reps):
 
 def _fsdp(torch, mesh, cfg, rank):
     from torch.distributed.fsdp import fully_shard
-    batch, width, layers = FSDP_SHAPE
+    batch, width, layers = cfg["fsdp"]
     torch.manual_seed(0)
     mods = []
     for _ in range(layers - 1):
@@ -315,7 +315,7 @@ def table(s, cfg, nprocs, torch_version):
                      f"{b} {s['bf16'][b]['float32'] / s['bf16'][b]['bfloat16']:.2f}x "
                      f"({s['bf16'][b]['float32'] * 1e3:.2f} / "
                      f"{s['bf16'][b]['bfloat16'] * 1e3:.2f} ms)" for b in BACKENDS))
-    batch, width, layers = FSDP_SHAPE
+    batch, width, layers = cfg["fsdp"]
     for what, label in (("fsdp", f"FSDP step ({layers} x Linear({width}), batch {batch})"),
                         ("ddp", f"DDP step (Linear({DDP_SHAPE[1]}) x 2, batch {DDP_SHAPE[0]})"),
                         ):
@@ -341,14 +341,15 @@ def cmd_torch(args):
     except ImportError as exc:
         raise BenchError(f"shmtree-bench torch needs torch ({exc}): pip install "
                          "\"shmtree[torch]\"") from None
-    ops = args.ops.split(",") if args.ops else list(OPS)
+    ops = [] if args.ops == "none" else args.ops.split(",") if args.ops else list(OPS)
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise BenchError(f"unknown op(s) {','.join(unknown)}: choose among {','.join(OPS)}")
     if "send_recv" in ops and args.nprocs < 2:
         raise BenchError("send_recv needs at least 2 processes")
     cfg = {"ops": ops, "sizes": args.sizes, "rounds": args.rounds, "reps": args.reps,
-           "steps": args.steps, "bf16_bytes": args.bf16_size}
+           "steps": args.steps, "bf16_bytes": args.bf16_size,
+           "fsdp": (FSDP_SHAPE[0], args.fsdp_width, FSDP_SHAPE[2])}
     per = run(cfg, args.nprocs)
     s = summarize(per, cfg)
     print(table(s, cfg, args.nprocs, torch.__version__), flush=True)
@@ -369,7 +370,8 @@ def add_parser(sub, arg, positive):
     p.add_argument("-n", "--nprocs", type=arg(positive), default=2, help="processes (default 2)")
     p.add_argument("--sizes", type=arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
                    help=f"bytes per operation (default {DEFAULT_SIZES})")
-    p.add_argument("--ops", help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    p.add_argument("--ops", help=f"comma-separated subset of {','.join(OPS)} (default: all; "
+                                 "none: only the training steps and bfloat16)")
     p.add_argument("--rounds", type=arg(positive), default=3,
                    help="alternating rounds of gloo and shmtree; the best of each (default 3)")
     p.add_argument("--reps", type=arg(positive),
@@ -379,5 +381,7 @@ def add_parser(sub, arg, positive):
                    help="timed FSDP and DDP training steps per backend (default 30; 0: none)")
     p.add_argument("--bf16-size", type=arg(parse_size), default=DEFAULT_BF16,
                    help="float32 bytes of the bfloat16/float32 all_reduce (default 16M)")
+    p.add_argument("--fsdp-width", type=arg(positive), default=FSDP_SHAPE[1],
+                   help=f"the FSDP model's Linear(w, w) width (default {FSDP_SHAPE[1]})")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     return p
