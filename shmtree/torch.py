@@ -1492,7 +1492,10 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         comm = self._comm
         if buf.nbytes <= QUICK_P2P_BYTES:
             self._check_failed()
-            _rank_arg(comm, srcRank, "source")
+            try:
+                _rank_arg(comm, srcRank, "source")
+            except (TypeError, ValueError) as exc:  # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
             with self._issuing:
                 self._post_lazy()
                 self._lazy = work = _LazyRecvWork(self, t, buf, srcRank, tag)

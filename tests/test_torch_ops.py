@@ -366,6 +366,21 @@ def shmtree_recv_anysource(rank, size):
     return "no error"
 
 
+@case
+def shmtree_p2p_bad_ranks(rank, size):
+    """A send or recv naming a rank outside the group: RuntimeError from the call, small or
+    large (gloo's crashes the process: SIGSEGV, torch 2.13)."""
+    pg = dist.group.WORLD
+    got = []
+    for n in (2, 300_000):
+        for call in (lambda: pg.send([torch.ones(n)], size + 3, 0),
+                     lambda: pg.recv([torch.ones(n)], size + 3, 0),
+                     lambda: pg.send([torch.ones(n)], -1, 0),
+                     lambda: pg.recv([torch.ones(n)], -1, 0)):
+            got.append(_error(call))
+    return got
+
+
 # ---- subgroups ----
 
 
@@ -548,3 +563,12 @@ def test_device_mesh_2x2(tmp_path):
             assert (mine[axis][2], theirs[axis][2]) == ("shmtree", "gloo"), (rank, mine)
             mine[axis][2] = theirs[axis][2] = None
         assert mine == theirs, (rank, mine, theirs)
+
+
+@pytest.mark.timeout(4 * LAUNCH_S + 60)
+@pytest.mark.parametrize("size", SIZES)
+def test_p2p_bad_ranks_raise_runtime_errors(launches, size):
+    ours = launches["shmtree", size]["shmtree_p2p_bad_ranks"]
+    _ok(ours)
+    for _, value in ours:
+        assert value == ["RuntimeError"] * 8, value
