@@ -395,12 +395,12 @@ def test_torchrun_standalone_two_processes(tmp_path):
 def dead_sender_worker(rank, size, store_path, outdir):
     import signal
     import time
+    from importlib import import_module
 
     import torch
     import torch.distributed as dist
 
-    import shmtree.torch  # noqa: F401
-
+    import_module("shmtree.torch")                # registers the backend
     dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
                             world_size=size)
     t = torch.zeros(4)

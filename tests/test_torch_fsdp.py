@@ -49,11 +49,12 @@ def fsdp_train(rank, size, mixed):
 
 
 def fsdp_worker(rank, size, folder):
+    from importlib import import_module
+
     import torch
     import torch.distributed as dist
 
-    import shmtree.torch  # noqa: F401  (registers the backend)
-
+    import_module("shmtree.torch")                          # registers the backend
     torch.set_num_threads(1)
     got = {}
     for backend in ("gloo", "shmtree"):
