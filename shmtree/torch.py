@@ -1,6 +1,7 @@
 """A torch.distributed backend: `import shmtree.torch`, then
 `torch.distributed.init_process_group("shmtree", ...)` in processes of one machine started by any
-launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel runs on shmtree.
+launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel and FSDP
+(fully_shard) run on shmtree.
 
 The group is formed through the launcher's store: rank 0 creates a shmtree.Group of the world's
 size (not pinned: torch runs threads of its own) and publishes its rendezvous token; the others
@@ -10,6 +11,9 @@ memory: in place, no copies for contiguous tensors), runs or posts them (the com
 _run / _post, the path of its public methods) and returns a Work whose future the call's
 completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
 operation raises from `wait()` and fails its future (never a success with unreduced data).
+Small send / recv skip the threads: a send that fits in the ring is written at once, a recv is
+held back until waited for (then received in the waiting thread) or until anything else needs
+it posted (ProcessGroupShmtree.send / recv).
 
 Every method is callable as torch documents ProcessGroup's: `opts` optional, the convenience
 forms (`pg.allreduce(t)`, `pg.broadcast(t, root=0)`, `pg.allgather(outs, t)`,
