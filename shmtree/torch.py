@@ -1,6 +1,7 @@
 """A torch.distributed backend: `import shmtree.torch`, then
 `torch.distributed.init_process_group("shmtree", ...)` in processes of one machine started by any
-launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel runs on shmtree.
+launcher (torchrun, torch.multiprocessing.spawn), and DistributedDataParallel and FSDP
+(fully_shard) run on shmtree.
 
 The group is formed through the launcher's store: rank 0 creates a shmtree.Group of the world's
 size (not pinned: torch runs threads of its own) and publishes its rendezvous token; the others
@@ -10,6 +11,9 @@ memory: in place, no copies for contiguous tensors), runs or posts them (the com
 _run / _post, the path of its public methods) and returns a Work whose future the call's
 completion sets, so `work.wait()` and `work.get_future()` behave as gloo's: a failed
 operation raises from `wait()` and fails its future (never a success with unreduced data).
+Small send / recv skip the threads: a send that fits in the ring is written at once, a recv is
+held back until waited for (then received in the waiting thread) or until anything else needs
+it posted (ProcessGroupShmtree.send / recv).
 
 Every method is callable as torch documents ProcessGroup's: `opts` optional, the convenience
 forms (`pg.allreduce(t)`, `pg.broadcast(t, root=0)`, `pg.allgather(outs, t)`,
@@ -57,9 +61,11 @@ from torch.futures import Future
 from . import calls
 from .arrays import as_numpy
 from .group import Group
+from .messages import _QUICK_BYTES, _rank_arg
 
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
+QUICK_P2P_BYTES = _QUICK_BYTES            # send / recv of at most this: see their docstrings
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
              "reduce_scatter_tensor, gather, scatter, all_to_all, all_to_all_single, send, recv, "
@@ -299,6 +305,32 @@ def _p2p_bytes(t):
     the receiver's tensor gives them their dtype and shape, as gloo's)."""
     _view(t)                                      # (its checks: a CPU tensor)
     return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _blocks_of_one(tensors, avoid=None):
+    """The tensor of shape (n, *shape) whose rows are `tensors` - n contiguous tensors of one
+    shape and dtype lying one after the other in the same memory (list(x.chunk(n)) of a
+    contiguous x) - as a view of that memory; None when they are not (or when that memory
+    overlaps the tensor `avoid`).  gather and scatter use it instead of a copy."""
+    try:
+        t0 = tensors[0].detach()
+        nbytes = t0.numel() * t0.element_size()
+        if not nbytes:
+            return None
+        start = t0.data_ptr()
+        for i, t in enumerate(tensors):
+            if t.layout != _STRIDED or t.dtype != t0.dtype or t.shape != t0.shape \
+                    or not t.is_contiguous() or t.data_ptr() != start + i * nbytes \
+                    or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr():
+                return None
+        if avoid is not None:
+            lo, hi = avoid.data_ptr(), avoid.data_ptr() + avoid.numel() * avoid.element_size()
+            if lo < start + len(tensors) * nbytes and start < hi:
+                return None
+        whole = t0.as_strided((len(tensors), t0.numel()), (t0.numel(), 1))
+        return whole.view((len(tensors),) + tuple(t0.shape))
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _view(t):
@@ -544,6 +576,85 @@ class _DoneWork(dist.Work):
 _done = _DoneWork
 
 
+class _LazyRecvWork(dist.Work):
+    """The Work of a small recv (ProcessGroupShmtree.recv): held back until waited for (then
+    received in the waiting thread, blocking: shmtree's recv) or until anything else needs it
+    posted (then a _PostedWork, which this one forwards to)."""
+
+    def __init__(self, pg, t, buf, src, tag):
+        super().__init__()
+        self._pg, self._t, self._buf, self._src, self._tag = pg, t, buf, src, tag
+        self._posted = None             # the _PostedWork, once posted
+        self._done = False              # received here
+        self._error = None              # posting it failed (raised by wait)
+
+    def _post(self):                    # (under the group's _issuing; by _post_lazy)
+        comm, buf, src, tag, t = self._pg._comm, self._buf, self._src, self._tag, self._t
+        try:
+            self._posted = self._pg._p2p_post(lambda: comm.irecv(src, tag=tag, out=buf),
+                                              lambda: [t])
+        except RuntimeError as exc:     # (not the failure of whatever made it post)
+            self._error = exc
+
+    def _posted_work(self):
+        pg = self._pg
+        if self._posted is None and not self._done:
+            with pg._issuing:
+                if pg._lazy is self:
+                    pg._post_lazy()
+        return self._posted
+
+    def wait(self, timeout=None):
+        if timeout is not None:                  # (a wait that may give up: posted)
+            self._posted_work()
+        pg = self._pg
+        if self._posted is None and self._error is None and not self._done:
+            with pg._issuing:
+                if pg._lazy is self:             # (else posted meanwhile, by another thread)
+                    pg._lazy = None
+                    try:
+                        pg._comm.recv(self._src, tag=self._tag, out=self._buf)
+                    except Exception as exc:
+                        raise RuntimeError(f"shmtree: rank {pg._comm.rank}: the operation "
+                                           f"failed: {type(exc).__name__}: {exc}") from None
+                    self._done = True
+                    return True
+        if self._error is not None:
+            raise self._error
+        if self._posted is not None:
+            return self._posted.wait(timeout)
+        return True
+
+    def get_future(self):
+        posted = self._posted_work()
+        if posted is not None:
+            return posted.get_future()
+        if self._error is not None:
+            fut = Future()
+            fut.set_exception(self._error)
+            return fut
+        return _DoneWork([self._t]).get_future()
+
+    def is_completed(self):
+        posted = self._posted_work()
+        return posted.is_completed() if posted is not None else True
+
+    def is_success(self):
+        posted = self._posted_work()
+        return posted.is_success() if posted is not None else self._error is None
+
+    def exception(self):
+        posted = self._posted_work()
+        return posted.exception() if posted is not None else self._error
+
+    def result(self):
+        self.wait()
+        return [self._t]
+
+    def synchronize(self):
+        pass
+
+
 def _unsupported(method, what):
     """A ProcessGroup method the backend does not offer (yet): it raises, naming shmtree and
     the operation (NotImplementedError: a RuntimeError, the type torch's C++ carries)."""
@@ -582,6 +693,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         self._completions = None          # the completion thread's queue (made on first use)
         self._completer = None
         self._stopped = False             # shut down: no completion thread any more
+        self._lazy = None                 # a small recv not posted yet (_LazyRecvWork)
         # rank 0's descriptor must stay open until everyone has attached: meet once
         self._comm._run(calls.barrier(self._comm, self._timeout))
         _LIVE.add(self)
@@ -651,6 +763,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             # (in the completion thread - a then() callback's call - blocking: a posted call's
             # completion would queue behind the callback that waits for it)
             with self._issuing:
+                self._post_lazy()
                 try:
                     steps = [call(True) for call in made]
                 except Exception as exc:          # (torch's C++ takes RuntimeErrors)
@@ -675,6 +788,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         complete = self._completion(work, requests, source, finish)
 
         with self._issuing:
+            self._post_lazy()
             try:
                 steps = [call(False) for call in made]
                 for step in steps:
@@ -792,6 +906,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             return comm._start(calls.allgather(comm, _view(blob), axis=0, timeout=secs))
 
         with self._issuing:
+            self._post_lazy()
             try:
                 gathered = torch.from_numpy(np.ascontiguousarray(run()))
             except Exception as exc:
@@ -1204,14 +1319,18 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         elif output_tensors:
             raise _invalid(what, "requires empty output on non-root")
         a = _view(inp)
-        gathered = torch.empty((size,) + tuple(inp.shape), dtype=inp.dtype) \
-            if rank == root else None
+        gathered = direct = None
+        if rank == root:                           # (into the outputs when they are one
+            direct = _blocks_of_one(output_tensors[0], avoid=inp)   # buffer's blocks)
+            gathered = direct if direct is not None else \
+                torch.empty((size,) + tuple(inp.shape), dtype=inp.dtype)
 
         def finish():
             if gathered is None:
                 return []
-            for r, o in enumerate(output_tensors[0]):
-                o.detach().copy_(gathered[r])
+            if direct is None:
+                for r, o in enumerate(output_tensors[0]):
+                    o.detach().copy_(gathered[r])
             return output_tensors[0]
         return self._work([_call(calls.gather, comm, a, root,
                                  out=_view(gathered) if gathered is not None else None,
@@ -1243,7 +1362,9 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         whole = None
         if rank == root:
             _check_root_list(what, input_tensors, "input", "", size, out_t)
-            whole = torch.stack([t.detach() for t in input_tensors[0]])
+            whole = _blocks_of_one(input_tensors[0])     # (one buffer's blocks: no copy)
+            if whole is None:
+                whole = torch.stack([t.detach() for t in input_tensors[0]])
         elif input_tensors:
             raise _invalid(what, "requires empty input on non-root")
         out, put = _shaped(out_t, tuple(out_t.shape), what)
@@ -1342,20 +1463,64 @@ class ProcessGroupShmtree(dist.ProcessGroup):
     # ---- point-to-point: shmtree's messages (isend / irecv), always posted ----
 
     def send(self, tensors, dstRank, tag=0):
-        """send([tensor], dst, tag): the tensor's bytes, as one shmtree message (isend); the
-        Work is done once the message is out (the tensor may then change)."""
+        """send([tensor], dst, tag): the tensor's bytes, as one shmtree message; the Work is
+        done once the message is out (the tensor may then change).  A small message that fits
+        in the channel's ring now, with nothing else on its way to dst, is written there at
+        once (done: no hand-off to the progress thread); any other is posted (isend)."""
         t, tag = _single_p2p("send", tensors, tag)
         buf = _p2p_bytes(t)
         comm = self._comm
+        if buf.nbytes <= QUICK_P2P_BYTES:
+            self._check_failed()
+            with self._issuing:
+                self._post_lazy()
+                try:
+                    sent = comm._p2p().quick_send(buf, _rank_arg(comm, dstRank, "dest"), tag)
+                except Exception as exc:          # (torch's C++ takes RuntimeErrors)
+                    raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+            if sent:
+                return _DoneWork([t])
         return self._p2p(lambda: comm.isend(buf, dstRank, tag=tag), lambda: [t])
 
     def recv(self, tensors, srcRank, tag=0):
         """recv([tensor], src, tag): the next message from src with that tag, into the tensor
-        (as many bytes as it holds: a sender's dtype or shape may differ, as with gloo)."""
+        (as many bytes as it holds: a sender's dtype or shape may differ, as with gloo).
+        A small one (at most QUICK_P2P_BYTES) is not posted at once: its Work receives it in
+        the caller's thread when waited for with no timeout (dist.recv: no hand-offs between
+        threads), and posts it (irecv) the moment anything else is asked of it or of this
+        process group (another operation, get_future, is_completed, a wait with a timeout):
+        so at most one receive is held back, and a sender never waits for it (its message
+        fits in the ring once the receives before it are posted)."""
         t, tag = _single_p2p("recv", tensors, tag)
         buf = _p2p_bytes(t)
         comm = self._comm
+        if buf.nbytes <= QUICK_P2P_BYTES:
+            self._check_failed()
+            try:
+                _rank_arg(comm, srcRank, "source")
+            except (TypeError, ValueError) as exc:  # (torch's C++ takes RuntimeErrors)
+                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+            with self._issuing:
+                self._post_lazy()
+                self._lazy = work = _LazyRecvWork(self, t, buf, srcRank, tag)
+            return work
         return self._p2p(lambda: comm.irecv(srcRank, tag=tag, out=buf), lambda: [t])
+
+    def _post_lazy(self):
+        """Post the held-back small receive, if any (under self._issuing)."""
+        lazy = self._lazy
+        if lazy is not None:
+            self._lazy = None
+            lazy._post()
+
+    def _check_failed(self):
+        failed, self._failure = self._failure, None
+        if failed is not None:
+            raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
+                               f"{type(failed).__name__}: {failed}")
+        if self._group.aborted():
+            raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
+                               f"{self._group.describe_abort()}")
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(
@@ -1367,22 +1532,21 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         """A message, posted: start() gives its Request (shmtree's isend / irecv); the Work's
         future gets finish()'s value once it is done.  Never blocking: batch_isend_irecv's
         sends and receives are issued one after the other before anyone waits."""
-        failed, self._failure = self._failure, None
-        if failed is not None:
-            raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
-                               f"{type(failed).__name__}: {failed}")
-        if self._group.aborted():
-            raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
-                               f"{self._group.describe_abort()}")
+        self._check_failed()
+        with self._issuing:
+            self._post_lazy()
+            return self._p2p_post(start, finish)
+
+    def _p2p_post(self, start, finish):
+        """_p2p's posting (under self._issuing)."""
         source = Future()
         requests = []
         work = _PostedWork(requests, source, source.then(_settle), self)
         complete = self._completion(work, requests, source, finish)
-        with self._issuing:
-            try:
-                requests.append(start())
-            except Exception as exc:              # (torch's C++ takes RuntimeErrors)
-                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+        try:
+            requests.append(start())
+        except Exception as exc:                  # (torch's C++ takes RuntimeErrors)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
         requests[-1].add_done_callback(lambda _: self._complete(complete))
         return work
 

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1022,3 +1023,41 @@ def test_multinode_sizes_are_rounded_to_whole_float32_items(monkeypatch, capsys)
     out, err = capsys.readouterr()
     assert "--sizes rounded to whole float32 items (4 B each): 6 B -> 4 B" in err
     assert "# --sizes rounded" in out
+
+
+@needs_shmtree
+@pytest.mark.timeout(180)
+def test_torch_beside_gloo(tmp_path, capsys):
+    """shmtree-bench torch at tiny sizes: a row per op and size with both backends' times and
+    their ratio, the bfloat16 line, FSDP and DDP steps with equal results (times never
+    asserted)."""
+    pytest.importorskip("torch.distributed")
+    from shmtree.bench.torchdist import OPS
+    js = tmp_path / "t.json"
+    assert main(["torch", "--sizes", "8,4K", "--reps", "2", "--rounds", "2", "--steps", "1",
+                 "--bf16-size", "4K", "--json", str(js)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# shmtree-bench torch: torch ") and "2 processes" in lines[0]
+    assert lines[1].split() == ["op", "size", "gloo", "(us)", "shmtree", "(us)", "shmtree/gloo"]
+    rows = [line.split() for line in lines[2:2 + 2 * len(OPS)]]
+    assert [(r[0], " ".join(r[1:3])) for r in rows] == [(op, s) for op in OPS
+                                                        for s in ("8 B", "4 KiB")]
+    for r in rows:
+        g, m, ratio = map(float, r[3:])
+        assert g > 0 and m > 0 and abs(ratio - m / g) < 0.01 + 0.01 * ratio
+    rest = lines[2 + 2 * len(OPS):]
+    assert rest[0].startswith("bfloat16/float32 all_reduce element rate (1024 elements, 4 KiB")
+    assert rest[1].startswith("FSDP step (4 x Linear(512), batch 8)")
+    assert rest[2].startswith("DDP step (") and rest[3].startswith("  its allreduce ")
+    for line in rest[1:4]:
+        g, m, ratio = re.search(r"ms: gloo +(\S+), shmtree +(\S+) \(gloo/shmtree (\S+)\)$",
+                                line).groups()
+        assert float(g) > 0 and float(m) > 0 and float(ratio) > 0
+    assert rest[4].startswith("FSDP losses, shmtree vs gloo: max |difference| ")
+    assert rest[5].startswith("DDP final parameters, shmtree vs gloo: max |difference| ")
+    assert float(rest[4].split()[-1]) <= 1e-6 and float(rest[5].split()[-1]) <= 1e-5
+    assert len(rest) == 6
+    doc = json.loads(js.read_text())
+    assert doc["nprocs"] == 2 and len(doc["ops"]) == 2 * len(OPS)
+    assert set(doc["ops"][0]) == {"op", "bytes", "gloo", "shmtree"}
+    assert set(doc["bf16"]) == {"gloo", "shmtree"} and set(doc["fsdp"]) == {"gloo", "shmtree"}

@@ -341,3 +341,99 @@ def test_torchrun_world_of_four(tmp_path):
 def shmtree_path():
     import shmtree
     return shmtree.__file__
+
+
+STANDALONE_SCRIPT = """
+import os, torch, torch.distributed as dist
+import shmtree.torch
+dist.init_process_group("shmtree")                  # env://, torchrun's variables
+r, w = dist.get_rank(), dist.get_world_size()
+assert dist.get_backend() == "shmtree", dist.get_backend()
+t = torch.arange(3, dtype=torch.float32) + r
+dist.all_reduce(t)
+b = torch.full((70001,), float(r))                  # posted, from the last rank
+dist.broadcast(b, src=w - 1)
+outs = [torch.empty(2, dtype=torch.int64) for _ in range(w)]
+dist.all_gather(outs, torch.tensor([r, 10 * r]))
+flat = torch.empty(2 * w, dtype=torch.bfloat16)
+dist.all_gather_into_tensor(flat, torch.full((2,), r + 0.5, dtype=torch.bfloat16))
+print(f"rank {r}/{w} local {os.environ['LOCAL_RANK']}: {t.tolist()} {float(b.mean())} "
+      f"{[o.tolist() for o in outs]} {flat.float().tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_standalone_two_processes(tmp_path):
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 prog.py`: env:// init on
+    torchrun's own rendezvous; every rank prints what it got, the job exits 0."""
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "prog.py"
+    script.write_text(STANDALONE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmtree_path())))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", str(script)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)       # torchrun and its workers: one session
+        out, _ = proc.communicate()
+        pytest.fail("torchrun did not finish in 120 s:\n" + out[-3000:])
+    assert proc.returncode == 0, out[-3000:]
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    gathered = [[0, 0], [1, 10]]
+    assert lines == [f"rank {r}/2 local {r}: [1.0, 3.0, 5.0] 1.0 {gathered} "
+                     f"[0.5, 0.5, 1.5, 1.5]" for r in range(2)], out[-3000:]
+
+
+def dead_sender_worker(rank, size, store_path, outdir):
+    import signal
+    import time
+    from importlib import import_module
+
+    import torch
+    import torch.distributed as dist
+
+    import_module("shmtree.torch")                # registers the backend
+    dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    t = torch.zeros(4)
+    if rank == 0:                                 # one small message each way first (rank 1
+        dist.recv(t, 1)                           # dies only once rank 0 has received)
+        dist.send(t, 1)
+    else:
+        dist.send(t + 1, 0)
+        dist.recv(t, 0)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.recv(t, 1)                           # a small recv, received in this thread
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(outdir, "dead-sender.txt"), "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\n{t.tolist()}\n{outcome}")
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_sender_makes_a_waiting_recv_raise(tmp_path):
+    ctx = mp.spawn(dead_sender_worker, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                   nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(60)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in ctx.processes] == [0, -9]
+    took, values, outcome = (tmp_path / "dead-sender.txt").read_text().split("\n", 2)
+    assert values == "[1.0, 1.0, 1.0, 1.0]"
+    assert outcome.startswith("RuntimeError") and "rank 1 died" in outcome, outcome
+    assert float(took) < 10, took

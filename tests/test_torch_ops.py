@@ -268,6 +268,87 @@ def batch_isend_irecv_ring(rank, size):
 
 
 @case
+def gather_scatter_blocks_of_one_buffer(rank, size):
+    """The root's list as one buffer's blocks (list(x.chunk(size)): shmtree gathers into and
+    scatters from that buffer, without a copy), also as blocks in another order, overlapping
+    the input, or of a transposed buffer (copied as before)."""
+    got = []
+    for m in (3, 40000):
+        whole = torch.zeros(size * m)
+        outs = list(whole.chunk(size)) if rank == 0 else None
+        dist.gather(torch.arange(m, dtype=torch.float32) + 100 * rank, outs, dst=0)
+        got.append(_v(whole[::997]) if rank == 0 else None)
+        if rank == 0:
+            whole = torch.arange(size * m, dtype=torch.float32) * 2
+            ins = list(whole.chunk(size))
+            more = torch.arange(2 * size * m, dtype=torch.float32) * 3
+            mixed = list(more.chunk(2 * size))[:size][::-1]   # one buffer's, not in order
+        out = torch.zeros(m)
+        dist.scatter(out, ins if rank == 0 else None, src=0)
+        got.append(_v(out[::997]))
+        dist.scatter(out, mixed if rank == 0 else None, src=0)
+        got.append(_v(out[::997]))
+        if rank == 0:                             # the root's input: an output block, the last
+            whole = torch.zeros(size * m)
+            outs = list(whole.chunk(size))
+            outs[-1] += 7
+            dist.gather(outs[-1], outs, dst=0)
+            got.append(_v(whole[::997]))
+        else:
+            dist.gather(torch.full((m,), float(rank)), None, dst=0)
+        base = torch.zeros(m, size)               # blocks of a transposed buffer
+        outs = list(base.t()) if rank == 0 else None
+        dist.gather(torch.arange(m, dtype=torch.float32) - rank, outs, dst=0)
+        got.append(_v(base[::997]) if rank == 0 else None)
+    return got
+
+
+@case
+def small_receives_held_back(rank, size):
+    """shmtree holds a small recv back until it is waited for or something else is asked
+    (ProcessGroupShmtree.recv): same-tag messages still arrive in issue order, is_completed
+    polling alone completes one, and a sender whose messages overflow the ring gets them all
+    taken while the receiver waits outside torch (the store) before waiting for its Works."""
+    got = []
+    store = dist.distributed_c10d._get_default_store()
+    n, many = 1024, 600                           # 600 x 4 KiB: more than a channel's ring
+    if rank == 0:
+        for v, tag in ((1.0, 7), (2.0, 7), (3.0, 0)):
+            dist.send(torch.tensor([v]), 1, tag=tag)
+        works = [dist.isend(torch.full((n,), float(i)), 1, tag=9) for i in range(many)]
+        for w in works:
+            w.wait()
+        store.set("held_back/sent", "1")
+        x = torch.zeros(1)
+        dist.recv(x, 1)
+        got.append(_v(x))
+    elif rank == 1:
+        a, b = torch.zeros(1), torch.zeros(1)
+        wa = dist.irecv(a, 0, tag=7)
+        wb = dist.irecv(b, 0, tag=7)
+        wb.wait()                                 # the later one first
+        wa.wait()
+        got.append(_v([a, b]))
+        c = torch.zeros(1)
+        wc = dist.irecv(c, 0)
+        if dist.get_backend() == "shmtree":       # (gloo's recv Work reports completion
+            deadline = time.monotonic() + 30      # from wait() only)
+            while not wc.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert wc.is_completed(), "is_completed polling alone did not complete a recv"
+        wc.wait()
+        got.append(_v(c))
+        rs = [torch.zeros(n) for _ in range(many)]
+        ws = [dist.irecv(r, 0, tag=9) for r in rs]
+        store.wait(["held_back/sent"], datetime.timedelta(seconds=30))
+        for w in ws:
+            w.wait()
+        got.append([float(r[0]) for r in rs] == [float(i) for i in range(many)])
+        dist.send(torch.tensor([5.0]), 0)
+    return got
+
+
+@case
 def send_checks(rank, size):
     pg = dist.group.WORLD
     e1 = _error(lambda: pg.send([torch.zeros(2), torch.zeros(2)], (rank + 1) % size, 0))
@@ -283,6 +364,21 @@ def shmtree_recv_anysource(rank, size):
     except Exception as exc:  # noqa: BLE001
         return [type(exc).__name__, "shmtree" in str(exc), "any source" in str(exc)]
     return "no error"
+
+
+@case
+def shmtree_p2p_bad_ranks(rank, size):
+    """A send or recv naming a rank outside the group: RuntimeError from the call, small or
+    large (gloo's crashes the process: SIGSEGV, torch 2.13)."""
+    pg = dist.group.WORLD
+    got = []
+    for n in (2, 300_000):
+        for call in (lambda: pg.send([torch.ones(n)], size + 3, 0),
+                     lambda: pg.recv([torch.ones(n)], size + 3, 0),
+                     lambda: pg.send([torch.ones(n)], -1, 0),
+                     lambda: pg.recv([torch.ones(n)], -1, 0)):
+            got.append(_error(call))
+    return got
 
 
 # ---- subgroups ----
@@ -467,3 +563,12 @@ def test_device_mesh_2x2(tmp_path):
             assert (mine[axis][2], theirs[axis][2]) == ("shmtree", "gloo"), (rank, mine)
             mine[axis][2] = theirs[axis][2] = None
         assert mine == theirs, (rank, mine, theirs)
+
+
+@pytest.mark.timeout(4 * LAUNCH_S + 60)
+@pytest.mark.parametrize("size", SIZES)
+def test_p2p_bad_ranks_raise_runtime_errors(launches, size):
+    ours = launches["shmtree", size]["shmtree_p2p_bad_ranks"]
+    _ok(ours)
+    for _, value in ours:
+        assert value == ["RuntimeError"] * 8, value

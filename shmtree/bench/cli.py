@@ -12,6 +12,8 @@
     shmtree-bench overlap [...]        nonblocking calls: posting cost, overlap with computation
     shmtree-bench multinode [...]      allreduce across simulated nodes (from_mpi) beside MPI
     shmtree-bench scaling [...]        P x collective x size x private/shared arrays, vs MPI
+    shmtree-bench torch [...]          torch.distributed: backend shmtree beside gloo (every op,
+                                       FSDP and DDP steps, bfloat16)
     shmtree-bench --version            "shmtree-bench <shmtree's version>"
 
 Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
@@ -32,14 +34,14 @@ import sys
 import threading
 
 from . import (commands, compare, machine, multinode, overlap, p2p, persistent, plot, scaling,
-               split)
+               split, torchdist)
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
-            "p2p", "persistent", "split")
+            "p2p", "persistent", "split", "torch")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -222,6 +224,7 @@ def build_parser():
     p2p.add_parser(sub, _arg, _positive)             # point-to-point (issue 24)
     split.add_parser(sub, _arg, _positive)           # sub-communicators (issue 24)
     _persistent_parser(sub)
+    torchdist.add_parser(sub, _arg, _positive)       # torch.distributed beside gloo (issue 25)
     return parser
 
 
@@ -346,7 +349,8 @@ def _main(argv):
                 "numa": commands.cmd_numa, "topology": commands.cmd_topology,
                 "overlap": commands.cmd_overlap, "multinode": commands.cmd_multinode,
                 "scaling": scaling.cmd_scaling, "p2p": p2p.cmd_p2p,
-                "split": split.cmd_split, "persistent": persistent.cmd_persistent}[args.command](args)
+                "split": split.cmd_split, "persistent": persistent.cmd_persistent,
+                "torch": torchdist.cmd_torch}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1
