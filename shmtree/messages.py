@@ -210,6 +210,8 @@ _DISCARD = object()
 ANY_TAG = -1                # a receive of any tag (inter='s launcher relaying: remote.Relay;
                             # its tag becomes the message's)
 _CMA = 1                    # envelope flag: the payload is read from the sender's memory
+QUICK_BYTES = _p2p.QUICK_BYTES  # a message of at most this is written whole when the ring has
+                                # room (the quick paths)
 
 
 def _check_out(out, dtype, shape):
@@ -618,7 +620,7 @@ class Transport(_Matching):
         """Send a small message whole when nothing else is being sent to dest and it fits in
         the ring now (_p2p.Quick.send); the arguments are checked already.  False: nothing was
         done, take the general path.  (self.quick.recv is the receiving side.)"""
-        if array.nbytes > _p2p.QUICK_BYTES:
+        if array.nbytes > QUICK_BYTES:
             return False
         _header(array.dtype, array.shape, tag, array.nbytes)     # (known to the native path)
         return self.quick.send(array, dest, tag)

@@ -61,11 +61,11 @@ from torch.futures import Future
 from . import calls
 from .arrays import as_numpy
 from .group import Group
-from .messages import _QUICK_BYTES, _rank_arg
+from .messages import QUICK_BYTES, _rank_arg
 
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
-QUICK_P2P_BYTES = _QUICK_BYTES            # send / recv of at most this: see their docstrings
+QUICK_P2P_BYTES = QUICK_BYTES             # send / recv of at most this: see their docstrings
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
              "reduce_scatter_tensor, gather, scatter, all_to_all, all_to_all_single, send, recv, "
