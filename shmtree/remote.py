@@ -62,8 +62,11 @@ _KEPT = []                  # (communicator, requests, buffers) of transports th
 def message_comm(mpi):
     """(Collective over the mpi4py communicator `mpi`.)  What carries the messages between
     nodes of a communicator whose ranks are mpi's: a Dup of it, and an epoch (the same random
-    bytes on every rank) that its control messages carry."""
-    dup = mpi.Dup()
+    bytes on every rank) that its control messages carry.  (The Dup is made of a plain
+    Intracomm on mpi's handle: mpi4py's Dup makes an object of mpi's own class, which a
+    subclass of the caller's may not allow.)"""
+    from mpi4py import MPI
+    dup = MPI.Intracomm(mpi).Dup()
     try:
         epoch = bytes(dup.bcast(os.urandom(EPOCH_BYTES) if dup.Get_rank() == 0 else None,
                                 root=0))
