@@ -44,6 +44,7 @@ from collections import deque
 import numpy as np
 
 from . import _moving, _p2p, session
+from .calls import deadline_of, movable
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, ST_BUSY, ST_IDLE, ST_LEFT)
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
@@ -1025,23 +1026,6 @@ def _tag_arg(tag, what="tag"):
     return tag
 
 
-def _deadline(timeout):
-    if timeout is None:
-        return None
-    t = float(timeout)
-    if not t >= 0:
-        raise ValueError(f"shmtree: timeout must be None or >= 0, got {timeout!r}")
-    return time.monotonic() + t
-
-
-def _send_array(array):
-    a = np.asarray(array)
-    if a.dtype.hasobject:
-        raise TypeError(f"shmtree: send: dtype {a.dtype} holds Python objects, which cannot be "
-                        "sent between processes")
-    return a
-
-
 def _out_arg(out):
     if out is None:
         return None
@@ -1094,10 +1078,10 @@ class Messages:
         tr, dest, tag = self._p2p_route(dest, "dest", tag)
         if tr.quick.send(array, dest, tag):      # (a message described as one sent before)
             return None
-        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), _send_array(array)
+        dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), movable(array, "send")
         if tr.quick_send(array, dest, tag):
             return None
-        op = _Send(dest, tag, _deadline(timeout), array, tr.cma)
+        op = _Send(dest, tag, deadline_of(timeout), array, tr.cma)
         with tr.lock:
             tr.post_send(op)
         tr.run([op])
@@ -1110,7 +1094,7 @@ class Messages:
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
         tr, source, tag = self._p2p_route(source, "source", tag)
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
         if got is not None:
             return got
@@ -1128,10 +1112,10 @@ class Messages:
         other to finish): the received array (or `out`)."""
         tr, dest, sendtag = self._p2p_route(dest, "dest", sendtag, "sendtag")
         from_tr, source, recvtag = self._p2p_route(source, "source", recvtag, "recvtag")
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
         source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
-        array, out = _send_array(array), _out_arg(out)
+        array, out = movable(array, "send"), _out_arg(out)
         if from_tr is not tr:           # (across nodes: one peer on this node, one elsewhere)
             request = self._p2p_post(from_tr, _Recv(source, recvtag, deadline, out), "irecv")
             op = _Send(dest, sendtag, deadline, array, tr.cma)
@@ -1161,14 +1145,14 @@ class Messages:
     def isend(self, array, dest, *, tag=0, timeout=None):
         """send, nonblocking: a Request (the array must not be modified until it is done)."""
         tr, dest, tag = self._p2p_route(dest, "dest", tag)
-        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), _deadline(timeout),
-                   _send_array(array), tr.cma)
+        op = _Send(_rank_arg(self, dest, "dest"), _tag_arg(tag), deadline_of(timeout),
+                   movable(array, "send"), tr.cma)
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
         """recv, nonblocking: a Request whose result is the received array."""
         tr, source, tag = self._p2p_route(source, "source", tag)
-        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), _deadline(timeout),
+        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), deadline_of(timeout),
                    _out_arg(out))
         return self._p2p_post(tr, op, "irecv")
 
