@@ -316,6 +316,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.long               # (test_torchrun_standalone_two_processes runs torchrun by default)
 def test_torchrun_world_of_four(tmp_path):
     """Unrelated processes (torchrun's, rendezvous through its TCP store) form the group."""
     import socket
