@@ -358,8 +358,9 @@ outs = [torch.empty(2, dtype=torch.int64) for _ in range(w)]
 dist.all_gather(outs, torch.tensor([r, 10 * r]))
 flat = torch.empty(2 * w, dtype=torch.bfloat16)
 dist.all_gather_into_tensor(flat, torch.full((2,), r + 0.5, dtype=torch.bfloat16))
-print(f"rank {r}/{w} local {os.environ['LOCAL_RANK']}: {t.tolist()} {float(b.mean())} "
-      f"{[o.tolist() for o in outs]} {flat.float().tolist()}", flush=True)
+line = (f"rank {r}/{w} local {os.environ['LOCAL_RANK']}: {t.tolist()} {float(b.mean())} "
+        f"{[o.tolist() for o in outs]} {flat.float().tolist()}")
+os.write(1, (line + "\\n").encode())        # (one write of under PIPE_BUF bytes: never interleaved)
 dist.destroy_process_group()
 """
 
