@@ -11,13 +11,18 @@ between nodes, interleaving with collectives, a from_mpi sub-communicator across
 `fail`: a receive between nodes times out (CollectiveTimeoutError) and every other rank,
 blocked in a receive, raises PeerLostError instead of hanging.  Rank 0 prints "OK p2p".
 """
+import os
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
 import shmtree
-from mpi_split_prog import time_out_between_nodes
+
+# its sibling tests/mpi_split_prog.py: CI's PYTHONSAFEPATH (the root conftest) leaves the
+# script's own folder out of sys.path
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+from mpi_split_prog import time_out_between_nodes  # noqa: E402
 
 W = MPI.COMM_WORLD
 NS = int(sys.argv[1])
