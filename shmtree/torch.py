@@ -752,13 +752,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         A call's argument errors raise here; the failure of the collective (a mismatch, a dead
         peer, a timeout) raises from the Work's wait(), fails its future (DDP's reducer raises
         it), and, should nobody wait, is raised by the group's next operation."""
-        failed, self._failure = self._failure, None
-        if failed is not None:
-            raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
-                               f"{type(failed).__name__}: {failed}")
-        if self._group.aborted():
-            raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
-                               f"{self._group.describe_abort()}")
+        self._check_failed()
         if nbytes <= INLINE_BYTES or self._completer is threading.current_thread():
             # (in the completion thread - a then() callback's call - blocking: a posted call's
             # completion would queue behind the callback that waits for it)
@@ -1514,6 +1508,8 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             lazy._post()
 
     def _check_failed(self):
+        """Before an operation: an earlier one's failure that nobody waited for, or the group
+        aborted, raises here (RuntimeError: what torch's C++ takes)."""
         failed, self._failure = self._failure, None
         if failed is not None:
             raise RuntimeError(f"shmtree: an earlier operation of this process group failed: "
