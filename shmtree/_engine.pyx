@@ -432,6 +432,12 @@ cdef class Segment:
         cdef uint32_t reason = <uint32_t>word
         return reason, <int32_t><uint32_t>(word >> 32) if reason else -1
 
+    def abort_address(self):
+        """The address of the abort word (its reason half, 0 while the group is healthy), for a
+        native check that reads it with no call (_p2p.Quick): valid while this Segment lives."""
+        self._live()
+        return <size_t>&self.hdr().abort_reason
+
     def claim_rank(self):
         """Hand out ranks 0, 1, 2... in order of asking (Pool workers); may exceed nranks."""
         self._live()

@@ -25,6 +25,8 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
+import os
+
 import numpy as np
 cimport numpy as cnp
 
@@ -422,18 +424,39 @@ cdef inline uint64_t _up(uint64_t n) noexcept nogil:
     return (n + 63) & ~(<uint64_t>63)
 
 
+# The fork generation, natively (session._fork_gen's twin, bumped by the same kind of hook): a
+# Quick made in one generation declines in a forked child, with no call to find out.
+cdef uint64_t _fork_gen = 0
+
+
+def _after_fork_in_child():
+    global _fork_gen
+    _fork_gen += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 cdef class Quick:
     """A transport's quick paths (messages.Transport.quick): they read the transport's state
     (its lock, its tables of posted operations and channels, whether it is closed) through
-    the references kept here, with no attribute lookups."""
+    the references kept here, with no attribute lookups.
+
+    Each also checks, first, that the communicator is usable (_usable): so a plain
+    communicator's send and recv call them before any check of their own (Messages.send,
+    Messages.recv), and the general path, which raises the proper error, runs only when they
+    decline."""
     cdef object tr
     cdef object acquire
     cdef object release
     cdef dict sends, recvs, incoming, kept, out, inn, headers
     cdef Home home
     cdef int64_t spin_ns, slice_ns
-    cdef public bint closed
+    cdef bint _closed
     cdef object parse, clock
+    cdef object comm, group, seg
+    cdef const volatile uint32_t *abort
+    cdef uint64_t gen
 
     def __init__(self, tr, dict headers, parse, clock, int64_t slice_ns):
         self.tr = tr
@@ -444,7 +467,38 @@ cdef class Quick:
         self.spin_ns = tr.spin_ns
         self.headers, self.parse, self.clock = headers, parse, clock
         self.slice_ns = slice_ns
-        self.closed = False
+        self._closed = False
+        # what _usable reads: the communicator's and the group's closed flags, the group's
+        # abort word (its Segment kept, so that the word stays mapped while it is read), the
+        # generation made in.  No abort word (a group closed already): never usable here.
+        self.comm, self.group, self.gen = tr.comm, tr.group, _fork_gen
+        try:
+            seg = tr.group._seg
+            self.abort = <const volatile uint32_t *><size_t>seg.abort_address()
+            self.seg = seg
+        except Exception:
+            self.abort = NULL
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @closed.setter
+    def closed(self, bint value):
+        """(Transport.close.)  Closed, the abort word is let go (the segment may be unmapped
+        once the communicator and the group are gone)."""
+        self._closed = value
+        if value:
+            self.abort = NULL
+            self.seg = None
+
+    cdef inline bint _usable(self) except -1:
+        """What Messages._p2p checks before the general path (it raises what this declines):
+        the transport and the communicator open, not a forked child's, the group open and not
+        aborted.  The abort word first: no call reads it."""
+        return (not self._closed and self.abort != NULL and self.gen == _fork_gen
+                and shm_load_seqcst32(self.abort) == 0
+                and not self.comm._closed and not self.group._closed)
 
     def send(self, array, dest, tag):
         """The blocking send of a small ndarray to dest: True once its record is in the ring
@@ -457,7 +511,8 @@ cdef class Quick:
         cdef uint64_t nbytes
         cdef bytes header
         cdef bint done
-        if type(array) is not _NDARRAY or type(dest) is not int or type(tag) is not int:
+        if type(array) is not _NDARRAY or type(dest) is not int or type(tag) is not int \
+                or not self._usable():
             return False
         a = <cnp.ndarray>array
         nbytes = <uint64_t>cnp.PyArray_NBYTES(a)
@@ -467,7 +522,7 @@ cdef class Quick:
             a = _COPY(a, order="C", copy=True)
         self.acquire()
         try:
-            if self.closed or dest in self.sends:
+            if self._closed or dest in self.sends:
                 return False
             chan = self.out.get(dest)
             if chan is None:
@@ -507,13 +562,13 @@ cdef class Quick:
         cdef int64_t budget
         cdef int nd, i
         if type(src) is not int or type(tag) is not int or tag < 0 or tag >= 2**63 or (
-                out is not None and type(out) is not _NDARRAY):
+                out is not None and type(out) is not _NDARRAY) or not self._usable():
             return None
         want = tag
         while True:
             self.acquire()
             try:
-                if self.closed or src in self.recvs or src in self.incoming or \
+                if self._closed or src in self.recvs or src in self.incoming or \
                         self.kept.get(src):
                     return None
                 chan = self.inn.get(src)

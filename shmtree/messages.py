@@ -1026,6 +1026,9 @@ def _tag_arg(tag, what="tag"):
     return tag
 
 
+_REAL = (int, float)     # (Messages.recv: a timeout of these types, >= 0, is one deadline_of takes)
+
+
 def _out_arg(out):
     if out is None:
         return None
@@ -1040,6 +1043,8 @@ class Messages:
     """Point-to-point messages of a communicator (docs/design.md, "How messages travel")."""
 
     _p2p_transport = None
+    _p2p_quick = None           # the transport's Quick, once made, when _p2p_route is this
+                                # class's (send and recv call it first: see send)
 
     def _p2p_nonce(self):
         """What names this communicator's channels: its group's nonce (a sub-communicator
@@ -1069,14 +1074,23 @@ class Messages:
             self._check_usable()      # (raises: closed, a forked child's, aborted)
         if tr is None:
             tr = self._p2p_transport = Transport(self)
+            if type(self)._p2p_route is Messages._p2p_route:
+                self._p2p_quick = tr.quick    # (routed across nodes: never, each call routes)
         return tr
 
     def send(self, array, dest, *, tag=0, timeout=None):
         """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
         Returns when the message is in the channel (a large one: once the receiver has taken
         all but a ring's worth); may wait until the matching recv is posted."""
+        # The hot path of a plain communicator (one transport, no routing): the native quick
+        # path first, with no Python-level check, as it checks what _p2p does (Quick._usable)
+        # and declines, nothing done, whatever it does not take.  Then the general path,
+        # which raises what is wrong.
+        quick = self._p2p_quick
+        if quick is not None and quick.send(array, dest, tag):
+            return None
         tr, dest, tag = self._p2p_route(dest, "dest", tag)
-        if tr.quick.send(array, dest, tag):      # (a message described as one sent before)
+        if quick is None and tr.quick.send(array, dest, tag):   # (described as one sent before)
             return None
         dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), movable(array, "send")
         if tr.quick_send(array, dest, tag):
@@ -1093,11 +1107,23 @@ class Messages:
         """Receive the next message from rank `source` with tag `tag`: a new array of the
         sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
         message is consumed)."""
-        tr, source, tag = self._p2p_route(source, "source", tag)
-        deadline = deadline_of(timeout)
-        got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
-        if got is not None:
-            return got
+        quick = self._p2p_quick
+        if quick is not None and (timeout is None or (
+                type(timeout) in _REAL and timeout >= 0)):
+            # as send: the quick path first (it waits up to a slice), the general path when it
+            # declines, its checks first (a timeout that deadline_of would refuse comes here
+            # never: its error would precede theirs)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            got = quick.recv(source, tag, out, deadline)
+            if got is not None:
+                return got
+            tr, source, tag = self._p2p_route(source, "source", tag)
+        else:
+            tr, source, tag = self._p2p_route(source, "source", tag)
+            deadline = deadline_of(timeout)
+            got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
+            if got is not None:
+                return got
         source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
         op = _Recv(source, tag, deadline, out)
         with tr.lock:
@@ -1175,5 +1201,5 @@ class Messages:
     def _messages_close(self):
         tr = self._p2p_transport
         if tr is not None and tr.pid == os.getpid():
-            self._p2p_transport = None
+            self._p2p_transport = self._p2p_quick = None
             tr.close()
