@@ -595,6 +595,77 @@ def test_pool_stall_detector():
             assert "idle" in str(e) and "recv from rank 1" in str(e), str(e)
 
 
+def _warm(comm):
+    """Send to itself until the quick paths take the call (the channel made, the memo warm):
+    the native send then succeeds with no Python-level check before it."""
+    x = np.arange(4.0)
+    for _ in range(3):
+        comm.send(x, 0, tag=3)
+        assert comm.recv(0, tag=3).tolist() == x.tolist()
+    assert comm._p2p_quick is not None and comm._p2p_quick.send(x, 0, 3)
+    assert comm.recv(0, tag=3).tolist() == x.tolist()
+    return x
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as e:
+        return error_name(e), str(e)
+    return "returned", ""
+
+
+def _fork_child(comm, x, queue):
+    queue.put([_error_of(lambda: comm.send(x, 0, tag=3)),
+               _error_of(lambda: comm.recv(0, tag=3, out=np.empty(4)))])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["abort", "group closed", "closed", "fork"])
+def test_the_quick_paths_decline_an_unusable_communicator(how):
+    """send and recv call the native quick path first, with no Python-level check
+    (Messages._p2p_quick): with the memo warm, a communicator whose group is aborted or closed,
+    that is closed, or used in a forked child must still raise what the general path raises,
+    never send nor receive.  (A message is waiting in the channel for the recv to take.)"""
+    with shmtree.Group(1) as group:
+        comm = group.join(0)
+        try:
+            x = _warm(comm)
+            comm.send(x, 0, tag=3)                  # (waiting for the recv)
+            if how == "fork":
+                ctx = mp.get_context("fork")
+                queue = ctx.Queue()
+                child = ctx.Process(target=_fork_child, args=(comm, x, queue))
+                try:
+                    child.start()
+                    got = queue.get(timeout=30)
+                finally:
+                    stop_processes([child])
+                    queue.close()
+                assert all(name == "ShmtreeError" and "a forked child cannot use it" in text
+                           for name, text in got), got
+                assert comm.recv(0, tag=3).tolist() == x.tolist()    # (still there: untaken)
+                return
+            if how == "abort":
+                group.abort()
+                want = ("PeerLostError", "the group is aborted")
+            elif how == "group closed":
+                group._closed = True        # (a group closed under an open communicator, as
+                want = ("ShmtreeError", "the group is closed")     # a SubGroup's can be)
+            else:
+                comm.close()
+                want = ("ShmtreeError", "this communicator is closed")
+            try:
+                for got in [_error_of(lambda: comm.send(x, 0, tag=3)),
+                            _error_of(lambda: comm.recv(0, tag=3)),
+                            _error_of(lambda: comm.recv(0, tag=3, out=np.empty(4), timeout=5))]:
+                    assert got[0] == want[0] and want[1] in got[1], got
+            finally:
+                group._closed = False if how == "group closed" else group._closed
+        finally:
+            comm.close()
+
+
 def test_in_the_test_process_nothing_leaks():
     """Join a group of one here, send to itself, close: no descriptor, mapping or thread left
     (the autouse fixture checks the descriptors and mappings)."""
