@@ -20,6 +20,10 @@ up; a waiter raises its count, fences, reads the bell, looks again and only then
 bell value it read.  No wake-up is lost.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.pythread cimport (NOWAIT_LOCK, PY_LOCK_ACQUIRED, PyLockStatus, PyThread_acquire_lock,
+                               PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_release_lock, PyThread_type_lock)
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
@@ -35,6 +39,10 @@ cnp.import_array()
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.PyArray_Descr *descr, int fortran)  # steals descr
 
+
+cdef extern from "pythread.h":
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
+                                             int intr_flag) nogil
 
 cdef extern from "sched.h" nogil:
     int sched_yield()
@@ -437,6 +445,70 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+DEF LOCK_WAIT_US = 20000      # a blocked Lock.take looks at signals this often
+
+
+cdef class Lock:
+    """A lock as threading.Lock (acquire, release, locked, a context manager), that the quick
+    paths take and give natively, with no call (Quick: the two Python-level calls of a
+    threading.Lock's were a good part of a small message's cost): messages.Transport.lock.
+    A thread blocked on it releases the GIL and runs signal handlers (KeyboardInterrupt) every
+    20 ms, as it waits."""
+    cdef PyThread_type_lock lk
+    cdef bint held
+
+    def __cinit__(self):
+        self.lk = PyThread_allocate_lock()
+        if self.lk == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.lk != NULL:
+            if self.held:           # (freed held: as CPython's own lock, released first)
+                PyThread_release_lock(self.lk)
+            PyThread_free_lock(self.lk)
+
+    cdef int take(self) except -1:
+        cdef PyLockStatus got
+        if not PyThread_acquire_lock(self.lk, NOWAIT_LOCK):
+            while True:
+                with nogil:
+                    got = PyThread_acquire_lock_timed(self.lk, LOCK_WAIT_US, 0)
+                if got == PY_LOCK_ACQUIRED:
+                    break
+                PyErr_CheckSignals()
+        self.held = True
+        return 0
+
+    cdef inline void give(self) noexcept:
+        self.held = False
+        PyThread_release_lock(self.lk)
+
+    def acquire(self, bint blocking=True):
+        if not blocking:
+            if not PyThread_acquire_lock(self.lk, NOWAIT_LOCK):
+                return False
+            self.held = True
+            return True
+        self.take()
+        return True
+
+    def release(self):
+        if not self.held:
+            raise RuntimeError("release unlocked lock")
+        self.give()
+
+    def locked(self):
+        return self.held
+
+    def __enter__(self):
+        self.take()
+        return True
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 cdef class Quick:
     """A transport's quick paths (messages.Transport.quick): they read the transport's state
     (its lock, its tables of posted operations and channels, whether it is closed) through
@@ -447,8 +519,7 @@ cdef class Quick:
     Messages.recv), and the general path, which raises the proper error, runs only when they
     decline."""
     cdef object tr
-    cdef object acquire
-    cdef object release
+    cdef Lock lock
     cdef dict sends, recvs, incoming, kept, out, inn, headers
     cdef Home home
     cdef int64_t spin_ns, slice_ns
@@ -460,7 +531,7 @@ cdef class Quick:
 
     def __init__(self, tr, dict headers, parse, clock, int64_t slice_ns):
         self.tr = tr
-        self.acquire, self.release = tr.lock.acquire, tr.lock.release
+        self.lock = <Lock?>tr.lock
         self.sends, self.recvs, self.incoming = tr.sends, tr.recvs, tr.incoming
         self.kept, self.out, self.inn = tr.kept, tr.out, tr.inn
         self.home = <Home?>tr.home
@@ -520,7 +591,7 @@ cdef class Quick:
             return False
         if nbytes and not cnp.PyArray_IS_C_CONTIGUOUS(a):
             a = _COPY(a, order="C", copy=True)
-        self.acquire()
+        self.lock.take()
         try:
             if self._closed or dest in self.sends:
                 return False
@@ -545,7 +616,7 @@ cdef class Quick:
                 self.tr._link_receiver(ring, dest)
             return done
         finally:
-            self.release()
+            self.lock.give()
 
     def recv(self, src, tag, out, deadline):
         """The blocking recv from src: the next record from src when nothing else is received
@@ -566,7 +637,7 @@ cdef class Quick:
             return None
         want = tag
         while True:
-            self.acquire()
+            self.lock.take()
             try:
                 if self._closed or src in self.recvs or src in self.incoming or \
                         self.kept.get(src):
@@ -620,7 +691,7 @@ cdef class Quick:
                                    _up(nbytes) - nbytes)
                     return dst
             finally:
-                self.release()
+                self.lock.give()
             if waited:
                 return None
             budget = self.slice_ns

@@ -470,7 +470,7 @@ class Transport(_Matching):
         plan = self.group.plan
         self.spin_ns = int(plan.spin_ns)
         self.stall_timeout = plan.stall_timeout
-        self.lock = threading.Lock()
+        self.lock = _p2p.Lock()           # (a threading.Lock that Quick takes with no call)
         self.home_fd, self.home_map = self._memfd(f"h{self.rank}", _p2p.PAGE_BYTES)
         _p2p.init_home(self.home_map, self.nonce, self.rank)
         self.home = _p2p.Home(self.home_map)
