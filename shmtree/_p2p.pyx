@@ -578,6 +578,14 @@ cdef class Quick:
                 and not self.comm._closed and not self.group._closed)
 
     def send(self, array, dest, tag):
+        """_send, from Python."""
+        return self._send(array, dest, tag)
+
+    def recv(self, src, tag, out, deadline):
+        """_recv, from Python."""
+        return self._recv(src, tag, out, deadline)
+
+    cdef bint _send(self, array, dest, tag) except -1:
         """The blocking send of a small ndarray to dest: True once its record is in the ring
         (one copy, one publication); False, nothing done, when anything else is sent to dest,
         the channel is not made yet, the record does not fit now, or its header is not known
@@ -624,7 +632,7 @@ cdef class Quick:
         finally:
             self.lock.give()
 
-    def recv(self, src, tag, out, deadline):
+    cdef object _recv(self, src, tag, out, deadline):
         """The blocking recv from src: the next record from src when nothing else is received
         from it and the record, all there, has the tag wanted (and fits `out`, when given),
         waiting for it up to one slice (natively); None: nothing done, take the general path.
@@ -708,6 +716,51 @@ cdef class Quick:
             _cond(&cond, ring, GRANULE)
             with nogil:
                 waited = not self.home._wait(&cond, 1, budget, self.spin_ns)
+
+
+# ---- Messages.send and Messages.recv (bound as methods: cyfunctions) ----
+#
+# A plain communicator's blocking send and recv begin here, natively, with the quick path
+# (Quick._send, Quick._recv: they check that the communicator is usable first), and call the
+# general path, in Python, only when it declines: messages.Messages._send_general and
+# _recv_general (set_general), which check every argument and raise what is wrong.
+
+cdef object _send_general = None, _recv_general = None, _monotonic = None
+
+
+def set_general(send_general, recv_general, monotonic):
+    """(messages.py, once.)  The general paths of send and recv, and time.monotonic."""
+    global _send_general, _recv_general, _monotonic
+    _send_general, _recv_general, _monotonic = send_general, recv_general, monotonic
+
+
+def messages_send(self, array, dest, *, tag=0, timeout=None):
+    """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
+    Returns when the message is in the channel (a large one: once the receiver has taken
+    all but a ring's worth); may wait until the matching recv is posted."""
+    quick = self._p2p_quick
+    if type(quick) is Quick:
+        if (<Quick>quick)._send(array, dest, tag):
+            return None
+        return _send_general(self, array, dest, tag, timeout, True)
+    return _send_general(self, array, dest, tag, timeout, False)
+
+
+def messages_recv(self, source, *, tag=0, out=None, timeout=None):
+    """Receive the next message from rank `source` with tag `tag`: a new array of the
+    sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
+    message is consumed)."""
+    quick = self._p2p_quick
+    if type(quick) is Quick and (timeout is None or (
+            (type(timeout) is int or type(timeout) is float) and timeout >= 0)):
+        # (a timeout that deadline_of would refuse never comes here: its error comes after
+        # the general path's checks)
+        deadline = None if timeout is None else _monotonic() + timeout
+        got = (<Quick>quick)._recv(source, tag, out, deadline)
+        if got is not None:
+            return got
+        return _recv_general(self, source, tag, out, timeout, deadline, True)
+    return _recv_general(self, source, tag, out, timeout, None, False)
 
 
 cdef inline char *_b(m) except NULL:

@@ -1026,9 +1026,6 @@ def _tag_arg(tag, what="tag"):
     return tag
 
 
-_REAL = (int, float)     # (Messages.recv: a timeout of these types, >= 0, is one deadline_of takes)
-
-
 def _out_arg(out):
     if out is None:
         return None
@@ -1037,6 +1034,11 @@ def _out_arg(out):
     if not out.flags.writeable:
         raise ValueError("shmtree: recv: out is read-only")
     return out
+
+
+_native_send, _native_recv = _p2p.messages_send, _p2p.messages_recv    # (Messages.send, recv)
+for _f, _name in ((_native_send, "send"), (_native_recv, "recv")):
+    _f.__name__, _f.__qualname__, _f.__module__ = _name, f"Messages.{_name}", __name__
 
 
 class Messages:
@@ -1078,19 +1080,17 @@ class Messages:
                 self._p2p_quick = tr.quick    # (routed across nodes: never, each call routes)
         return tr
 
-    def send(self, array, dest, *, tag=0, timeout=None):
-        """Send `array` to rank `dest` (a copy: the array may be modified once send returns).
-        Returns when the message is in the channel (a large one: once the receiver has taken
-        all but a ring's worth); may wait until the matching recv is posted."""
-        # The hot path of a plain communicator (one transport, no routing): the native quick
-        # path first, with no Python-level check, as it checks what _p2p does (Quick._usable)
-        # and declines, nothing done, whatever it does not take.  Then the general path,
-        # which raises what is wrong.
-        quick = self._p2p_quick
-        if quick is not None and quick.send(array, dest, tag):
-            return None
+    # A plain communicator's send and recv begin natively (_p2p.messages_send and
+    # messages_recv: the quick path first, with no Python-level check, as it checks what _p2p
+    # does, Quick._usable, and declines, nothing done, whatever it does not take), and come
+    # to these general paths, which raise what is wrong, when it declines.
+    send = _native_send
+    recv = _native_recv
+
+    def _send_general(self, array, dest, tag, timeout, tried):
+        """send, past the quick path (tried: already, by _p2p.messages_send)."""
         tr, dest, tag = self._p2p_route(dest, "dest", tag)
-        if quick is None and tr.quick.send(array, dest, tag):   # (described as one sent before)
+        if not tried and tr.quick.send(array, dest, tag):   # (described as one sent before)
             return None
         dest, tag, array = _rank_arg(self, dest, "dest"), _tag_arg(tag), movable(array, "send")
         if tr.quick_send(array, dest, tag):
@@ -1103,23 +1103,11 @@ class Messages:
             raise op.error
         return None
 
-    def recv(self, source, *, tag=0, out=None, timeout=None):
-        """Receive the next message from rank `source` with tag `tag`: a new array of the
-        sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
-        message is consumed)."""
-        quick = self._p2p_quick
-        if quick is not None and (timeout is None or (
-                type(timeout) in _REAL and timeout >= 0)):
-            # as send: the quick path first (it waits up to a slice), the general path when it
-            # declines, its checks first (a timeout that deadline_of would refuse comes here
-            # never: its error would precede theirs)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            got = quick.recv(source, tag, out, deadline)
-            if got is not None:
-                return got
-            tr, source, tag = self._p2p_route(source, "source", tag)
-        else:
-            tr, source, tag = self._p2p_route(source, "source", tag)
+    def _recv_general(self, source, tag, out, timeout, deadline, tried):
+        """recv, past the quick path (tried: already, by _p2p.messages_recv, with the deadline
+        given; else the deadline is timeout's, found here)."""
+        tr, source, tag = self._p2p_route(source, "source", tag)
+        if not tried:
             deadline = deadline_of(timeout)
             got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
             if got is not None:
@@ -1203,3 +1191,6 @@ class Messages:
         if tr is not None and tr.pid == os.getpid():
             self._p2p_transport = self._p2p_quick = None
             tr.close()
+
+
+_p2p.set_general(Messages._send_general, Messages._recv_general, time.monotonic)
