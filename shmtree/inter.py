@@ -49,6 +49,9 @@ WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, ab
 TIMED_OUT = ("shmtree: timed out waiting for the other nodes (the inter-node step of node {} "
              "did not complete)")
 CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
+NAP_AFTER_S = 0.002         # a step that has waited this long for MPI sleeps between polls,
+NAP_SHARE = 0.05            # each nap this share of the time waited so far (the answer comes
+NAP_MAX_S = 0.001           # at most 5% later) and at most NAP_MAX_S
 
 
 _KEPT = []      # (communicator, requests, ...) of links closed after a failure: never freed
@@ -92,8 +95,10 @@ class Link:
         # control messages carry this link's epoch (one value on every leader, fresh per link):
         # a message sent on a communicator freed since, whose context MPI gives to a later
         # one, is not taken for a failure of the later link
-        self._epoch = bytes(comm.bcast(os.urandom(EPOCH_BYTES) if self.me == 0 else None,
-                                       root=0))
+        epoch = bytearray(os.urandom(EPOCH_BYTES) if self.me == 0 else EPOCH_BYTES)
+        if self.n > 1:
+            wait_napping(MPI, [comm.Ibcast([epoch, MPI.BYTE], root=0)])
+        self._epoch = bytes(epoch)
         self._ctrl_lock = threading.Lock()  # the control receive is one MPI request: one
         self._ctrl_got = False              # thread at a time acts on it (link thread, inline
                                             # run, close)
@@ -323,18 +328,23 @@ class Link:
             if self._ctrl_arrived():      # (before a step whose requests could complete at
                 self._on_ctrl()           # once, matched with those a failed peer left)
                 raise _Aborted()
-            polls = 0
+            polls, start = 0, time.monotonic()
             testall, pause = MPI.Request.Testall, os.sched_yield
             while not testall(reqs):
                 # the CPU goes to whoever else can run at every poll: on a machine with more
                 # processes (and link threads) than cores, the peer this step waits for is
                 # often one of them (spinning first cost ten times the step's time there);
                 # the rest of the loop is kept to the bare calls (a poll costs CPU that the
-                # node's members doing the in-node steps need)
+                # node's members doing the in-node steps need).  A step that waits long sleeps
+                # between polls: a yield alone leaves the thread runnable, and a launcher's
+                # links (one per communicator across nodes) waiting at once took most of the
+                # CPU its node's workers needed to reach the step (three launchers of two
+                # workers on two cores: 59 s for what takes 6 s with naps)
                 pause()
                 polls += 1
                 if polls % CHECK_EVERY:
                     continue
+                _nap(start)
                 if self.failure is not None:       # (aborted by another thread)
                     raise _Aborted()
                 if self._ctrl_arrived():
@@ -404,6 +414,14 @@ class Link:
         self.complete(reqs)
         return buf
 
+    def barrier(self):
+        """Every leader has reached this step.  (Before a blocking MPI call that every leader
+        makes next, a split: MPI's blocking calls spin while they wait, and the leaders that
+        arrived first would take the CPU the others' nodes need to get there.  This step
+        waits as every step does, napping.)"""
+        if self.n > 1:
+            self.complete([self.comm.Ibarrier()])
+
     def bcast(self, buf, root):
         """buf (bytes) from node `root`'s leader to every leader."""
         if self.n > 1 and buf.size:
@@ -445,6 +463,27 @@ class Link:
 
 
 _RANKS = re.compile(r"\b(ranks?) (\d+(?:,\d+)*)\b")
+
+
+def wait_napping(MPI, reqs):
+    """Wait for MPI requests as a step does (yielding, then napping), never inside a blocking
+    MPI call: a launcher has threads for each communicator across nodes (links, relays), and
+    one thread waiting in a blocking call (which spins in MPI, holding MPI's lock most of the
+    time) kept the others out of MPI for seconds, and the nodes that waited for them too."""
+    testall, polls, start = MPI.Request.Testall, 0, time.monotonic()
+    while not testall(reqs):
+        os.sched_yield()
+        polls += 1
+        if polls % CHECK_EVERY == 0:
+            _nap(start)
+
+
+def _nap(start):
+    """A wait that began at `start` (monotonic) and has gone on for NAP_AFTER_S sleeps a
+    while: NAP_SHARE of the time waited so far, at most NAP_MAX_S."""
+    waited = time.monotonic() - start
+    if waited >= NAP_AFTER_S:
+        time.sleep(min(NAP_MAX_S, waited * NAP_SHARE))
 
 
 def global_ranks(text, ranks, also=None):

@@ -15,7 +15,7 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
             +4  u32 failed (the proxy's link failed: text at +1024)
             +8  u32 closed (a sub-communicator's leader closed it: its proxy stops)
             +16 u64 the launcher's pid (its workers reach its relay of messages between
-                nodes: remote.Relay)
+                nodes: remote.Relay; a child's is said in the SPLIT step's answer too)
     slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
             +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE   +12 i32 root
             +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)
@@ -23,7 +23,8 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
             +1024 the failure text
     data    allreduce/bcast: the buffer, in place; allgatherv: N u64 counts, send, receive;
             exchange: N u64 send sizes, N u64 receive sizes, the sends back to back (node
-            order), the receives back to back; split: K i64 keys, then K (pid, fd) i64 pairs
+            order), the receives back to back; split: K i64 keys, then K (pid, fd) i64 pairs,
+            then a record per key (split_record; +24 u64: its words)
 
 Sub-communicators across nodes (subcomm.py): a split of the communicator is one more step,
 SPLIT, with a key per new communicator that spans nodes (this node's index in it, -1 where it
@@ -32,9 +33,10 @@ communicator (every launcher does, in the same order: the steps are in the same 
 node), and starts a proxy of its own (a child: a mailbox and a Link on that split) for each
 one with members here; the step's answer is the child's (launcher pid, mailbox descriptor),
 through which the new communicator's leader on this node maps the mailbox (/proc/<pid>/fd,
-same user).  A child watches no group (it did not make one: the leader's abort request and its
-link carry failures), stops when its leader closes the communicator (`closed`), and with its
-parent at the latest.
+same user).  A child relays the new communicator's messages between nodes (start_relay: it
+maps the node's part of the communicator, and watches it), stops when its leader closes the
+communicator (`closed`) and the node's other members have too, and with its parent at the
+latest.
 
 The leader submits to slots in turn (0, 1, 0, ...) and waits for each in order; the proxy serves
 them in the same order.  Words are stored sequentially consistent and waited on with futexes
@@ -49,8 +51,9 @@ import time
 import numpy as np
 
 from . import _moving
+from .codes import ST_LEFT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .inter import Link, global_ranks
+from .inter import Link, global_ranks, wait_napping
 from .transport import create_memfd
 
 __all__ = ["Proxy", "ProxyLink", "Mailbox"]
@@ -201,12 +204,18 @@ class ProxyLink:
             box.put_u64(ctl + 24, recv.size)
             box.put_u64(ctl + 16, send.size)
         elif fn is Proxy.split:
-            keys, = args
+            keys, extra = args
             step, n = SPLIT, len(keys)
+            extra = np.asarray(extra, np.int64)
+            if 8 * (3 * n + extra.size) > box.segment:
+                raise ShmtreeError(f"shmtree: a split of {n} communicators across nodes does "
+                                   f"not fit the mailbox's {box.segment} bytes")
             out = np.zeros((n, 2), np.int64)
             data[:8 * n].view(np.int64)[:] = keys
+            data[24 * n:24 * n + 8 * extra.size].view(np.int64)[:] = extra
             raw, at = None, 8 * n
             box.put_u64(ctl + 16, n)
+            box.put_u64(ctl + 24, extra.size)
         elif fn is Link.exchange:
             send, recv = args
             step, out = EXCHANGE, recv
@@ -284,6 +293,31 @@ class ProxyLink:
             self.box.set_word(8, 1)
 
 
+def split_record(pid, fd, nonce, node_of, local_ranks):
+    """What the launcher needs, in a SPLIT step, to relay the messages of a new communicator
+    across nodes (Proxy.start_relay): the leader of its node's part (pid, descriptor of its
+    segment, its nonce), the node of each of its ranks, and its members' ranks in the parent's
+    part of this node; int64 words (where the key is -1: split_record(0, -1, bytes(16), [],
+    []))."""
+    return [pid, fd] + np.frombuffer(bytes(nonce), np.int64).tolist() + \
+        [len(node_of)] + list(node_of) + [len(local_ranks)] + list(local_ranks)
+
+
+def _split_record(extra, at):
+    """(pid, fd, nonce, node_of, local_ranks) of split_record's words from `at`, and where the
+    next begins."""
+    if at >= len(extra):
+        return (0, -1, bytes(16), [], []), at
+    pid, fd, n0, n1, size = extra[at:at + 5]
+    at += 5
+    node_of = extra[at:at + size]
+    at += size
+    nlocal = extra[at]
+    local_ranks = extra[at + 1:at + 1 + nlocal]
+    return (pid, fd, np.array([n0, n1], np.int64).tobytes(), node_of, local_ranks), \
+        at + 1 + nlocal
+
+
 # ---------------------------------------------------------------------------------------------
 # the launcher side
 
@@ -304,7 +338,10 @@ class Proxy:
         self._close_lock = threading.Lock()
         self._busy = False                       # a step is being served
         self.children = []                       # proxies of sub-communicators (split)
-        self.relay = None                        # remote.Relay (the top proxy's)
+        self.relay = None                        # remote.Relay: messages between nodes
+        self.plan = group.plan if group is not None else None   # (of the node's part)
+        self.watched = None          # a child's: the node's part of its communicator (the
+        self.ranks = None            # launcher's own mapping) and that part's ranks in it
         self._thread = threading.Thread(target=self._serve, name="shmtree-proxy", daemon=True)
         self._thread.start()
 
@@ -326,9 +363,17 @@ class Proxy:
                     continue
             if not told:
                 told = self._watch()
-            if box.word(8):                   # (a child: its sub-communicator was closed)
-                self.close()
+            if box.word(8) and self._members_gone():    # (a child: its sub-communicator was
+                self.close()                              # closed, and its relay is idle)
                 return
+
+    def _members_gone(self):
+        """A child whose leader closed its communicator: have this node's other members closed
+        it too (or died)?  Their messages between nodes go through its relay until then."""
+        part = self.watched
+        if part is None or part.closed or part.aborted():
+            return True
+        return all(part._seg.state(r) == ST_LEFT or part.death_of(r) for r in range(part.size))
 
     def _interrupt(self):
         """Checked by the link while a step waits on MPI: this node failed (the leader asked
@@ -338,6 +383,9 @@ class Proxy:
             return box.get_text(64)
         if self.group is not None and not self.group.closed and self.group.aborted():
             return self._node_text()
+        part = self.watched
+        if part is not None and not part.closed and part.aborted():
+            return f"node {self.link.me}: " + global_ranks(part.describe_abort(), self.ranks)
         return None
 
     def _node_text(self):
@@ -383,8 +431,10 @@ class Proxy:
                 link.run(Link.allgatherv, send, recv, counts)
             elif step == SPLIT:
                 keys = data[:8 * nbytes].view(np.int64).tolist()
+                extra = data[24 * nbytes:24 * nbytes + 8 * box.get_u64(ctl + 24)] \
+                    .view(np.int64).tolist()
                 data[8 * nbytes:8 * nbytes * 3].view(np.int64)[:] = \
-                    np.array(self.split(keys), np.int64).reshape(-1)
+                    np.array(self.split(keys, extra), np.int64).reshape(-1)
             elif step == EXCHANGE:
                 n = link.n
                 sizes = data[:16 * n].view(np.uint64).astype(np.int64).tolist()
@@ -408,23 +458,60 @@ class Proxy:
             self._busy = False
             box.set_word(ctl, FAILED)
 
-    def split(self, keys):
+    def split(self, keys, extra=()):
         """The SPLIT step: for each key (this node's index in a new communicator that spans
         nodes, -1: no member here), MPI's Split of the link's communicator (collective over
-        it, in the same order on every launcher) and a child proxy where the key is >= 0.  Its
+        it, in the same order on every launcher) and a child proxy where the key is >= 0, with
+        a relay of its own (start_relay).  `extra`: a record per key (_split_record).  Its
         (pid, mailbox descriptor) per key, (0, -1) where none."""
         MPI = self.link.MPI
-        out = []
+        out, at = [], 0
+        self.link.run(Link.barrier)    # (then no launcher waits long inside the splits below)
         for key in keys:
+            record, at = _split_record(extra, at)
             comm = self.link.comm.Split(0 if key >= 0 else MPI.UNDEFINED, key=max(key, 0))
             if key < 0:
                 out.append((0, -1))
                 continue
+            try:                      # (the relay's, before the link's thread uses comm)
+                dup, req = comm.Idup()
+                wait_napping(MPI, [req])
+            except BaseException:
+                comm.Free()
+                raise
             child = Proxy(None, None, self.box.segment, own=comm)
             self.children.append(child)
+            child.start_relay(self.plan, dup, key, *record)
             out.append((os.getpid(), child.fd))
         self.children = [c for c in self.children if not c._closed]
         return out
+
+    def start_relay(self, parent_plan, dup, node, pid, fd, nonce, node_of, local_ranks):
+        """A child's relay of its communicator's messages between nodes (remote.Relay, on
+        `dup`): this launcher maps the node's part of the communicator (the segment its
+        leader made, process `pid`'s descriptor `fd`; its plan is the parent part's,
+        subcomm.sub_plan, on its members' ranks in the parent part, `local_ranks`) to reach
+        its members' channels and see their failures; `node_of`: the node of each rank of the
+        new communicator.  Another node's failure aborts this node's part (the link's), and
+        this part's failure reaches the other nodes (_interrupt)."""
+        from .remote import Relay, free_comm
+        from .subcomm import SubGroup, sub_plan
+        members = [[g for g, n in enumerate(node_of) if n == k]
+                   for k in range(max(node_of) + 1)]
+        try:
+            self.plan = sub_plan(parent_plan, local_ranks)
+            part = SubGroup.attach(self.plan, pid, fd, nonce)
+            part._creator = None
+            self.ranks = members[node]
+            self.watched = self.link.group = part
+            self.relay = Relay(part, dup, members)
+        except BaseException as exc:
+            free_comm(dup)
+            self.link.abort(f"node {node}: the launcher could not start the relay of a "
+                            f"communicator across nodes: {type(exc).__name__}: {exc}")
+            self.close()
+            raise
+        self.box.put_u64(16, os.getpid())
 
     def close(self):
         """Stop serving (Group.close in the launcher, before the group is marked closed).  A
@@ -453,6 +540,8 @@ class Proxy:
         if self._thread.is_alive() and not mine:
             self._thread.join(5)
         self.link.close()
+        if self.watched is not None:
+            self.watched.close()
         try:
             os.close(self.fd)
         except OSError:

@@ -229,7 +229,11 @@ def _check_out(out, dtype, shape):
 
 def _launcher_pid(group):
     """The pid of the launcher of a node's group (inter=): in its mailbox's header (+16, u64:
-    mailbox.py), which every worker of the node holds a descriptor of; 0 when unknown."""
+    mailbox.py), which every worker of the node holds a descriptor of; 0 when unknown.  (The
+    node's part of a sub-communicator across nodes: the launcher pid its split said, subcomm.)"""
+    pid = getattr(group, "_relay_pid", 0)
+    if pid:
+        return pid
     span = getattr(group, "_span", None)
     if span is None or span[3] is None:
         return 0

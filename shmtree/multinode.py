@@ -85,7 +85,9 @@ def start_proxy(group, inter, segment_bytes):
         return None, None
     proxy = Proxy(group, inter, segment, box)
     from .remote import Relay              # (messages between nodes: the launcher relays them)
-    proxy.relay = Relay(group, inter.Dup(), [s for s, _, _ in info])
+    starts = np.concatenate([[0], np.cumsum([s for s, _, _ in info])]).tolist()
+    proxy.relay = Relay(group, inter.Dup(), [range(starts[n], starts[n + 1])
+                                             for n in range(len(info))])
     proxy.box.put_u64(16, os.getpid())     # (where the workers find the relay)
     return (inter.Get_rank(), [s for s, _, _ in info], segment, proxy.fd), proxy
 

@@ -32,6 +32,7 @@ are kept, with their buffers, for the life of the process (as inter.Link does).
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -79,9 +80,9 @@ def message_comm(mpi):
 class SpanningMessages(Messages):
     """Messages on a communicator across nodes (nodes.Spanning): Messages' calls, each peer
     reached through the node's communicator (same node) or, on another node, Remote (from_mpi's
-    communicators and their sub-communicators) or the launcher's Relay (inter='s communicator;
-    its sub-communicators across nodes have none: ShmtreeError, said before anything is
-    sent)."""
+    communicators and their sub-communicators) or the launcher's Relay (inter='s communicator,
+    and each of its sub-communicators across nodes: a Relay of its own, mailbox.Proxy.
+    start_relay)."""
 
     _p2p_mpi = None              # (mpi4py communicator, epoch): message_comm's
     _p2p_remote = None
@@ -110,8 +111,8 @@ class SpanningMessages(Messages):
                 raise ShmtreeError(
                     f"shmtree: point-to-point messages between nodes of this communicator are "
                     f"not supported: rank {self.rank} (node {self.node}) and rank {r} (node "
-                    f"{node}); with a launcher per node (inter=) only the communicator that "
-                    "the launchers made carries them (not a sub-communicator across nodes)")
+                    f"{node}): it has neither a message communicator (from_mpi) nor a "
+                    "launcher's relay (inter=)")
             tr = self._p2p_remote = Remote(self)
         return tr, r, tag
 
@@ -452,7 +453,9 @@ class _Ranks:
 
 class Relay:
     """A launcher's relay of its workers' messages to ranks of other nodes (inter=; started by
-    multinode.start_proxy).  A worker sends such a message to the launcher (the rank after its
+    multinode.start_proxy, and for a sub-communicator across nodes by its child proxy,
+    mailbox.Proxy.start_relay: `group` is then this node's part of it, mapped by the launcher,
+    and `members` its ranks on each node).  A worker sends such a message to the launcher (the rank after its
     node's members) through the node's transport, the destination folded into the tag
     (tag * size + destination: SpanningMessages._p2p_route); the launcher receives any tag
     from every worker, in order, and sends it over MPI (`comm`, a Dup of the launchers'
@@ -463,30 +466,28 @@ class Relay:
     the local ones.  Failures travel as for collectives: a worker that fails aborts its node's
     group, which the launcher's proxy carries to every node."""
 
-    def __init__(self, group, comm, sizes):
+    def __init__(self, group, comm, members):
+        """members: the ranks of the communicator on each node (node = rank in `comm`)."""
         from mpi4py import MPI
         self.MPI = MPI
         self.group = group
         self.comm = comm
         self.node = comm.Get_rank()
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.size = self.starts[-1]
+        self.members = [[int(g) for g in m] for m in members]
+        self.where = {g: (n, i) for n, m in enumerate(self.members) for i, g in enumerate(m)}
+        self.size = len(self.where)
         self.tr = Transport(_Ranks(group))
         self.tr.relay = True
         self.tr.stall_timeout = None
         self.status = MPI.Status()
         self.posted = {}              # worker -> its receive of any tag
+        self.left = set()             # workers that left (their receive failed): never again
         self.next_look = 0.0          # when to look for channels of workers not seen yet
         self.sent = []                # (MPI requests, what they send)
+        self.arriving = {}            # source node -> its messages being received, in order
         self.stop = False
         self.thread = threading.Thread(target=self._loop, name="shmtree-relay", daemon=True)
         self.thread.start()
-
-    def _node_of(self, g):
-        for n in range(len(self.starts) - 1):
-            if g < self.starts[n + 1]:
-                return n
-        raise ShmtreeError(f"shmtree: no rank {g}")
 
     def _loop(self):
         tr, group, idle_since = self.tr, self.group, time.monotonic()
@@ -501,8 +502,8 @@ class Relay:
                     if look:                   # (a channel is looked up in /proc at most
                         self.next_look = time.monotonic() + 0.05      # every 50 ms)
                     for a in range(group.size):
-                        if a not in self.posted and (a in tr.inn or look and
-                                                     tr._in_ring(a) is not None):
+                        if a not in self.posted and a not in self.left and \
+                                (a in tr.inn or look and tr._in_ring(a) is not None):
                             op = self.posted[a] = _Recv(a, ANY_TAG, None, None)
                             tr.post_recv(op)
                     moved = tr.progress()
@@ -512,6 +513,8 @@ class Relay:
                 for a, op in got:
                     if op.error is None:
                         self._forward(a, op.tag, op.result)
+                    else:                  # (it left: a receive posted again would fail at
+                        self.left.add(a)   # once, again and again, and keep this thread busy)
                 moved = self._receive() or moved or bool(got)
                 self.sent = [s for s in self.sent if not self.MPI.Request.Testall(s[0])]
             except Exception as exc:       # (the node fails: its proxy tells the others)
@@ -531,8 +534,8 @@ class Relay:
         """A worker's message for a rank of another node: over MPI to that node's launcher."""
         MPI = self.MPI
         g, t = tag % self.size, tag // self.size
-        to = self._node_of(g)
-        route = np.array([self.starts[self.node] + a, g, t], np.int64)
+        to = self.where[g][0]
+        route = np.array([self.members[self.node][a], g, t], np.int64)
         nbytes = array.nbytes
         head = np.frombuffer(_header(array.dtype, array.shape, t, nbytes), np.uint8)
         flat = _flat(np.ascontiguousarray(array)) if nbytes else None
@@ -543,29 +546,46 @@ class Relay:
         self.sent.append((reqs, (route, head, flat)))
 
     def _receive(self):
-        """Messages from other launchers for this node's workers: on to them."""
+        """Messages from other launchers for this node's workers: on to them.  Nothing here
+        waits on MPI (a launcher thread blocked in MPI holds up the launcher's other relays
+        and links, and with them other nodes): a source's messages are taken in the order
+        sent, each its route, its header once it has come, then its payload's receives
+        posted (MPI keeps a source's messages of one tag in order, so each lands where its
+        header said), and handed to the workers in that order once complete."""
         MPI, comm, status, moved = self.MPI, self.comm, self.status, False
         while True:
             msg = comm.Improbe(MPI.ANY_SOURCE, TAG_ROUTE, status)
             if msg is None:
-                return moved
+                break
             route = np.empty(3, np.int64)
             msg.Recv([route, MPI.BYTE])
-            src_node = status.Get_source()
-            msg = comm.Mprobe(src_node, TAG_HEAD, status)
-            head = bytearray(status.Get_count(MPI.BYTE))
-            msg.Recv([head, MPI.BYTE])
-            _, tag, nbytes, meta_len = _ENVELOPE.unpack_from(head)[:4]
-            dtype, shape = _parse(bytes(head[_G:_G + meta_len]))
-            array = np.empty(shape, dtype)
-            flat = _flat(array) if nbytes else None
-            for at in range(0, nbytes, CHUNK_BYTES):
-                comm.Recv([flat[at:at + CHUNK_BYTES], MPI.BYTE], src_node, TAG_DATA)
-            src, g, t = route.tolist()
-            with self.tr.lock:
-                self.tr.post_send(_Send(g - self.starts[self.node], t * self.size + src, None,
-                                        array, False))
+            self.arriving.setdefault(status.Get_source(), collections.deque()).append(
+                [route, None, None])           # (route, the array, its payload's receives)
             moved = True
+        for src_node, queue in self.arriving.items():
+            for entry in queue:
+                if entry[1] is not None:
+                    continue
+                msg = comm.Improbe(src_node, TAG_HEAD, status)
+                if msg is None:                # (the next header has not come yet)
+                    break
+                head = bytearray(status.Get_count(MPI.BYTE))
+                msg.Recv([head, MPI.BYTE])
+                _, tag, nbytes, meta_len = _ENVELOPE.unpack_from(head)[:4]
+                dtype, shape = _parse(bytes(head[_G:_G + meta_len]))
+                array = entry[1] = np.empty(shape, dtype)
+                flat = _flat(array) if nbytes else None
+                entry[2] = [comm.Irecv([flat[at:at + CHUNK_BYTES], MPI.BYTE], src_node,
+                                       TAG_DATA) for at in range(0, nbytes, CHUNK_BYTES)]
+                moved = True
+            while queue and queue[0][2] is not None and MPI.Request.Testall(queue[0][2]):
+                route, array, _ = queue.popleft()
+                src, g, t = route.tolist()
+                with self.tr.lock:
+                    self.tr.post_send(_Send(self.where[g][1], t * self.size + src, None,
+                                            array, False))
+                moved = True
+        return moved
 
     def close(self):
         """(The launcher's group closes.)  Stop relaying; the launcher's transport closes (its
@@ -577,8 +597,9 @@ class Relay:
             self.tr.close()
         except Exception:
             pass
-        if self.sent:
-            _KEPT.append((self.comm, self.sent))
+        arriving = [e for q in self.arriving.values() for e in q if e[2]]
+        if self.sent or arriving:
+            _KEPT.append((self.comm, self.sent, arriving))
         else:
             free_comm(self.comm)
 

@@ -372,11 +372,18 @@ def make_split(comm, color, key=None):
             local.group.abort(ABORT_FAILED, local.rank,    # would wait for this rank forever)
                               note=f"interrupted inside split: {type(exc).__name__}")
         raise
-    if group is not None:
-        group.release_descriptor()
     if spanning:                        # (every rank takes part in MPI's splits)
-        across = _across_nodes if getattr(comm, "_mpi", None) is not None else _across_proxies
-        sub = across(comm, sub, color, groups, nodes, spanning, oks)
+        try:                            # (the leaders' descriptors: the launchers map the
+            if getattr(comm, "_mpi", None) is not None:     # parts, _across_proxies)
+                sub = _across_nodes(comm, sub, color, groups, nodes, spanning, oks)
+            else:
+                sub = _across_proxies(comm, sub, color, groups, nodes, spanning, oks,
+                                      offers, local_ranks)
+        finally:
+            if group is not None and not group.closed:
+                group.release_descriptor()
+    elif group is not None:
+        group.release_descriptor()
     if members is None:
         return None
     failed = [r for r in groups[color] if oks[r]]
@@ -423,26 +430,37 @@ def _across_nodes(comm, part, color, groups, nodes, spanning, oks):
     return span
 
 
-def _across_proxies(comm, part, color, groups, nodes, spanning, oks):
+def _across_proxies(comm, part, color, groups, nodes, spanning, oks, offers, local_ranks):
     """The communicators that span nodes with a launcher per node (inter=: the workers have no
     MPI): the leader of each node asks its launcher (one SPLIT step through its mailbox,
     mailbox.Proxy.split) for a proxy per new communicator with members on this node, made on
     a Split of the launchers' communicator; the answers, (launcher pid, mailbox descriptor) per
     new communicator, reach the node's ranks in a broadcast of the node's communicator; the
     new communicator's leader on this node maps its mailbox (its ProxyLink closes the proxy
-    when the communicator closes)."""
-    from .mailbox import Mailbox, Proxy, ProxyLink
+    when the communicator closes).  Each proxy relays its communicator's messages between
+    nodes (mailbox.Proxy.start_relay: the launcher maps this node's part, whose leader still
+    holds its segment's descriptor here), the launcher's pid known to the part's members."""
+    from .mailbox import Mailbox, Proxy, ProxyLink, split_record
     here = nodes[comm.rank]
-    keys = []
+    keys, extra = [], []
     for c in spanning:
         m = groups[c]
         order = list(dict.fromkeys(nodes[r] for r in m))
-        keys.append(order.index(here) if here in order and not any(oks[r] for r in m) else -1)
+        key = order.index(here) if here in order and not any(oks[r] for r in m) else -1
+        keys.append(key)
+        if key < 0:
+            extra += split_record(0, -1, bytes(16), [], [])
+            continue
+        mine = [r for r in m if nodes[r] == here]
+        o = offers[mine[0]]
+        extra += split_record(int(o["shmtree_split_pid"]), int(o["shmtree_split_fd"]),
+                              bytes(o["shmtree_split_nonce"]),
+                              [order.index(nodes[r]) for r in m], [local_ranks[r] for r in mine])
     local = comm.local
     answer = np.zeros((len(spanning) + 1, 2), np.int64)     # (last row: ok)
     if local.rank == 0:
         try:
-            answer[:-1] = comm._link.run(Proxy.split, keys)
+            answer[:-1] = comm._link.run(Proxy.split, keys, extra)
         except Exception as exc:
             answer[-1] = -1
             err = exc
@@ -459,8 +477,9 @@ def _across_proxies(comm, part, color, groups, nodes, spanning, oks):
     order = list(dict.fromkeys(nodes[r] for r in mine))
     members = [[k for k, r in enumerate(mine) if nodes[r] == n] for n in order]
     link = None
+    pid, fd = answer[spanning.index(color)].tolist()
+    part.group._relay_pid = pid         # (its relay: remote.SpanningMessages, messages.py)
     if part.rank == 0:
-        pid, fd = answer[spanning.index(color)].tolist()
         try:
             link = ProxyLink(Mailbox.open(pid, fd, comm._segment), owned=True)
         except BaseException:
@@ -469,6 +488,7 @@ def _across_proxies(comm, part, color, groups, nodes, spanning, oks):
     span = SubSpanning(part, link, mine.index(comm.rank), members, order.index(here),
                        comm._segment)
     span.parent_ranks = tuple(mine)
+    span._p2p_relay = True              # (messages between nodes: through the launcher)
     return span
 
 

@@ -14,6 +14,7 @@
 Every rank checks its results itself and exits non-zero (a traceback) on any failure; rank 0
 (launcher 0) prints "OK <mode>" at the end.
 """
+import os
 import sys
 import time
 
@@ -57,8 +58,7 @@ def check(comm):
 def messages_between_nodes(comm):
     """Messages between nodes (from_mpi: over MPI; inter=: relayed by the launchers): rings at
     every size, tags received in reverse, a structured dtype, out= mismatch, an irecv pending
-    across a collective.  Under inter=, a sub-communicator across nodes has no messages
-    between its nodes (ShmtreeError), within them it has."""
+    across a collective; and on a sub-communicator across nodes (sub_messages)."""
     r, P = comm.rank, comm.size
     for n in (1, 1000, 1 << 17, 1 << 21):
         got = comm.sendrecv(np.full(n, r), (r + 1) % P, (r - 1) % P, sendtag=3, recvtag=3)
@@ -82,16 +82,67 @@ def messages_between_nodes(comm):
     assert int(comm.allreduce(np.array([1]))[0]) == P
     comm.send(np.array([r]), (r + 1) % P, tag=6)
     assert int(req.wait(60)[0]) == (r - 1) % P
-    if getattr(comm, "_mpi", None) is None:
-        with comm.split(r % 2) as sub:              # (across the nodes: no relay for it)
-            nodes = [int(v) for v in sub.allgather(np.array(sub.node))]
-            there = next((q for q in range(sub.size) if nodes[q] != sub.node), None)
-            if there is not None:
-                try:
-                    sub.send(np.zeros(1), there)
-                    raise AssertionError("a message between nodes of a sub-communicator")
-                except shmtree.ShmtreeError as exc:
-                    assert "not supported" in str(exc), exc
+    relays = launcher_threads()
+    with comm.split(r % 2, key=-r) as sub:          # across the nodes (inter=: its relay)
+        sub_messages(sub)
+        with sub.dup() as again:                    # a split of it, across nodes again
+            sub_messages(again)
+    assert int(comm.allreduce(np.array([1]))[0]) == P      # (every member closed it)
+    t0 = time.monotonic()
+    while launcher_threads() != relays:             # (its relay stops: its proxy closes)
+        assert time.monotonic() - t0 < 10, (relays, launcher_threads())
+        time.sleep(0.05)
+
+
+def launcher_threads():
+    """inter=: the names of the launcher's threads (a worker's parent), sorted; None under
+    from_mpi."""
+    if getattr(shmtree.current(), "_mpi", None) is not None:
+        return None
+    names = []
+    for t in os.listdir(f"/proc/{os.getppid()}/task"):
+        try:
+            with open(f"/proc/{os.getppid()}/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(names)
+
+
+def sub_messages(sub):
+    """Messages on a sub-communicator across nodes (from_mpi: over MPI; inter=: relayed by its
+    own launchers' relay): a sendrecv ring over its ranks at several dtypes and sizes (one over
+    1 MiB), tags received out of order from a rank of another node, an out= mismatch."""
+    r, P = sub.rank, sub.size
+    nodes = [int(v) for v in sub.allgather(np.array(sub.node))]
+    assert len(set(nodes)) > 1, nodes
+    for dtype, n in ((np.int64, 1), (np.float32, 1000), (np.uint8, 3 << 20),
+                     (np.float64, (1 << 18) + 3)):
+        x = (np.arange(n) % 251 + r).astype(dtype)
+        got = sub.sendrecv(x, (r + 1) % P, (r - 1) % P, sendtag=7, recvtag=7)
+        want = (np.arange(n) % 251 + (r - 1) % P).astype(dtype)
+        assert got.dtype == dtype and np.array_equal(got, want), (r, dtype, n)
+
+    def there(q):                                   # a rank of another node than q's
+        return next(p for p in range(P) if nodes[p] != nodes[q])
+
+    reqs = [sub.isend(np.array([r, k]), there(r), tag=30 + k) for k in range(4)]
+    for q in [q for q in range(P) if there(q) == r]:           # who sends to this rank
+        for k in (3, 1, 0, 2):
+            assert sub.recv(q, tag=30 + k, timeout=60).tolist() == [q, k], (r, q, k)
+    shmtree.wait_all(reqs, 60)
+    try:
+        sub.sendrecv(np.ones(3), (r + 1) % P, (r - 1) % P, sendtag=8, recvtag=8,
+                     out=np.empty(4))
+        raise AssertionError("out= of the wrong shape was taken")
+    except ValueError as exc:
+        assert "consumed" in str(exc), exc
+    got = sub.sendrecv(np.array([r]), (r + 1) % P, (r - 1) % P, sendtag=8, recvtag=8)
+    assert int(got[0]) == (r - 1) % P, (r, got)       # (after the consumed one: the next)
+    req = sub.irecv((r - 1) % P, tag=9)
+    assert int(sub.allreduce(np.array([1]))[0]) == P
+    sub.send(np.array([r]), (r + 1) % P, tag=9)
+    assert int(req.wait(60)[0]) == (r - 1) % P
 
 
 def time_out_between_nodes(comm, words="timed out in recv from rank"):
@@ -115,7 +166,12 @@ def time_out_between_nodes(comm, words="timed out in recv from rank"):
 
 def failing(comm):
     """inter=: the timeout between nodes (the launchers relay the message and carry the
-    failure); the worker then fails on purpose (SystemExit 3), as its run must."""
+    failure), first on a sub-communicator across nodes (its own launchers' relay: the
+    parent stays usable), then on the whole; the worker then fails on purpose (SystemExit 3),
+    as its run must."""
+    with comm.split(comm.rank % 2) as sub:
+        time_out_between_nodes(sub, "through the launcher")
+    assert int(comm.allreduce(np.array([1]))[0]) == comm.size
     time_out_between_nodes(comm, "through the launcher")
     print(f"worker {comm.rank} raised as expected", flush=True)
     raise SystemExit(3)                             # (the worker's failure ends the run)
