@@ -490,12 +490,12 @@ class Proxy:
         """A child's relay of its communicator's messages between nodes (remote.Relay, on
         `dup`): this launcher maps the node's part of the communicator (the segment its
         leader made, process `pid`'s descriptor `fd`; its plan is the parent part's,
-        subcomm.sub_plan, on its members' ranks in the parent part, `local_ranks`) to reach
+        subgroup.sub_plan, on its members' ranks in the parent part, `local_ranks`) to reach
         its members' channels and see their failures; `node_of`: the node of each rank of the
         new communicator.  Another node's failure aborts this node's part (the link's), and
         this part's failure reaches the other nodes (_interrupt)."""
         from .remote import Relay, free_comm
-        from .subcomm import SubGroup, sub_plan
+        from .subgroup import SubGroup, sub_plan
         members = [[g for g, n in enumerate(node_of) if n == k]
                    for k in range(max(node_of) + 1)]
         try:
