@@ -339,7 +339,8 @@ class Link:
                 # between polls: a yield alone leaves the thread runnable, and a launcher's
                 # links (one per communicator across nodes) waiting at once took most of the
                 # CPU its node's workers needed to reach the step (three launchers of two
-                # workers on two cores: 59 s for what takes 6 s with naps)
+                # workers on two cores: 75 of 121 samples of one launcher's threads were
+                # these polls)
                 pause()
                 polls += 1
                 if polls % CHECK_EVERY:
@@ -468,8 +469,8 @@ _RANKS = re.compile(r"\b(ranks?) (\d+(?:,\d+)*)\b")
 def wait_napping(MPI, reqs):
     """Wait for MPI requests as a step does (yielding, then napping), never inside a blocking
     MPI call: a launcher has threads for each communicator across nodes (links, relays), and
-    one thread waiting in a blocking call (which spins in MPI, holding MPI's lock most of the
-    time) kept the others out of MPI for seconds, and the nodes that waited for them too."""
+    a blocking call spins in MPI while it waits for the other launchers, taking a core and
+    MPI's lock from the others."""
     testall, polls, start = MPI.Request.Testall, 0, time.monotonic()
     while not testall(reqs):
         os.sched_yield()
