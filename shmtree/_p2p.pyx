@@ -725,13 +725,14 @@ cdef class Quick:
 # general path, in Python, only when it declines: messages.Messages._send_general and
 # _recv_general (set_general), which check every argument and raise what is wrong.
 
-cdef object _send_general = None, _recv_general = None, _monotonic = None
+cdef object _send_general = None, _recv_general = None, _deadline_of = None
 
 
-def set_general(send_general, recv_general, monotonic):
-    """(messages.py, once.)  The general paths of send and recv, and time.monotonic."""
-    global _send_general, _recv_general, _monotonic
-    _send_general, _recv_general, _monotonic = send_general, recv_general, monotonic
+def set_general(send_general, recv_general, deadline_of):
+    """(messages.py, once.)  The general paths of send and recv, and calls.deadline_of (the
+    one rule of a timeout)."""
+    global _send_general, _recv_general, _deadline_of
+    _send_general, _recv_general, _deadline_of = send_general, recv_general, deadline_of
 
 
 def messages_send(self, array, dest, *, tag=0, timeout=None):
@@ -751,11 +752,13 @@ def messages_recv(self, source, *, tag=0, out=None, timeout=None):
     sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
     message is consumed)."""
     quick = self._p2p_quick
-    if type(quick) is Quick and (timeout is None or (
-            (type(timeout) is int or type(timeout) is float) and timeout >= 0)):
-        # (a timeout that deadline_of would refuse never comes here: its error comes after
-        # the general path's checks)
-        deadline = None if timeout is None else _monotonic() + timeout
+    if type(quick) is Quick:
+        deadline = None
+        if timeout is not None:
+            try:
+                deadline = _deadline_of(timeout)
+            except ValueError:      # (said after the general path's checks, as ever)
+                return _recv_general(self, source, tag, out, timeout, None, False)
         got = (<Quick>quick)._recv(source, tag, out, deadline)
         if got is not None:
             return got

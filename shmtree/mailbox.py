@@ -306,8 +306,6 @@ def split_record(pid, fd, nonce, node_of, local_ranks):
 def _split_record(extra, at):
     """(pid, fd, nonce, node_of, local_ranks) of split_record's words from `at`, and where the
     next begins."""
-    if at >= len(extra):
-        return (0, -1, bytes(16), [], []), at
     pid, fd, n0, n1, size = extra[at:at + 5]
     at += 5
     node_of = extra[at:at + size]
@@ -458,7 +456,7 @@ class Proxy:
             self._busy = False
             box.set_word(ctl, FAILED)
 
-    def split(self, keys, extra=()):
+    def split(self, keys, extra):
         """The SPLIT step: for each key (this node's index in a new communicator that spans
         nodes, -1: no member here), MPI's Split of the link's communicator (collective over
         it, in the same order on every launcher) and a child proxy where the key is >= 0, with

@@ -1197,4 +1197,4 @@ class Messages:
             tr.close()
 
 
-_p2p.set_general(Messages._send_general, Messages._recv_general, time.monotonic)
+_p2p.set_general(Messages._send_general, Messages._recv_general, deadline_of)
