@@ -38,6 +38,8 @@ from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL, TAG_X = 11, 12, 13, 14
+TAG_EPOCH, TAG_BCAST, TAG_GATHER, TAG_BARRIER = 15, 16, 17, 18     # (a link on some ranks of
+                                                                   # its communicator: peers)
 CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
@@ -75,14 +77,22 @@ class Link:
     """The inter-node step of one node's leader: `comm` joins one leader per node (its rank is
     the node's index; the link owns it and frees it when it closes: pass a Dup of a
     communicator the program uses); `group` is the node's Group (aborted when another node
-    fails)."""
+    fails).  peers: the link's nodes are only some ranks of `comm`, node j being rank
+    peers[j], and its messages' tags are offset by `tags` (a child proxy's link, on the
+    communicator its family of proxies shares, mailbox.Family: no MPI communicator is made for
+    it); its steps are then point to point between the peers, MPI's collectives being over all
+    of `comm` (and, `owned` False, the link does not free `comm`)."""
 
-    def __init__(self, comm, group):
+    def __init__(self, comm, group, peers=None, tags=0, owned=True):
         from mpi4py import MPI
         self.MPI = MPI
         self.comm = comm
-        self.n = comm.Get_size()
-        self.me = comm.Get_rank()
+        self.tags = int(tags)               # added to every tag of the link's messages
+        self.owned = owned                  # the link frees comm when it closes
+        self.whole = peers is None
+        self.peers = list(range(comm.Get_size())) if peers is None else [int(p) for p in peers]
+        self.n = len(self.peers)
+        self.me = self.peers.index(comm.Get_rank())
         self.group = group
         self._jobs = collections.deque()
         self._cv = threading.Condition()
@@ -95,15 +105,17 @@ class Link:
         # control messages carry this link's epoch (one value on every leader, fresh per link):
         # a message sent on a communicator freed since, whose context MPI gives to a later
         # one, is not taken for a failure of the later link
-        epoch = bytearray(os.urandom(EPOCH_BYTES) if self.me == 0 else EPOCH_BYTES)
+        epoch = np.frombuffer(bytearray(os.urandom(EPOCH_BYTES) if self.me == 0
+                                        else EPOCH_BYTES), np.uint8)
         if self.n > 1:
-            wait_napping(MPI, [comm.Ibcast([epoch, MPI.BYTE], root=0)])
+            wait_napping(MPI, self._bcast_requests(epoch, 0, TAG_EPOCH))
         self._epoch = bytes(epoch)
         self._ctrl_lock = threading.Lock()  # the control receive is one MPI request: one
         self._ctrl_got = False              # thread at a time acts on it (link thread, inline
                                             # run, close)
         self._ctrl_buf = bytearray(CTRL_BYTES)
-        self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG_CTRL)
+        self._ctrl = comm.Irecv([self._ctrl_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
+                                tag=self.tags + TAG_CTRL)
         self._sent = []                     # control sends (never waited for)
         self._ctrl_out = None
         self._orphans = []                  # requests of a step ended by a failure, still
@@ -199,9 +211,10 @@ class Link:
                          [:CTRL_BYTES - EPOCH_BYTES - 1])
         data += b"\0" * (CTRL_BYTES - len(data))
         self._ctrl_out = data
-        for j in range(self.n):
+        for j in self.peers:
             try:
-                self._sent.append(self.comm.Isend([data, self.MPI.BYTE], dest=j, tag=TAG_CTRL))
+                self._sent.append(self.comm.Isend([data, self.MPI.BYTE], dest=j,
+                                                  tag=self.tags + TAG_CTRL))
             except Exception:
                 pass
         for job in jobs:
@@ -213,7 +226,8 @@ class Link:
         still running (another thread's inline run) is made to fail first.  After a failure,
         MPI may still hold requests of the step it ended (and control messages may be on their
         way): their buffers and the link's communicator are kept for the life of the process
-        (a few segments at most) rather than freed under MPI."""
+        (a few segments at most) rather than freed under MPI.  True when it kept them (a
+        communicator the link does not own must then not be freed either)."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -236,14 +250,16 @@ class Link:
             if not busy:
                 self._orphans = [r for r in self._orphans if not r.Test()]
                 self._sent = [r for r in self._sent if not r.Test()]
-            if self._orphans or self._sent or self.failure is not None or busy:
+            kept = bool(self._orphans or self._sent or self.failure is not None or busy)
+            if kept:
                 _KEPT.append((self.comm, self._ctrl, self._ctrl_buf, self._orphans,
                               self._sent, self._ctrl_out))
-            else:
+            elif self.owned:
                 self.comm.Free()               # (the link's own communicator)
             self._orphans, self._sent = [], []
         except Exception:
-            pass
+            kept = True
+        return kept
 
     # ---- the link thread ----
 
@@ -290,7 +306,8 @@ class Link:
                 return False
             if bytes(self._ctrl_buf[:EPOCH_BYTES]) != self._epoch:
                 self._ctrl = self.comm.Irecv([self._ctrl_buf, self.MPI.BYTE],
-                                             source=self.MPI.ANY_SOURCE, tag=TAG_CTRL)
+                                             source=self.MPI.ANY_SOURCE,
+                                             tag=self.tags + TAG_CTRL)
                 return False
             self._ctrl_got = True
             return True
@@ -381,10 +398,15 @@ class Link:
             return buf
         if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
             every = np.empty((n,) + buf.shape, buf.dtype)
-            self.complete([self.comm.Iallgather([_raw(src), MPI.BYTE],
-                                                [_raw(every), MPI.BYTE])])
+            if self.whole:
+                reqs = [self.comm.Iallgather([_raw(src), MPI.BYTE], [_raw(every), MPI.BYTE])]
+            else:
+                every[me] = src
+                reqs = self._allgather_requests(_raw(src), [_raw(x) for x in every])
+            self.complete(reqs)
             _kernels.reduce_into(buf, list(every), op)
             return buf
+        peers = self.peers
         bounds = _pieces(buf.size, n)
         mine = buf[bounds[me]:bounds[me + 1]]
         got = [None] * n
@@ -392,11 +414,12 @@ class Link:
         for j in range(n):
             if j != me:
                 got[j] = np.empty_like(mine)
-                reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=j, tag=TAG_RS))
+                reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=peers[j],
+                                            tag=self.tags + TAG_RS))
         for j in range(n):
             if j != me:
                 reqs.append(self.comm.Isend([_raw(src[bounds[j]:bounds[j + 1]]), MPI.BYTE],
-                                            dest=j, tag=TAG_RS))
+                                            dest=peers[j], tag=self.tags + TAG_RS))
         self.complete(reqs)
         got[me] = src[bounds[me]:bounds[me + 1]]
         if mine.size:
@@ -410,8 +433,9 @@ class Link:
         for j in range(n):
             if j != me:
                 reqs.append(self.comm.Irecv([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
-                                            source=j, tag=TAG_AG))
-                reqs.append(self.comm.Isend([_raw(mine), MPI.BYTE], dest=j, tag=TAG_AG))
+                                            source=peers[j], tag=self.tags + TAG_AG))
+                reqs.append(self.comm.Isend([_raw(mine), MPI.BYTE], dest=peers[j],
+                                            tag=self.tags + TAG_AG))
         self.complete(reqs)
         return buf
 
@@ -421,12 +445,16 @@ class Link:
         arrived first would take the CPU the others' nodes need to get there.  This step
         waits as every step does, napping.)"""
         if self.n > 1:
-            self.complete([self.comm.Ibarrier()])
+            if self.whole:
+                self.complete([self.comm.Ibarrier()])
+            else:                                       # (an empty message from each peer)
+                none = np.empty(0, np.uint8)
+                self.complete(self._allgather_requests(none, [none] * self.n, TAG_BARRIER))
 
     def bcast(self, buf, root):
         """buf (bytes) from node `root`'s leader to every leader."""
         if self.n > 1 and buf.size:
-            self.complete([self.comm.Ibcast([_raw(buf), self.MPI.BYTE], root=root)])
+            self.complete(self._bcast_requests(_raw(buf), root, TAG_BCAST))
         return buf
 
     def allgatherv(self, send, recv, counts):
@@ -435,10 +463,40 @@ class Link:
             recv[:send.size] = send
             return recv
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        self.complete([self.comm.Iallgatherv(
-            [_raw(send), self.MPI.BYTE],
-            [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
+        if self.whole:
+            self.complete([self.comm.Iallgatherv(
+                [_raw(send), self.MPI.BYTE],
+                [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
+        else:
+            raw = _raw(recv)
+            parts = [raw[d:d + int(c)] for d, c in zip(displs, counts)]
+            parts[self.me][...] = _raw(send)
+            self.complete(self._allgather_requests(_raw(send), parts))
         return recv
+
+    # ---- collectives over the peers (a link on some ranks of its communicator) ----
+
+    def _bcast_requests(self, buf, root, tag):
+        """An MPI broadcast of buf (uint8) from node `root` over the link's nodes: one
+        request over the whole communicator, else the root's sends to each peer (or this
+        node's receive from the root)."""
+        MPI, peers, tag = self.MPI, self.peers, self.tags + tag
+        if self.whole:
+            return [self.comm.Ibcast([buf, MPI.BYTE], root=root)]
+        if self.me != root:
+            return [self.comm.Irecv([buf, MPI.BYTE], source=peers[root], tag=tag)]
+        return [self.comm.Isend([buf, MPI.BYTE], dest=p, tag=tag)
+                for j, p in enumerate(peers) if j != root]
+
+    def _allgather_requests(self, send, parts, tag=TAG_GATHER):
+        """send (uint8) to every other peer, and parts[j] (its size known) received from
+        node j; parts[me] is left alone (the caller fills it)."""
+        MPI, peers, me, tag = self.MPI, self.peers, self.me, self.tags + tag
+        reqs = [self.comm.Irecv([parts[j], MPI.BYTE], source=p, tag=tag)
+                for j, p in enumerate(peers) if j != me]
+        reqs += [self.comm.Isend([send, MPI.BYTE], dest=p, tag=tag)
+                 for j, p in enumerate(peers) if j != me]
+        return reqs
 
     def exchange(self, send, recv):
         """Blocks between the leaders, point to point: send[j] (a contiguous uint8 array) to
@@ -448,14 +506,16 @@ class Link:
         copied into recv[me].  Every leader's steps follow the same order on this link, and
         MPI does not let messages of one pair overtake each other: a step's receives match its
         own sends."""
-        MPI, me = self.MPI, self.me
+        MPI, me, peers = self.MPI, self.me, self.peers
         reqs = []
         for j in range(self.n):
             if j != me and recv[j].size:
-                reqs.append(self.comm.Irecv([_raw(recv[j]), MPI.BYTE], source=j, tag=TAG_X))
+                reqs.append(self.comm.Irecv([_raw(recv[j]), MPI.BYTE], source=peers[j],
+                                            tag=self.tags + TAG_X))
         for j in range(self.n):
             if j != me and send[j].size:
-                reqs.append(self.comm.Isend([_raw(send[j]), MPI.BYTE], dest=j, tag=TAG_X))
+                reqs.append(self.comm.Isend([_raw(send[j]), MPI.BYTE], dest=peers[j],
+                                            tag=self.tags + TAG_X))
         if recv[me].size:
             recv[me][...] = send[me]
         if reqs:

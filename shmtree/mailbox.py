@@ -28,12 +28,13 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
 
 Sub-communicators across nodes (subcomm.py): a split of the communicator is one more step,
 SPLIT, with a key per new communicator that spans nodes (this node's index in it, -1 where it
-has no member here): the proxy calls MPI's Split of its link's communicator once per new
-communicator (every launcher does, in the same order: the steps are in the same order on every
-node), and starts a proxy of its own (a child: a mailbox and a Link on that split) for each
-one with members here; the step's answer is the child's (launcher pid, mailbox descriptor),
-through which the new communicator's leader on this node maps the mailbox (/proc/<pid>/fd,
-same user).  A child relays the new communicator's messages between nodes (start_relay: it
+has no member here): the proxies gather every launcher's keys over the link (the steps are in
+the same order on every node) and start a proxy of their own (a child: a mailbox, and a Link
+on the communicator of the group's family of proxies, Family, whose nodes are the launchers
+with a key, its `peers`, and whose messages have tags of their own) for each new communicator
+with members here; no MPI call blocks and no communicator is made.  The step's answer is the
+child's (launcher pid, mailbox descriptor), through which the new communicator's leader on this
+node maps the mailbox (/proc/<pid>/fd, same user).  A child relays the new communicator's messages between nodes (start_relay: it
 maps the node's part of the communicator, and watches it), stops when its leader closes the
 communicator (`closed`) and the node's other members have too, and with its parent at the
 latest.
@@ -44,6 +45,7 @@ them in the same order.  Words are stored sequentially consistent and waited on 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -53,7 +55,7 @@ import numpy as np
 from . import _moving
 from .codes import ST_LEFT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .inter import Link, global_ranks, wait_napping
+from .inter import _KEPT, Link, global_ranks
 from .transport import create_memfd
 
 __all__ = ["Proxy", "ProxyLink", "Mailbox"]
@@ -63,6 +65,8 @@ SLOTS = 2
 IDLE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
 ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE, SPLIT = 1, 2, 3, 4, 5
 TEXT = 512
+TAGS_PER_CHILD = 32         # MPI tags of one child proxy (its link's and its relay's) on its
+                            # family's communicator: from (id + 1) * TAGS_PER_CHILD
 POLL_S = 0.01               # the proxy looks at the group and the link this often when idle
 WAIT_SLICE_S = 0.05
 
@@ -320,20 +324,60 @@ def _split_record(extra, at):
 # the launcher side
 
 
+class Family:
+    """The MPI communicator that the child proxies of one launchers' group share (every
+    sub-communicator across nodes made from the group, at any depth): a Dup of the launchers'
+    communicator, made with the group's proxy, so that a split makes no MPI communicator
+    (MPI's Split and Dup block, spinning; its Idup may hang when several threads of a process
+    make communicators at once).  A child is told apart by its MPI tags: TAGS_PER_CHILD from
+    (id + 1) * TAGS_PER_CHILD, its id drawn by the launcher of its link's first node from that
+    launcher's own residue class (rank + size * k), unique across the launchers without
+    agreeing on anything; ids are never reused."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
+        self._drawn = itertools.count()
+        self.kept = False             # a child's link or relay left requests with MPI
+
+    def new_tags(self):
+        """A new child's first tag; -1 once this MPI's tags are used up."""
+        tags = (self.rank + self.size * next(self._drawn) + 1) * TAGS_PER_CHILD
+        return tags if tags + TAGS_PER_CHILD - 1 <= self.tag_ub else -1
+
+    def close(self):
+        """(The group's proxy closes, after its children.)"""
+        from .remote import free_comm
+        if self.kept:
+            _KEPT.append((self.comm,))
+        else:
+            free_comm(self.comm)
+
+
 class Proxy:
     """The launcher's part: the mailbox, the Link to the other launchers, the thread serving the
     mailbox.  `group` is the node's Group (this process created it)."""
 
-    def __init__(self, group, inter, segment, box=None, own=None):
-        """own: an MPI communicator for the link, made for it (a child's: `group` is None)."""
+    def __init__(self, group, inter, segment, box=None, family=None, peers=None, tags=0):
+        """A child's (a sub-communicator's across nodes; `group` and `inter` are None): its
+        link is on `family`'s communicator, its nodes there the ranks `peers`, its tags from
+        `tags` (Family)."""
         self.group = group
         self.box, self.fd = box if box is not None else Mailbox.create(segment)
-        # (its messages never meet the program's)
-        self.link = Link(inter.Dup() if own is None else own, group)
+        self.top = family is None
+        if self.top:              # (its messages never meet the program's)
+            self.link = Link(inter.Dup(), group)
+            self.family = Family(inter.Dup())
+        else:
+            self.link = Link(family.comm, None, peers, tags, owned=False)
+            self.family = family
         self.link.interrupt = self._interrupt
         self._stop = False
         self._closed = False
         self._close_lock = threading.Lock()
+        self._done = threading.Event()           # close() has ended
         self._busy = False                       # a step is being served
         self.children = []                       # proxies of sub-communicators (split)
         self.relay = None                        # remote.Relay: messages between nodes
@@ -458,55 +502,62 @@ class Proxy:
 
     def split(self, keys, extra):
         """The SPLIT step: for each key (this node's index in a new communicator that spans
-        nodes, -1: no member here), MPI's Split of the link's communicator (collective over
-        it, in the same order on every launcher) and a child proxy where the key is >= 0, with
-        a relay of its own (start_relay).  `extra`: a record per key (_split_record).  Its
-        (pid, mailbox descriptor) per key, (0, -1) where none."""
-        MPI = self.link.MPI
+        nodes, -1: no member here), a child proxy where the key is >= 0, with a relay of its
+        own (start_relay).  `extra`: a record per key (_split_record).  Its (pid, mailbox
+        descriptor) per key, (0, -1) where none.  No MPI call blocks, no communicator is
+        made: the launchers' keys (and the first node's tags for each child, Family) are
+        gathered over the link, and a child's nodes are the launchers with a key, in key
+        order."""
+        link, k = self.link, len(keys)
+        tags = [self.family.new_tags() for _ in keys] if link.me == 0 else [0] * k
+        row = np.array(list(keys) + tags, np.int64)
+        every = np.empty((link.n, 2 * k), np.int64)
+        link.run(Link.allgatherv, row.view(np.uint8), every.reshape(-1).view(np.uint8),
+                 [16 * k] * link.n)
+        if (every[0, k:] < 0).any():
+            raise ShmtreeError(f"shmtree: this MPI's tags (MPI_TAG_UB {self.family.tag_ub}) "
+                               "are used up by the sub-communicators across nodes made from "
+                               "this group; make fewer of them per group (or a new group)")
         out, at = [], 0
-        self.link.run(Link.barrier)    # (then no launcher waits long inside the splits below)
-        for key in keys:
+        for i, key in enumerate(keys):
             record, at = _split_record(extra, at)
-            comm = self.link.comm.Split(0 if key >= 0 else MPI.UNDEFINED, key=max(key, 0))
             if key < 0:
                 out.append((0, -1))
                 continue
-            try:                      # (the relay's, before the link's thread uses comm)
-                dup, req = comm.Idup()
-                wait_napping(MPI, [req])
-            except BaseException:
-                comm.Free()
-                raise
-            child = Proxy(None, None, self.box.segment, own=comm)
+            order = sorted((j for j in range(link.n) if every[j, i] >= 0),
+                           key=lambda j: every[j, i])
+            child = Proxy(None, None, self.box.segment, family=self.family,
+                          peers=[link.peers[j] for j in order], tags=int(every[0, k + i]))
             self.children.append(child)
-            child.start_relay(self.plan, dup, key, *record)
+            child.start_relay(self.plan, key, *record)
             out.append((os.getpid(), child.fd))
         self.children = [c for c in self.children if not c._closed]
         return out
 
-    def start_relay(self, parent_plan, dup, node, pid, fd, nonce, node_of, local_ranks):
-        """A child's relay of its communicator's messages between nodes (remote.Relay, on
-        `dup`): this launcher maps the node's part of the communicator (the segment its
-        leader made, process `pid`'s descriptor `fd`; its plan is the parent part's,
-        subgroup.sub_plan, on its members' ranks in the parent part, `local_ranks`) to reach
-        its members' channels and see their failures; `node_of`: the node of each rank of the
-        new communicator.  Another node's failure aborts this node's part (the link's), and
-        this part's failure reaches the other nodes (_interrupt)."""
-        from .remote import Relay, free_comm
+    def start_relay(self, parent_plan, node, pid, fd, nonce, node_of, local_ranks):
+        """A child's relay of its communicator's messages between nodes (remote.Relay, on its
+        family's communicator, as its link): this launcher maps the node's part of the
+        communicator (the segment its leader made, process `pid`'s descriptor `fd`; its plan is
+        the parent part's, subgroup.sub_plan, on its members' ranks in the parent part,
+        `local_ranks`) to reach its members' channels and see their failures; `node_of`: the
+        node of each rank of the new communicator.  Another node's failure aborts this node's
+        part (the link's), and this part's failure reaches the other nodes (_interrupt)."""
+        from .remote import Relay
         from .subgroup import SubGroup, sub_plan
         members = [[g for g, n in enumerate(node_of) if n == k]
                    for k in range(max(node_of) + 1)]
+        link = self.link
         try:
             self.plan = sub_plan(parent_plan, local_ranks)
             part = SubGroup.attach(self.plan, pid, fd, nonce)
             part._creator = None
             self.ranks = members[node]
-            self.watched = self.link.group = part
-            self.relay = Relay(part, dup, members)
+            self.watched = link.group = part
+            self.relay = Relay(part, self.family.comm, members, link.peers, link.tags,
+                               owned=False)
         except BaseException as exc:
-            free_comm(dup)
-            self.link.abort(f"node {node}: the launcher could not start the relay of a "
-                            f"communicator across nodes: {type(exc).__name__}: {exc}")
+            link.abort(f"node {node}: the launcher could not start the relay of a "
+                       f"communicator across nodes: {type(exc).__name__}: {exc}")
             self.close()
             raise
         self.box.put_u64(16, os.getpid())
@@ -516,15 +567,17 @@ class Proxy:
         clean close (no step in flight, the node healthy) tells the other nodes nothing: they
         may still be finishing their last call.  A failure of this node that the thread has
         not carried yet, or a step still in flight, fails the other nodes too.  The children
-        (sub-communicators' proxies) close first."""
+        (sub-communicators' proxies) close first, and the family's communicator (Family) is
+        freed last, unless MPI still holds requests of a child (then it is kept)."""
         with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+            closing, self._closed = self._closed, True
+        if closing:               # (another thread is closing it: the family's communicator
+            if threading.current_thread() is not self._thread:     # may be freed only after)
+                self._done.wait(10)
+            return
         for child in self.children:
             child.close()
-        if self.relay is not None:
-            self.relay.close()
+        kept = self.relay is not None and self.relay.close()
         self._stop = True
         mine = threading.current_thread() is self._thread
         if self._thread.is_alive() and not mine and not self._busy:
@@ -537,10 +590,15 @@ class Proxy:
                 self.link.abort(text)
         if self._thread.is_alive() and not mine:
             self._thread.join(5)
-        self.link.close()
+        kept = self.link.close() or kept
         if self.watched is not None:
             self.watched.close()
         try:
             os.close(self.fd)
         except OSError:
             pass
+        if self.top:
+            self.family.close()
+        elif kept:
+            self.family.kept = True
+        self._done.set()

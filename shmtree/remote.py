@@ -455,10 +455,10 @@ class Relay:
     """A launcher's relay of its workers' messages to ranks of other nodes (inter=; started by
     multinode.start_proxy, and for a sub-communicator across nodes by its child proxy,
     mailbox.Proxy.start_relay: `group` is then this node's part of it, mapped by the launcher,
-    and `members` its ranks on each node).  A worker sends such a message to the launcher (the rank after its
-    node's members) through the node's transport, the destination folded into the tag
-    (tag * size + destination: SpanningMessages._p2p_route); the launcher receives any tag
-    from every worker, in order, and sends it over MPI (`comm`, a Dup of the launchers'
+    and `members` its ranks on each node).  A worker sends such a message to the launcher (the
+    rank after its node's members) through the node's transport, the destination folded into
+    the tag (tag * size + destination: SpanningMessages._p2p_route); the launcher receives any
+    tag from every worker, in order, and sends it over MPI (`comm`, a Dup of the launchers'
     communicator) to the destination's launcher: a route (source, destination, tag), the
     record header and the payload, as Remote does.  That launcher sends it on to the
     destination through its node's transport, the source folded into the tag, so the
@@ -466,13 +466,21 @@ class Relay:
     the local ones.  Failures travel as for collectives: a worker that fails aborts its node's
     group, which the launcher's proxy carries to every node."""
 
-    def __init__(self, group, comm, members):
-        """members: the ranks of the communicator on each node (node = rank in `comm`)."""
+    def __init__(self, group, comm, members, peers=None, tags=0, owned=True):
+        """members: the ranks of the communicator on each node (node = rank in `comm`; or, for
+        a child proxy's relay on the communicator of its family, mailbox.Family: node j is
+        rank peers[j], its messages' tags are offset by `tags`, and it does not free `comm`,
+        `owned` False)."""
         from mpi4py import MPI
         self.MPI = MPI
         self.group = group
         self.comm = comm
-        self.node = comm.Get_rank()
+        self.owned = owned
+        self.tag_route, self.tag_head, self.tag_data = (tags + TAG_ROUTE, tags + TAG_HEAD,
+                                                        tags + TAG_DATA)
+        self.peers = list(range(comm.Get_size())) if peers is None else [int(p) for p in peers]
+        self.node_of = {p: j for j, p in enumerate(self.peers)}
+        self.node = self.node_of[comm.Get_rank()]
         self.members = [[int(g) for g in m] for m in members]
         self.where = {g: (n, i) for n, m in enumerate(self.members) for i, g in enumerate(m)}
         self.size = len(self.where)
@@ -534,15 +542,16 @@ class Relay:
         """A worker's message for a rank of another node: over MPI to that node's launcher."""
         MPI = self.MPI
         g, t = tag % self.size, tag // self.size
-        to = self.where[g][0]
+        to = self.peers[self.where[g][0]]
         route = np.array([self.members[self.node][a], g, t], np.int64)
         nbytes = array.nbytes
         head = np.frombuffer(_header(array.dtype, array.shape, t, nbytes), np.uint8)
         flat = _flat(np.ascontiguousarray(array)) if nbytes else None
-        reqs = [self.comm.Isend([route, MPI.BYTE], to, TAG_ROUTE),
-                self.comm.Isend([head, MPI.BYTE], to, TAG_HEAD)]
+        reqs = [self.comm.Isend([route, MPI.BYTE], to, self.tag_route),
+                self.comm.Isend([head, MPI.BYTE], to, self.tag_head)]
         for at in range(0, nbytes, CHUNK_BYTES):
-            reqs.append(self.comm.Isend([flat[at:at + CHUNK_BYTES], MPI.BYTE], to, TAG_DATA))
+            reqs.append(self.comm.Isend([flat[at:at + CHUNK_BYTES], MPI.BYTE], to,
+                                        self.tag_data))
         self.sent.append((reqs, (route, head, flat)))
 
     def _receive(self):
@@ -554,19 +563,20 @@ class Relay:
         header said), and handed to the workers in that order once complete."""
         MPI, comm, status, moved = self.MPI, self.comm, self.status, False
         while True:
-            msg = comm.Improbe(MPI.ANY_SOURCE, TAG_ROUTE, status)
+            msg = comm.Improbe(MPI.ANY_SOURCE, self.tag_route, status)
             if msg is None:
                 break
             route = np.empty(3, np.int64)
             msg.Recv([route, MPI.BYTE])
-            self.arriving.setdefault(status.Get_source(), collections.deque()).append(
+            self.arriving.setdefault(self.node_of[status.Get_source()],
+                                     collections.deque()).append(
                 [route, None, None])           # (route, the array, its payload's receives)
             moved = True
         for src_node, queue in self.arriving.items():
             for entry in queue:
                 if entry[1] is not None:
                     continue
-                msg = comm.Improbe(src_node, TAG_HEAD, status)
+                msg = comm.Improbe(self.peers[src_node], self.tag_head, status)
                 if msg is None:                # (the next header has not come yet)
                     break
                 head = bytearray(status.Get_count(MPI.BYTE))
@@ -575,8 +585,9 @@ class Relay:
                 dtype, shape = _parse(bytes(head[_G:_G + meta_len]))
                 array = entry[1] = np.empty(shape, dtype)
                 flat = _flat(array) if nbytes else None
-                entry[2] = [comm.Irecv([flat[at:at + CHUNK_BYTES], MPI.BYTE], src_node,
-                                       TAG_DATA) for at in range(0, nbytes, CHUNK_BYTES)]
+                entry[2] = [comm.Irecv([flat[at:at + CHUNK_BYTES], MPI.BYTE],
+                                       self.peers[src_node], self.tag_data)
+                            for at in range(0, nbytes, CHUNK_BYTES)]
                 moved = True
             while queue and queue[0][2] is not None and MPI.Request.Testall(queue[0][2]):
                 route, array, _ = queue.popleft()
@@ -589,7 +600,8 @@ class Relay:
 
     def close(self):
         """(The launcher's group closes.)  Stop relaying; the launcher's transport closes (its
-        messages still unread by workers that live wait for them, as a closing rank's do)."""
+        messages still unread by workers that live wait for them, as a closing rank's do).
+        True when MPI still holds requests of it (they and `comm` are kept, never freed)."""
         self.stop = True
         if self.thread is not threading.current_thread():
             self.thread.join(10)
@@ -598,8 +610,10 @@ class Relay:
         except Exception:
             pass
         arriving = [e for q in self.arriving.values() for e in q if e[2]]
-        if self.sent or arriving:
+        kept = bool(self.sent or arriving)
+        if kept:
             _KEPT.append((self.comm, self.sent, arriving))
-        else:
+        elif self.owned:
             free_comm(self.comm)
+        return kept
 

@@ -676,7 +676,8 @@ def test_split_and_close_in_a_loop_leaves_nothing_behind():
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("nprocs,mode,n", [(4, "from_mpi", 2), (5, "from_mpi", 3),
                                            (6, "from_mpi", 2), (2, "launch", 2),
-                                           (2, "launch-fail", 2)])
+                                           (2, "launch-fail", 2), (3, "launch", 2),
+                                           (3, "launch-fail", 2)])
 def test_splits_of_communicators_across_nodes(nprocs, mode, n):
     """Node-local splits of from_mpi's and inter='s communicators work (split_by("node"),
     nested, reversed, None), and so do splits whose new communicators span nodes (every
