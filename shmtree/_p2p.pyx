@@ -40,6 +40,13 @@ cdef extern from "numpy/arrayobject.h":
     object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.PyArray_Descr *descr, int fortran)  # steals descr
 
 
+cdef extern from *:
+    """
+    #ifdef Py_GIL_DISABLED
+    #error "shmtree: _p2p.Lock relies on the GIL; a build of Python without it is not supported"
+    #endif
+    """
+
 cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
                                              int intr_flag) nogil
@@ -181,21 +188,28 @@ cdef class Home:
     cdef bint _wait(self, Cond *cs, int n, int64_t slice_ns, int64_t spin_ns) noexcept nogil:
         cdef int64_t start, now, end
         cdef uint32_t seen
-        cdef bint ok = False
-        cdef int i
+        cdef bint ok = False, spinning = spin_ns > 0
+        cdef int i, spins = 0
         start = shm_now_ns()
         end = start + slice_ns
         while True:
             for i in range(n):
                 if cond_ready(&cs[i]):
                     return True
+            # one pause per look, the clock read every 32 looks (as the engine's idle): 32
+            # pauses per look made a ping-pong's message 0.3-0.4 us slower (a pause is some
+            # 40-140 cycles)
+            spins += 1
+            if spinning and (spins & 31):
+                shm_cpu_relax()
+                continue
             now = shm_now_ns()
             if now >= end:
                 return False
             if now - start < spin_ns:
-                for i in range(32):
-                    shm_cpu_relax()
+                shm_cpu_relax()
             elif now - start < spin_ns + YIELD_NS:
+                spinning = False
                 sched_yield()
             else:
                 shm_fetch_add32(self.sleepers, 1)
@@ -458,41 +472,58 @@ cdef class Lock:
     """A lock as threading.Lock (acquire, release, locked, a context manager), that the quick
     paths take and give natively, with no call (Quick: the two Python-level calls of a
     threading.Lock's were a good part of a small message's cost): messages.Transport.lock.
-    A thread blocked on it releases the GIL and runs signal handlers (KeyboardInterrupt) every
-    20 ms, as it waits."""
-    cdef PyThread_type_lock lk
+
+    Every taker holds the GIL (Python code, and the quick paths, which run with it), so the
+    lock is a flag looked at and set under the GIL: no atomic operation and no semaphore when
+    it is free (a PyThread lock's take and give cost 0.1-0.15 us of a ping-pong's 0.6 us
+    message).  A thread that finds it held waits, the GIL released, on a PyThread lock used as
+    a token that give() posts when there are waiters (a token posted between the waiter's look
+    and its wait stays there: no wake-up is lost; one left over only makes a waiter look
+    again), and runs signal handlers (KeyboardInterrupt) every 20 ms as it waits.  Not for a
+    build of Python without the GIL (refused when the module is built)."""
+    cdef PyThread_type_lock token
     cdef bint held
+    cdef int waiters
 
     def __cinit__(self):
-        self.lk = PyThread_allocate_lock()
-        if self.lk == NULL:
+        self.token = PyThread_allocate_lock()
+        if self.token == NULL:
             raise MemoryError()
+        PyThread_acquire_lock(self.token, NOWAIT_LOCK)      # (no token yet)
 
     def __dealloc__(self):
-        if self.lk != NULL:
-            if self.held:           # (freed held: as CPython's own lock, released first)
-                PyThread_release_lock(self.lk)
-            PyThread_free_lock(self.lk)
+        if self.token != NULL:
+            PyThread_release_lock(self.token)   # (freed unlocked, as CPython's own locks)
+            PyThread_free_lock(self.token)
 
-    cdef int take(self) except -1:
+    cdef inline int take(self) except -1:
+        if not self.held:           # (the GIL makes the look and the set one step)
+            self.held = True
+            return 0
+        return self._wait_take()
+
+    cdef int _wait_take(self) except -1:
         cdef PyLockStatus got
-        if not PyThread_acquire_lock(self.lk, NOWAIT_LOCK):
-            while True:
+        self.waiters += 1
+        try:
+            while self.held:
                 with nogil:
-                    got = PyThread_acquire_lock_timed(self.lk, LOCK_WAIT_US, 0)
-                if got == PY_LOCK_ACQUIRED:
-                    break
-                PyErr_CheckSignals()
+                    got = PyThread_acquire_lock_timed(self.token, LOCK_WAIT_US, 0)
+                if got != PY_LOCK_ACQUIRED:
+                    PyErr_CheckSignals()
+        finally:
+            self.waiters -= 1
         self.held = True
         return 0
 
     cdef inline void give(self) noexcept:
         self.held = False
-        PyThread_release_lock(self.lk)
+        if self.waiters:
+            PyThread_release_lock(self.token)
 
     def acquire(self, bint blocking=True):
         if not blocking:
-            if not PyThread_acquire_lock(self.lk, NOWAIT_LOCK):
+            if self.held:
                 return False
             self.held = True
             return True

@@ -99,6 +99,58 @@ def test_the_quick_paths_memo_never_confuses_two_descriptions():
     assert run_ok(_memo_fn, 2)[1] == []
 
 
+@pytest.mark.timeout(60)
+def test_the_transport_lock_is_a_mutex_between_threads():
+    """_p2p.Lock (a flag under the GIL, waiters on a token): one holder at a time while the
+    holders release the GIL inside, every waiter woken, acquire(False) and locked() as
+    threading.Lock's, release of an unlocked lock refused, a waiter interruptible."""
+    import _thread
+
+    from shmtree._p2p import Lock
+    lock, inside, most, count = Lock(), [0], [0], [0]
+
+    def hold(times):
+        for _ in range(times):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                time.sleep(0)                   # (the GIL goes to the others meanwhile)
+                count[0] += 1
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=hold, args=(2000,)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert (most[0], count[0]) == (1, 12000)
+    assert lock.acquire(False) and lock.locked() and not lock.acquire(False)
+    lock.release()
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    lock.acquire()                              # a waiter: woken by the release, or
+    woke = []                                   # interrupted (KeyboardInterrupt) meanwhile
+    t = threading.Thread(target=lambda: (lock.acquire(), woke.append(1), lock.release()))
+    t.start()
+    time.sleep(0.1)
+    assert woke == []
+    lock.release()
+    t.join(10)
+    assert woke == [1] and not lock.locked()
+    lock.acquire()
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()
+    finally:
+        timer.join()
+        lock.release()
+    assert not lock.locked()
+
+
 SIZES = [0, 1, 100, 256 * 1024 - 1, 256 * 1024 + 5, 5 * MiB + 3, 64 * MiB]
 
 
