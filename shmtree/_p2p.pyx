@@ -43,9 +43,13 @@ cdef extern from "numpy/arrayobject.h":
 cdef extern from *:
     """
     #ifdef Py_GIL_DISABLED
-    #error "shmtree: _p2p.Lock relies on the GIL; a build of Python without it is not supported"
+    #define SHMTREE_NO_GIL 1
+    #else
+    #define SHMTREE_NO_GIL 0
     #endif
     """
+    const bint NO_GIL "SHMTREE_NO_GIL"     # (a free-threaded Python: _p2p.Lock's token is the
+                                          # lock itself)
 
 cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
@@ -475,12 +479,12 @@ cdef class Lock:
 
     Every taker holds the GIL (Python code, and the quick paths, which run with it), so the
     lock is a flag looked at and set under the GIL: no atomic operation and no semaphore when
-    it is free (a PyThread lock's take and give cost 0.1-0.15 us of a ping-pong's 0.6 us
+    it is free (a PyThread lock's take and give cost some 0.1 us of a ping-pong's 0.6 us
     message).  A thread that finds it held waits, the GIL released, on a PyThread lock used as
     a token that give() posts when there are waiters (a token posted between the waiter's look
     and its wait stays there: no wake-up is lost; one left over only makes a waiter look
-    again), and runs signal handlers (KeyboardInterrupt) every 20 ms as it waits.  Not for a
-    build of Python without the GIL (refused when the module is built)."""
+    again), and runs signal handlers (KeyboardInterrupt) every 20 ms as it waits.  On a
+    free-threaded Python (no GIL: NO_GIL) the token is the lock itself, taken and given."""
     cdef PyThread_type_lock token
     cdef bint held
     cdef int waiters
@@ -489,21 +493,33 @@ cdef class Lock:
         self.token = PyThread_allocate_lock()
         if self.token == NULL:
             raise MemoryError()
-        PyThread_acquire_lock(self.token, NOWAIT_LOCK)      # (no token yet)
+        if not NO_GIL:
+            PyThread_acquire_lock(self.token, NOWAIT_LOCK)      # (no token yet)
 
     def __dealloc__(self):
         if self.token != NULL:
-            PyThread_release_lock(self.token)   # (freed unlocked, as CPython's own locks)
+            if not NO_GIL or self.held:   # (freed unlocked, as CPython's own locks)
+                PyThread_release_lock(self.token)
             PyThread_free_lock(self.token)
 
     cdef inline int take(self) except -1:
-        if not self.held:           # (the GIL makes the look and the set one step)
+        if not NO_GIL and not self.held:    # (the GIL makes the look and the set one step)
             self.held = True
             return 0
         return self._wait_take()
 
     cdef int _wait_take(self) except -1:
         cdef PyLockStatus got
+        if NO_GIL:
+            if not PyThread_acquire_lock(self.token, NOWAIT_LOCK):
+                while True:
+                    with nogil:
+                        got = PyThread_acquire_lock_timed(self.token, LOCK_WAIT_US, 0)
+                    if got == PY_LOCK_ACQUIRED:
+                        break
+                    PyErr_CheckSignals()
+            self.held = True
+            return 0
         self.waiters += 1
         try:
             while self.held:
@@ -518,12 +534,15 @@ cdef class Lock:
 
     cdef inline void give(self) noexcept:
         self.held = False
-        if self.waiters:
+        if NO_GIL or self.waiters:
             PyThread_release_lock(self.token)
 
     def acquire(self, bint blocking=True):
         if not blocking:
-            if self.held:
+            if NO_GIL:
+                if not PyThread_acquire_lock(self.token, NOWAIT_LOCK):
+                    return False
+            elif self.held:
                 return False
             self.held = True
             return True
