@@ -51,6 +51,7 @@ def check(comm):
     if comm.nodes > 1:
         check_across(comm)
         messages_between_nodes(comm)
+        splits_leave_the_launcher_flat(comm)
     assert int(comm.allreduce(np.array([1]))[0]) == comm.size
     return g
 
@@ -82,6 +83,25 @@ def messages_between_nodes(comm):
     t0 = time.monotonic()
     while launcher_threads() != relays:             # (its relay stops: its proxy closes)
         assert time.monotonic() - t0 < 10, (relays, launcher_threads())
+        time.sleep(0.05)
+
+
+def splits_leave_the_launcher_flat(comm, count=40):
+    """inter=: splits across nodes, each used and closed, leave the launcher's threads and
+    descriptors as they were (each made a child proxy: a mailbox, a link and a relay on the
+    family's communicator, a mapping of the node's part; all go when the members close it)."""
+    threads = launcher_threads()
+    if threads is None:
+        return
+    fds = len(os.listdir(f"/proc/{os.getppid()}/fd"))
+    for _ in range(count):
+        with comm.split(comm.rank % 2) as sub:
+            assert int(sub.allreduce(np.array([1]))[0]) == sub.size
+    comm.barrier()
+    t0 = time.monotonic()
+    while launcher_threads() != threads or len(os.listdir(f"/proc/{os.getppid()}/fd")) > fds:
+        assert time.monotonic() - t0 < 10, (threads, launcher_threads(), fds,
+                                            len(os.listdir(f"/proc/{os.getppid()}/fd")))
         time.sleep(0.05)
 
 
