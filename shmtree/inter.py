@@ -38,8 +38,8 @@ from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL, TAG_X = 11, 12, 13, 14
-TAG_EPOCH, TAG_BCAST, TAG_GATHER, TAG_BARRIER = 15, 16, 17, 18     # (a link on some ranks of
-                                                                   # its communicator: peers)
+TAG_EPOCH, TAG_BCAST, TAG_GATHER = 15, 16, 17     # (a link on some ranks of its
+                                                  # communicator: peers)
 CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
@@ -439,18 +439,6 @@ class Link:
         self.complete(reqs)
         return buf
 
-    def barrier(self):
-        """Every leader has reached this step.  (Before a blocking MPI call that every leader
-        makes next, a split: MPI's blocking calls spin while they wait, and the leaders that
-        arrived first would take the CPU the others' nodes need to get there.  This step
-        waits as every step does, napping.)"""
-        if self.n > 1:
-            if self.whole:
-                self.complete([self.comm.Ibarrier()])
-            else:                                       # (an empty message from each peer)
-                none = np.empty(0, np.uint8)
-                self.complete(self._allgather_requests(none, [none] * self.n, TAG_BARRIER))
-
     def bcast(self, buf, root):
         """buf (bytes) from node `root`'s leader to every leader."""
         if self.n > 1 and buf.size:
@@ -488,10 +476,10 @@ class Link:
         return [self.comm.Isend([buf, MPI.BYTE], dest=p, tag=tag)
                 for j, p in enumerate(peers) if j != root]
 
-    def _allgather_requests(self, send, parts, tag=TAG_GATHER):
+    def _allgather_requests(self, send, parts):
         """send (uint8) to every other peer, and parts[j] (its size known) received from
         node j; parts[me] is left alone (the caller fills it)."""
-        MPI, peers, me, tag = self.MPI, self.peers, self.me, self.tags + tag
+        MPI, peers, me, tag = self.MPI, self.peers, self.me, self.tags + TAG_GATHER
         reqs = [self.comm.Irecv([parts[j], MPI.BYTE], source=p, tag=tag)
                 for j, p in enumerate(peers) if j != me]
         reqs += [self.comm.Isend([send, MPI.BYTE], dest=p, tag=tag)
