@@ -768,21 +768,24 @@ cdef class Quick:
                 waited = not self.home._wait(&cond, 1, budget, self.spin_ns)
 
 
-# ---- Messages.send and Messages.recv (bound as methods: cyfunctions) ----
+# ---- Messages.send, recv and sendrecv (bound as methods: cyfunctions) ----
 #
-# A plain communicator's blocking send and recv begin here, natively, with the quick path
-# (Quick._send, Quick._recv: they check that the communicator is usable first), and call the
-# general path, in Python, only when it declines: messages.Messages._send_general and
-# _recv_general (set_general), which check every argument and raise what is wrong.
+# A plain communicator's blocking send, recv and sendrecv begin here, natively, with the quick
+# path (Quick._send, Quick._recv: they check that the communicator is usable first), and call
+# the general path, in Python, only when it declines: messages.Messages._send_general,
+# _recv_general and _sendrecv_general (set_general), which check every argument and raise
+# what is wrong.
 
-cdef object _send_general = None, _recv_general = None, _deadline_of = None
+cdef object _send_general = None, _recv_general = None, _sendrecv_general = None
+cdef object _deadline_of = None
 
 
-def set_general(send_general, recv_general, deadline_of):
-    """(messages.py, once.)  The general paths of send and recv, and calls.deadline_of (the
-    one rule of a timeout)."""
-    global _send_general, _recv_general, _deadline_of
+def set_general(send_general, recv_general, sendrecv_general, deadline_of):
+    """(messages.py, once.)  The general paths of send, recv and sendrecv, and
+    calls.deadline_of (the one rule of a timeout)."""
+    global _send_general, _recv_general, _sendrecv_general, _deadline_of
     _send_general, _recv_general, _deadline_of = send_general, recv_general, deadline_of
+    _sendrecv_general = sendrecv_general
 
 
 def messages_send(self, array, dest, *, tag=0, timeout=None):
@@ -814,6 +817,35 @@ def messages_recv(self, source, *, tag=0, out=None, timeout=None):
             return got
         return _recv_general(self, source, tag, out, timeout, deadline, True)
     return _recv_general(self, source, tag, out, timeout, None, False)
+
+
+def messages_sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None,
+                      timeout=None):
+    """Send `array` to `dest` and receive from `source` at once (neither waits for the other
+    to finish): the received array (or `out`).
+
+    The quick path (a halo exchange's small messages): Quick._send, then Quick._recv, when
+    the receive's arguments are ones the general path takes as they are (an int source with
+    a channel already, so a rank; an int tag in range; `out` an ndarray or None), so that
+    nothing is sent by a call that the general path would refuse; the receive goes the
+    general way when Quick._recv declines after the send."""
+    quick = self._p2p_quick
+    deadline = None
+    if type(quick) is Quick and type(source) is int and type(recvtag) is int \
+            and 0 <= recvtag < 2**63 and (out is None or type(out) is _NDARRAY) \
+            and source in (<Quick>quick).inn:
+        if timeout is not None:
+            try:
+                deadline = _deadline_of(timeout)
+            except Exception:       # (raised by the general path, after its own checks)
+                return _sendrecv_general(self, array, dest, source, sendtag, recvtag, out,
+                                         timeout)
+        if (<Quick>quick)._send(array, dest, sendtag):
+            got = (<Quick>quick)._recv(source, recvtag, out, deadline)
+            if got is not None:
+                return got
+            return _recv_general(self, source, recvtag, out, timeout, deadline, True)
+    return _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout)
 
 
 cdef inline char *_b(m) except NULL:

@@ -1040,8 +1040,11 @@ def _out_arg(out):
     return out
 
 
-_native_send, _native_recv = _p2p.messages_send, _p2p.messages_recv    # (Messages.send, recv)
-for _f, _name in ((_native_send, "send"), (_native_recv, "recv")):
+# (Messages.send, recv, sendrecv)
+_native_send, _native_recv = _p2p.messages_send, _p2p.messages_recv
+_native_sendrecv = _p2p.messages_sendrecv
+for _f, _name in ((_native_send, "send"), (_native_recv, "recv"),
+                  (_native_sendrecv, "sendrecv")):
     _f.__name__, _f.__qualname__, _f.__module__ = _name, f"Messages.{_name}", __name__
 
 
@@ -1084,12 +1087,13 @@ class Messages:
                 self._p2p_quick = tr.quick    # (routed across nodes: never, each call routes)
         return tr
 
-    # A plain communicator's send and recv begin natively (_p2p.messages_send and
-    # messages_recv: the quick path first, with no Python-level check, as it checks what _p2p
-    # does, Quick._usable, and declines, nothing done, whatever it does not take), and come
-    # to these general paths, which raise what is wrong, when it declines.
+    # A plain communicator's send, recv and sendrecv begin natively (_p2p.messages_send,
+    # messages_recv, messages_sendrecv: the quick path first, with no Python-level check, as
+    # it checks what _p2p does, Quick._usable, and declines, nothing done, whatever it does
+    # not take), and come to these general paths, which raise what is wrong, when it declines.
     send = _native_send
     recv = _native_recv
+    sendrecv = _native_sendrecv
 
     def _send_general(self, array, dest, tag, timeout, tried):
         """send, past the quick path (tried: already, by _p2p.messages_send)."""
@@ -1125,9 +1129,8 @@ class Messages:
             raise op.error
         return op.result
 
-    def sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None, timeout=None):
-        """Send `array` to `dest` and receive from `source` at once (neither waits for the
-        other to finish): the received array (or `out`)."""
+    def _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout):
+        """sendrecv, past the quick path (_p2p.messages_sendrecv)."""
         tr, dest, sendtag = self._p2p_route(dest, "dest", sendtag, "sendtag")
         from_tr, source, recvtag = self._p2p_route(source, "source", recvtag, "recvtag")
         deadline = deadline_of(timeout)
@@ -1197,4 +1200,5 @@ class Messages:
             tr.close()
 
 
-_p2p.set_general(Messages._send_general, Messages._recv_general, deadline_of)
+_p2p.set_general(Messages._send_general, Messages._recv_general, Messages._sendrecv_general,
+                 deadline_of)

@@ -526,6 +526,38 @@ def _args_fn(comm):
     return out
 
 
+def _refused_sendrecv_fn(comm):
+    """A sendrecv whose receive's arguments are refused raises and sends nothing (the native
+    quick path sends only when the general path would take the call as it is)."""
+    other = 1 - comm.rank
+    x = np.zeros(1)
+    for _ in range(3):                            # channels and descriptions known: quick
+        comm.sendrecv(x, other, other, sendtag=7, recvtag=7)
+    out = []
+    if comm.rank == 0:
+        for k, kw in enumerate(({"source": 5}, {"source": -1}, {"recvtag": -1},
+                                {"recvtag": "x"}, {"out": [1.0]}, {"timeout": True},
+                                {"source": 1.0})):
+            args = {"source": 1, **kw}
+            try:
+                comm.sendrecv(np.full(1, k + 1.0), 1, sendtag=7, **args)
+                out.append("ok")
+            except (TypeError, ValueError) as e:
+                out.append(type(e).__name__)
+        comm.send(np.full(1, -1.0), 1, tag=7)
+    comm.barrier()
+    if comm.rank == 1:
+        out = comm.recv(0, tag=7).tolist()        # the first message after the warm-up
+    return out
+
+
+def test_a_refused_sendrecv_sends_nothing():
+    got = run_ok(_refused_sendrecv_fn, 2)
+    assert got[0] == ["ValueError", "ValueError", "ValueError", "TypeError", "TypeError",
+                      "ValueError", "TypeError"], got
+    assert got[1] == [-1.0], got
+
+
 def test_local_errors():
     got = run_ok(_args_fn, 2)
     assert got[0] == ["ValueError", "ValueError", "ValueError", "TypeError", "TypeError",
