@@ -197,7 +197,9 @@ class Link:
             self._deadline, self._watch = None, True
             with self._cv:
                 self._running = False
-                self._cv.notify_all()
+                if self._jobs or self._closing:    # (else nobody waits for it: waking the
+                    self._cv.notify_all()          # idle link thread cost a thread switch
+                                                   # and an MPI test per inline step)
 
     def abort(self, text):
         """This node failed: tell every leader (this one included) and fail every job."""
