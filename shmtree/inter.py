@@ -38,8 +38,7 @@ from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 __all__ = ["Link"]
 
 TAG_RS, TAG_AG, TAG_CTRL, TAG_X = 11, 12, 13, 14
-TAG_EPOCH, TAG_BCAST, TAG_GATHER = 15, 16, 17     # (a link on some ranks of its
-                                                  # communicator: peers)
+TAG_EPOCH, TAG_BCAST = 15, 16     # (a link on some ranks of its communicator: peers)
 CTRL_BYTES = 512
 EPOCH_BYTES = 8             # a control message: the link's epoch, then the failure text
 GATHER_BYTES = 256 << 10    # an allreduce step of at most this much (times the nodes) is one
@@ -401,11 +400,10 @@ class Link:
         if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
             every = np.empty((n,) + buf.shape, buf.dtype)
             if self.whole:
-                reqs = [self.comm.Iallgather([_raw(src), MPI.BYTE], [_raw(every), MPI.BYTE])]
-            else:
-                every[me] = src
-                reqs = self._allgather_requests(_raw(src), [_raw(x) for x in every])
-            self.complete(reqs)
+                self.complete([self.comm.Iallgather([_raw(src), MPI.BYTE],
+                                                    [_raw(every), MPI.BYTE])])
+            else:                              # (point to point between the peers)
+                self.exchange([_raw(src)] * n, [_raw(x) for x in every])
             _kernels.reduce_into(buf, list(every), op)
             return buf
         peers = self.peers
@@ -457,11 +455,10 @@ class Link:
             self.complete([self.comm.Iallgatherv(
                 [_raw(send), self.MPI.BYTE],
                 [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
-        else:
+        else:                                  # (point to point between the peers)
             raw = _raw(recv)
-            parts = [raw[d:d + int(c)] for d, c in zip(displs, counts)]
-            parts[self.me][...] = _raw(send)
-            self.complete(self._allgather_requests(_raw(send), parts))
+            self.exchange([_raw(send)] * self.n,
+                          [raw[d:d + int(c)] for d, c in zip(displs, counts)])
         return recv
 
     # ---- collectives over the peers (a link on some ranks of its communicator) ----
@@ -477,16 +474,6 @@ class Link:
             return [self.comm.Irecv([buf, MPI.BYTE], source=peers[root], tag=tag)]
         return [self.comm.Isend([buf, MPI.BYTE], dest=p, tag=tag)
                 for j, p in enumerate(peers) if j != root]
-
-    def _allgather_requests(self, send, parts):
-        """send (uint8) to every other peer, and parts[j] (its size known) received from
-        node j; parts[me] is left alone (the caller fills it)."""
-        MPI, peers, me, tag = self.MPI, self.peers, self.me, self.tags + TAG_GATHER
-        reqs = [self.comm.Irecv([parts[j], MPI.BYTE], source=p, tag=tag)
-                for j, p in enumerate(peers) if j != me]
-        reqs += [self.comm.Isend([send, MPI.BYTE], dest=p, tag=tag)
-                 for j, p in enumerate(peers) if j != me]
-        return reqs
 
     def exchange(self, send, recv):
         """Blocks between the leaders, point to point: send[j] (a contiguous uint8 array) to
