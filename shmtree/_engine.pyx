@@ -337,23 +337,27 @@ cdef int drive(Eng *e, const Alg *alg) noexcept nogil:
     cdef Chan *c = &e.chans[k.ch]
     cdef Idle w
     cdef int rc, action, steps = 0
-    w.since = 0
-    w.spins = 0
+    w.since = e.idle_since            # (a wait goes on across slices: a rank parked on its bell
+    w.spins = 0                       # does not spin and yield again after each slice's checks)
     w.spinning = False
     while True:
         if alg.done(e, c, k):
+            e.idle_since = 0
             return RC_MISMATCH if k.mismatch else RC_DONE
         action = alg.ready(e, c, k)
         if action == 0:
             rc = idle(e, &w, alg, c, k)
             if rc != RC_DONE:
+                e.idle_since = w.since
                 return rc
             continue
         rc = alg.step(e, c, k, action)
         if rc != RC_DONE:
+            e.idle_since = 0
             return rc
         w.since = 0
         if slice_over(e, &steps) and not alg.done(e, c, k):
+            e.idle_since = 0
             return RC_STALLED
 
 
@@ -620,7 +624,7 @@ cdef class Engine:
         self.share_keep = []
 
     def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
-                 int64_t yield_ns=200000, int64_t sleep_ns=5000000, uint64_t nt_bytes=0,
+                 int64_t yield_ns=200000, int64_t sleep_ns=20000000, uint64_t nt_bytes=0,
                  int64_t slice_ns=20000000, exchange=None):
         """channels: per channel a transport.ChannelSpec (parent, index, children, up, down,
         child_up, parent_down: segment offsets, -1 for none; nslots, stride, payload; ring,
@@ -786,6 +790,7 @@ cdef class Engine:
         cdef uint64_t seq = self.next_seq
         self.next_seq = seq + 1
         self.cur_seq = seq
+        self.e.idle_since = 0
         self.owner = PyThread_get_thread_ident()
         shm_store_release64(&self.seg.block(self.e.rank).call, seq + 1)
         self.src_p = src_p

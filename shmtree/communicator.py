@@ -549,7 +549,7 @@ class Communicator(Messages, Front, Executors):
         ranks = self._neighbours
         now = time.monotonic()
         if now >= self._next_full_scan:
-            ranks = range(self.size)
+            ranks = self._neighbours + [r for r in range(self.size) if r not in self._neighbours]
             self._next_full_scan = now + FULL_SCAN_S
         seg = self._seg
         for r in ranks:

@@ -24,7 +24,7 @@ from . import _engine, plan as _plan
 from .codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
                     ABORT_TIMEOUT, NOTED, ST_BUSY)
 from .errors import PeerLostError, ShmtreeError
-from .liveness import how_gone, identity
+from .liveness import Watch, how_gone, identity
 from .plan import SMALL_SLOTS, Plan, plan_group
 from .transport import ChannelPlan, Layout, create_memfd, new_nonce
 
@@ -116,7 +116,7 @@ class Group:
         self.layout = Layout(plan.size, channels)
         self.numa_errno = None
         self._comm = None               # weak reference to this process's member, once joined
-        self._procs = {}                # psutil handles of the members, by (rank, pid)
+        self._procs = Watch()           # liveness.how_gone's cache of the members, by (rank, pid)
 
     topology = _plan_property("topology", "The machine the trees are laid on.")
     tree_kind = _plan_property("tree_kind", "The tree option as given (parsed).")
@@ -301,7 +301,9 @@ class Group:
         joined, pid, ctime = self._seg.member(r)
         if not joined:
             return ""                    # not started yet: nothing to say
-        procs = self.__dict__.setdefault("_procs", {})      # psutil handles, per process
+        procs = self.__dict__.get("_procs")
+        if procs is None:
+            procs = self._procs = Watch()     # (how_gone's cache, per process)
         return how_gone(procs, (r, pid), pid, ctime)
 
     def claim_rank(self) -> int:
@@ -370,6 +372,9 @@ class Group:
             comm.close()              # (the call has raised: nothing left to wait for)
         self._closed = True
         self._close_mailbox()
+        procs = self.__dict__.get("_procs")
+        if procs is not None:
+            procs.close()                 # (its pidfds)
         self._seg = _ClosedSegment()
         try:
             os.close(self._fd)

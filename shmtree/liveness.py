@@ -2,19 +2,22 @@
 that started them.
 
 - `how_gone`: whether a member's process (pid and start time, as it recorded them when it
-  joined) still lives, with the psutil handles cached by the caller;
+  joined) still lives, with what it learned cached in the caller's `Watch` (pidfds);
 - `identity`: (pid, start time) of this process, what a member records and a worker watches;
 - `die_with_parent` / `start_parent_watch`: a worker dies with the process that started it.
 
 psutil is imported on first use (importing shmtree stays cheap).
 """
 import os
+import select
 import signal
 import threading
 import time
+import weakref
 
 PARENT_WATCH_S = 0.25       # how often a worker checks that the process that started it lives
 CTIME_SLACK_S = 0.05        # start times within this are the same process (pid not reused)
+MAX_PIDFDS = 16             # pidfds one group's Watch holds at most
 
 
 def identity():
@@ -25,27 +28,117 @@ def identity():
 
 
 def how_gone(procs, key, pid, ctime) -> str:
-    """'' while the process (pid, started at ctime) lives; else how it is gone: exited, a zombie
-    nobody has reaped yet, or its pid now used by another process.  `procs` caches psutil handles
-    by `key` (one per member process) between calls."""
-    import psutil
+    """'' while the process (pid, started at ctime) lives; else how it is gone: exited (a
+    zombie too), or its pid now used by another process.  `procs` is a Watch: it caches, by
+    `key` (one per member process), what psutil matched to ctime once: a pidfd of the process
+    where the kernel gives one (a later check is one select of it: a waiting rank checks its
+    neighbours every time slice, so the check must cost microseconds), else the start field of
+    /proc/PID/stat (a later check is one read of that file)."""
+    known = procs.get(key)
+    if known is None:
+        import psutil
 
-    proc = procs.get(key)
-    try:
-        if proc is None:
+        try:
             proc = psutil.Process(pid)
             if abs(proc.create_time() - ctime) > CTIME_SLACK_S:
                 return f"pid {pid} now belongs to another process"
-            procs[key] = proc
-        if not proc.is_running():
+        except psutil.NoSuchProcess:
             return f"pid {pid} is gone"
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return f"pid {pid} is a zombie"
-        return ""
-    except psutil.NoSuchProcess:
+        except psutil.Error:
+            return ""
+        known = procs.watch(key, pid)
+        if known is None:
+            return f"pid {pid} is gone"
+    start, fd = known
+    if fd is not None:
+        return f"pid {pid} is gone" if select.select([fd], [], [], 0)[0] else ""
+    fields = _stat_fields(pid)
+    if fields is None:
         return f"pid {pid} is gone"
-    except psutil.Error:
-        return ""
+    state, now_start = fields
+    if now_start != start:
+        return f"pid {pid} now belongs to another process"
+    if state in (b"Z", b"X", b"x"):
+        return f"pid {pid} is a zombie"
+    return ""
+
+
+class Watch(dict):
+    """how_gone's cache of one group's members: key -> (start field, pidfd or None).  Its
+    pidfds are closed by close(), and in a child this process forks (they are the parent's).
+    At most MAX_PIDFDS of them: the first members watched (a rank's tree neighbours, which it
+    checks every slice, come first); the others are read from /proc."""
+
+    fds = 0
+
+    def watch(self, key, pid):
+        """Start watching pid (already matched to its recorded start time): (start, fd), or
+        None when it is gone already.  The pidfd is checked against the start field after it is
+        opened, so it names the matched process and not a successor with its pid."""
+        fields = _stat_fields(pid)
+        fd = None
+        if fields is not None and hasattr(os, "pidfd_open") and self.fds < MAX_PIDFDS:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:             # (gone, or no pidfds here: the /proc reads serve)
+                fd = None
+            if fd is not None and _stat_fields(pid) != fields:
+                os.close(fd)
+                fd, fields = None, _stat_fields(pid)
+        if fields is None:
+            if fd is not None:
+                os.close(fd)
+            return None
+        self[key] = got = (fields[1], fd)
+        if fd is not None:
+            self.fds += 1
+            _WATCHES.add(self)
+        return got
+
+    def close(self):
+        for _, fd in self.values():
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.clear()
+        self.fds = 0
+        _WATCHES.discard(self)
+
+    __hash__ = object.__hash__        # (a set member by identity)
+
+    def __eq__(self, other):
+        return self is other
+
+
+_WATCHES = weakref.WeakSet()          # the Watches holding pidfds, to drop in a forked child
+
+
+def _drop_after_fork():
+    for w in list(_WATCHES):
+        w.close()
+
+
+os.register_at_fork(after_in_child=_drop_after_fork)
+
+
+def _stat_fields(pid):
+    """(state, start time in clock ticks) from /proc/PID/stat, as bytes; None when there is no
+    such process.  (The command name, field 2, may hold spaces and parentheses: the fields after
+    it are counted from its last ')'.)"""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+    rest = raw[raw.rindex(b")") + 2:].split(b" ", 20)
+    return rest[0], rest[19]          # (fields 3 and 22: state and starttime)
 
 
 def die_with_parent():

@@ -115,3 +115,39 @@ def test_stats_public_and_closed():
     ((keys, err),) = run_ok(closed_stats, 1)
     assert keys == sorted(["calls", "bytes_sent", *WAIT_KEYS])
     assert err is not None and "closed" in err
+
+
+IDLE_WAIT_S = 1.5           # how long the waiting rank waits in one allreduce
+SLEEP_S = 0.02              # the engine's longest sleep on its bell (Engine sleep_ns)
+
+
+def idle_worker(comm, wait_s):
+    """Rank 1 enters an allreduce wait_s late; rank 0 waits for it in one call.  Returns the
+    counters' delta and the CPU time the rank used during that call."""
+    comm.barrier()
+    before = comm.stats()
+    if comm.rank == 1:
+        time.sleep(wait_s)
+    cpu = time.process_time()
+    y = comm.allreduce(np.ones(1))
+    cpu = time.process_time() - cpu
+    assert y[0] == comm.size
+    return delta(before, comm.stats()), cpu
+
+
+@pytest.mark.timeout(60)
+def test_a_long_wait_parks():
+    """A rank blocked in one call for 1.5 s spins and yields once, at the start of the wait, then
+    sleeps on its bell in long sleeps until the peer arrives: the wait goes on across the
+    engine's time slices (each slice's peer checks do not restart the spin-and-yield phase,
+    and the liveness check of a peer is a poll of its pidfd, not a /proc read through psutil)."""
+    (d, cpu), _ = run_ok(idle_worker, 2, args=(IDLE_WAIT_S,))
+    slices = IDLE_WAIT_S / SLEEP_S
+    assert d["calls"] == 1, d
+    # one yield phase (200 us of sched_yield: a few hundred calls), not one per 20 ms slice
+    # (that was 75 phases: over 20,000 yields)
+    assert 0 < d["yields"] < 3000, f"rank 0 waited {IDLE_WAIT_S} s: {d}"
+    # sleeps of 20 ms, one per slice (5 ms sleeps were 4 per slice)
+    assert 0 < d["sleeps"] <= slices * 1.3 + 5, f"rank 0 waited {IDLE_WAIT_S} s: {d}"
+    # the CPU the waiting rank used: 0.5-0.7% here, 3.3% before it parked across slices
+    assert cpu < 0.02 * IDLE_WAIT_S, f"rank 0 used {cpu * 1e3:.1f} ms of CPU in a {IDLE_WAIT_S} s wait"

@@ -14,6 +14,7 @@
     shmtree-bench scaling [...]        P x collective x size x private/shared arrays, vs MPI
     shmtree-bench torch [...]          torch.distributed: backend shmtree beside gloo (every op,
                                        FSDP and DDP steps, bfloat16)
+    shmtree-bench idle [...]           a waiting rank's CPU use and wake-up time
     shmtree-bench --version            "shmtree-bench <shmtree's version>"
 
 Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
@@ -33,15 +34,15 @@ import signal
 import sys
 import threading
 
-from . import (commands, compare, machine, multinode, overlap, p2p, persistent, plot, scaling,
-               split, torchdist)
+from . import (commands, compare, idle, machine, multinode, overlap, p2p, persistent, plot,
+               scaling, split, torchdist)
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
-            "p2p", "persistent", "split", "torch")
+            "p2p", "persistent", "split", "torch", "idle")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -225,6 +226,7 @@ def build_parser():
     split.add_parser(sub, _arg, _positive)           # sub-communicators (issue 24)
     _persistent_parser(sub)
     torchdist.add_parser(sub, _arg, _positive)       # torch.distributed beside gloo (issue 25)
+    idle.add_parser(sub, _arg, _positive)            # a waiting rank's CPU and wake-up
     return parser
 
 
@@ -350,7 +352,7 @@ def _main(argv):
                 "overlap": commands.cmd_overlap, "multinode": commands.cmd_multinode,
                 "scaling": scaling.cmd_scaling, "p2p": p2p.cmd_p2p,
                 "split": split.cmd_split, "persistent": persistent.cmd_persistent,
-                "torch": torchdist.cmd_torch}[args.command](args)
+                "torch": torchdist.cmd_torch, "idle": idle.cmd_idle}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1
