@@ -1061,3 +1061,15 @@ def test_torch_beside_gloo(tmp_path, capsys):
     assert doc["nprocs"] == 2 and len(doc["ops"]) == 2 * len(OPS)
     assert set(doc["ops"][0]) == {"op", "bytes", "gloo", "shmtree"}
     assert set(doc["bf16"]) == {"gloo", "shmtree"} and set(doc["fsdp"]) == {"gloo", "shmtree"}
+
+
+@timeout
+def test_idle_reports_cpu_and_wakeups(capsys):
+    assert main(["idle", "--wait", "0.3", "--wakes", "5", "--rounds", "1", "--late", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu while waiting" in out and "OS floor" in out
+    row = [line for line in out.splitlines() if line.strip().startswith("1 ")]
+    assert len(row) == 1, out
+    cells = row[0].split()
+    assert cells[1].endswith("%") and 0 <= float(cells[1][:-1]) < 100, out
+    assert all(float(c) > 0 for c in cells[2:5]), out
