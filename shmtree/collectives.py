@@ -338,11 +338,13 @@ class Executors:
         return table[:, :w], said
 
     def _said(self, exc, kind, deadline):
-        """A local error this rank found after a round of its call (an out= that does not fit
-        what the round said): said in place of the call's next round, so that every other
-        rank's call ends with CollectiveMismatchError naming it; then raised here."""
+        """A disagreement this rank found after a round of its call (an out= that does not fit
+        what the round said, e.g. the root's dtype): said in place of the call's next round, so
+        that every other rank's call ends with CollectiveMismatchError naming it; then raised
+        here as the same kind of error, with its own words (a CollectiveMismatchError is a
+        ValueError too)."""
         self._error_round(kind, error_words(exc), deadline)
-        raise exc
+        raise CollectiveMismatchError(*exc.args) from None
 
     # ---- broadcast ----
 

@@ -652,3 +652,42 @@ def test_strided_out_gets_the_result(tree, n):
     for rank, got in enumerate(outs):
         assert got["allreduce"] == (True, want), rank
         assert got["reduce"] == ((True, want) if rank == 1 else None), rank
+
+
+def out_disagrees_worker(comm, which):
+    """Rank 1 passes an out= that disagrees with what the call's first round said (the root's
+    dtype; the rows the others send it): every rank must raise CollectiveMismatchError, and
+    the group must go on."""
+    P, me = comm.size, comm.rank
+    if which == "scatter":
+        a = np.arange(2 * P, dtype=np.float64) if me == 0 else None
+        out = np.empty(2, np.float32 if me == 1 else np.float64)
+        call = lambda: comm.scatter(a, root=0, out=out, axis=0)          # noqa: E731
+    elif which == "gather":
+        a = np.ones((me + 1, 2))
+        out = np.empty((P * (P + 1) // 2 + (me == 0), 2)) if me == 0 else None
+        call = lambda: comm.gather(a, root=0, out=out, axis=0)           # noqa: E731
+    else:                                  # alltoall(counts=): rank 1 expects a row too many
+        counts = [1] * P
+        a = np.ones((P, 2))
+        out = np.empty((P + (me == 1), 2))
+        call = lambda: comm.alltoall(a, counts=counts, out=out)          # noqa: E731
+    try:
+        call()
+        got = "no error"
+    except Exception as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    y = comm.allreduce(np.ones(3))
+    assert np.all(y == P), y
+    return got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["scatter", "gather", "alltoall"])
+def test_an_out_that_disagrees_is_a_mismatch_on_every_rank(which):
+    got = run_ok(out_disagrees_worker, 3, args=(which,))
+    for rank, text in enumerate(got):
+        assert text.startswith("CollectiveMismatchError"), (rank, got)
+    bad = 0 if which == "gather" else 1
+    assert "out has" in got[bad], got
+    assert all(f"rank {bad}" in text for r, text in enumerate(got) if r != bad), got
