@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _kernels
 from .calls import split_bounds as _pieces
-from .codes import ABORT_FAILED, ranks_text
+from .codes import ABORT_FAILED, ABORT_TIMEOUT, ranks_text
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 
 __all__ = ["Link"]
@@ -47,8 +47,26 @@ CHECK_EVERY = 8             # MPI tests (each followed by a yield of the CPU) pe
                             # control message and at this node's own failure (`interrupt`)
 IDLE_POLL_S = 0.01          # an idle link looks for a control message this often
 WAIT_SLICE_S = 0.05         # the leader waits for a job in slices (deadline, abort checks)
+TIMEOUT_ACROSS = re.compile(r"shmtree: rank \d+ timed out in [^;]* across nodes; ")
+#                           (another node's timeout, in Spanning's words: its members raise
+#                           CollectiveTimeoutError, nodes._leader_timed_out)
+P2P_NODES = 8               # up to this many nodes, a link's allgathers are point to point
+                            # (as fast at that scale, and a timeout then knows whose part
+                            # had not come: LinkTimeout.exact); beyond, MPI's collective
 TIMED_OUT = ("shmtree: timed out waiting for the other nodes (the inter-node step of node {} "
              "did not complete)")
+
+
+class LinkTimeout(CollectiveTimeoutError):
+    """A step between the nodes ran past its deadline.  `waiting`: the link's nodes this step
+    still waited for (the sources of its receives that had not completed; every other node
+    when the step is one collective request of MPI's, which does not say whose part is
+    missing), and `exact`: whether that list is exact (point-to-point receives) or a superset.
+    Spanning names the global ranks of those nodes and the user's call."""
+
+    def __init__(self, me, waiting, exact):
+        super().__init__(TIMED_OUT.format(me))
+        self.waiting, self.exact = list(waiting), exact
 CLOSE_WAIT_S = 2.0          # close: how long a running step has to end once failed
 NAP_AFTER_S = 0.002         # a step that has waited this long for MPI sleeps between polls,
 NAP_SHARE = 0.05            # each nap this share of the time waited so far (the answer comes
@@ -146,7 +164,7 @@ class Link:
                        "unfinished")
         with self._cv:
             if self.failure is not None:
-                job.error = PeerLostError(f"shmtree: {self.failure}")
+                job.error = PeerLostError(f"shmtree: {self.failure.removeprefix('shmtree: ')}")
                 job.done.set()
                 return job
             self._jobs.append(job)
@@ -158,7 +176,7 @@ class Link:
         CollectiveTimeoutError once the monotonic `deadline` passes."""
         while not job.done.wait(WAIT_SLICE_S):
             if deadline is not None and time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
+                raise LinkTimeout(self.me, [j for j in range(self.n) if j != self.me], False)
         if job.error is not None:
             raise job.error
         return job.value
@@ -181,7 +199,7 @@ class Link:
         try:
             return fn(self, *args)
         except _Aborted:
-            raise PeerLostError(f"shmtree: {self.failure}") from None
+            raise PeerLostError(f"shmtree: {self.failure.removeprefix('shmtree: ')}") from None
         except CollectiveTimeoutError:
             # (its requests stay posted, kept by complete(): the caller aborts the link with
             # the words of its call, as after a timeout in wait(); a link used again without
@@ -284,7 +302,7 @@ class Link:
             try:
                 job.value = job.fn(self, *job.args)
             except _Aborted:
-                job.error = PeerLostError(f"shmtree: {self.failure}")
+                job.error = PeerLostError(f"shmtree: {self.failure.removeprefix('shmtree: ')}")
             except BaseException as exc:         # a bug or an MPI error: fail every node
                 job.error = exc
                 self.abort(f"node {self.me}: the inter-node step failed: "
@@ -324,20 +342,33 @@ class Link:
             jobs = list(self._jobs)
             self._jobs.clear()
         for job in jobs:
-            job.error = PeerLostError(f"shmtree: {self.failure}")
+            job.error = PeerLostError(f"shmtree: {self.failure.removeprefix('shmtree: ')}")
             job.done.set()
         if not own and self.group is not None:    # another node failed: this node's members
                                                   # must stop too (None: a launcher's proxy of
                                                   # a sub-communicator, mailbox.Proxy.split)
             try:
-                self.group.abort(ABORT_FAILED, 0, note=self.failure)
+                self.group.abort(ABORT_TIMEOUT if TIMEOUT_ACROSS.match(self.failure)
+                                 else ABORT_FAILED, 0, note=self.failure)
             except ShmtreeError:
                 pass
 
-    def complete(self, reqs):
+    def _timeout(self, reqs, sources):
+        """The LinkTimeout of a step whose requests (the ones Testall left: those not done)
+        ran past the deadline; sources[i]: the node reqs[i] receives from (None: a send, or a
+        collective request)."""
+        others = [j for j in range(self.n) if j != self.me]
+        if sources is None:
+            return LinkTimeout(self.me, others, False)
+        waiting = sorted({src for r, src in zip(reqs, sources) if r and src is not None})
+        return LinkTimeout(self.me, waiting or others, bool(waiting))
+
+    def complete(self, reqs, sources=None):
         """Wait for MPI requests, or for a control message (then raise _Aborted); this node's
         failure (`interrupt`) is checked every CHECK_EVERY polls.  Requests left posted when this
-        raises are kept (with their buffers) until MPI is done with them."""
+        raises are kept (with their buffers) until MPI is done with them.  sources: per request,
+        the node it receives from, or None (a send): a timeout then names the nodes whose
+        messages had not come (else every other node, LinkTimeout.exact False)."""
         MPI = self.MPI
         done = False
         try:
@@ -375,7 +406,8 @@ class Link:
                         self.abort(text)
                         raise _Aborted()
                 if self._deadline is not None and time.monotonic() >= self._deadline:
-                    raise CollectiveTimeoutError(TIMED_OUT.format(self.me))
+                    MPI.Request.Testsome(reqs)      # (Testall leaves every request as it was)
+                    raise self._timeout(reqs, sources)
             done = True
         finally:
             if not done:
@@ -399,7 +431,7 @@ class Link:
             return buf
         if buf.nbytes * n <= GATHER_BYTES:     # small: one allgather, every leader folds all
             every = np.empty((n,) + buf.shape, buf.dtype)
-            if self.whole:
+            if self.whole and n > P2P_NODES:
                 self.complete([self.comm.Iallgather([_raw(src), MPI.BYTE],
                                                     [_raw(every), MPI.BYTE])])
             else:                              # (point to point between the peers)
@@ -410,17 +442,19 @@ class Link:
         bounds = _pieces(buf.size, n)
         mine = buf[bounds[me]:bounds[me + 1]]
         got = [None] * n
-        reqs = []
+        reqs, sources = [], []
         for j in range(n):
             if j != me:
                 got[j] = np.empty_like(mine)
                 reqs.append(self.comm.Irecv([_raw(got[j]), MPI.BYTE], source=peers[j],
                                             tag=self.tags + TAG_RS))
+                sources.append(j)
         for j in range(n):
             if j != me:
                 reqs.append(self.comm.Isend([_raw(src[bounds[j]:bounds[j + 1]]), MPI.BYTE],
                                             dest=peers[j], tag=self.tags + TAG_RS))
-        self.complete(reqs)
+                sources.append(None)
+        self.complete(reqs, sources)
         got[me] = src[bounds[me]:bounds[me + 1]]
         if mine.size:
             if me == 0 or src is not buf:      # (mine is got[0], or overlaps none of them)
@@ -429,14 +463,15 @@ class Link:
                 folded = np.empty_like(mine)
                 _kernels.reduce_into(folded, got, op)
                 mine[...] = folded
-        reqs = []
+        reqs, sources = [], []
         for j in range(n):
             if j != me:
                 reqs.append(self.comm.Irecv([_raw(buf[bounds[j]:bounds[j + 1]]), MPI.BYTE],
                                             source=peers[j], tag=self.tags + TAG_AG))
                 reqs.append(self.comm.Isend([_raw(mine), MPI.BYTE], dest=peers[j],
                                             tag=self.tags + TAG_AG))
-        self.complete(reqs)
+                sources += [j, None]
+        self.complete(reqs, sources)
         return buf
 
     def bcast(self, buf, root):
@@ -451,7 +486,7 @@ class Link:
             recv[:send.size] = send
             return recv
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        if self.whole:
+        if self.whole and self.n > P2P_NODES:
             self.complete([self.comm.Iallgatherv(
                 [_raw(send), self.MPI.BYTE],
                 [_raw(recv), (list(map(int, counts)), displs), self.MPI.BYTE])])
@@ -484,19 +519,21 @@ class Link:
         MPI does not let messages of one pair overtake each other: a step's receives match its
         own sends."""
         MPI, me, peers = self.MPI, self.me, self.peers
-        reqs = []
+        reqs, sources = [], []
         for j in range(self.n):
             if j != me and recv[j].size:
                 reqs.append(self.comm.Irecv([_raw(recv[j]), MPI.BYTE], source=peers[j],
                                             tag=self.tags + TAG_X))
+                sources.append(j)
         for j in range(self.n):
             if j != me and send[j].size:
                 reqs.append(self.comm.Isend([_raw(send[j]), MPI.BYTE], dest=peers[j],
                                             tag=self.tags + TAG_X))
+                sources.append(None)
         if recv[me].size:
             recv[me][...] = send[me]
         if reqs:
-            self.complete(reqs)
+            self.complete(reqs, sources)
         return recv
 
 

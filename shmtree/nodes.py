@@ -27,6 +27,7 @@ by MPI: the same bits on every rank of every node.
 from __future__ import annotations
 
 import re
+import time
 import weakref
 
 import numpy as np
@@ -34,16 +35,16 @@ import numpy as np
 from . import _engine, calls, session
 from .calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
                     SCATTER, split_bounds as _pieces)
-from .codes import (ABORT_FAILED, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
+from .codes import (ABORT_FAILED, ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
                     KIND_BROADCAST, KIND_EXSCAN, KIND_GATHER, KIND_NAMES, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER, ranks_text)
 from .collectives import _fold, _identity
-from .errors import CollectiveMismatchError, PeerLostError, ShmtreeError
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .front import Front
 from .remote import SpanningMessages               # point-to-point (issue 24)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
-from .inter import Link, global_ranks
+from .inter import TIMEOUT_ACROSS as _ACROSS, Link, LinkTimeout, global_ranks
 from .ops import OP_NAMES
 
 __all__ = ["Spanning"]
@@ -62,7 +63,17 @@ _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (mu
 # (already in the words of the whole communicator)
 _STEP = re.compile(r"\b(?:allreduce|barrier|allgather|reduce_scatter|alltoall(?:\(counts\))?|"
                    r"scan|exscan|(?:broadcast|reduce|gather|scatter)\(root=\d+\)) #\d+")
+LATE_SLACK_S = 0.5           # (Spanning._timeout_words: a rank this much short of its own
+                             # deadline arrived late, and raises PeerLostError)
 _FROM_LINK = re.compile(r"shmtree: (node \d|timed out waiting for the other nodes)")
+
+
+def _bare_text(text, rank):
+    """A failure's words without the raising rank's prefix ("shmtree: rank 3: ") and the
+    group's suffix ("; the group is aborted"), with one "shmtree: " in front."""
+    for head in ("shmtree: ", f"rank {rank}: "):
+        text = text.removeprefix(head)
+    return "shmtree: " + text.removesuffix("; the group is aborted")
 
 
 class Spanning(SpanningMessages, Front, Pipelines):
@@ -117,12 +128,13 @@ class Spanning(SpanningMessages, Front, Pipelines):
     def _run(self, spec):
         """A parsed call, blocking: its executor, guarded, on the node's executor."""
         self._check_open()
-        return self.local._now(self._guarded(self._executor(spec)))
+        return self.local._now(self._guarded(self._executor(spec), spec.deadline))
 
     def _post(self, spec):
         """A parsed call, nonblocking: a Request of the node's progress thread."""
         self._check_open()
-        return self.local._enqueue(self._guarded(self._executor(spec)), spec.request_name)
+        return self.local._enqueue(self._guarded(self._executor(spec), spec.deadline),
+                                   spec.request_name)
 
     # (_quick: Front's, DECLINED; _local_error: Front's, raised here, each rank its own)
 
@@ -160,7 +172,7 @@ class Spanning(SpanningMessages, Front, Pipelines):
                 except CollectiveMismatchError:
                     pass
             run.call = spec.name
-            self.local._now(self._guarded(run))
+            self.local._now(self._guarded(run, spec.deadline))
         return spec.error
 
     def stats(self) -> dict:
@@ -198,7 +210,8 @@ class Spanning(SpanningMessages, Front, Pipelines):
             raise ShmtreeError("shmtree: this communicator is closed")
         for link in (self._link, self._lane):
             if link is not None and link.failure is not None:
-                raise PeerLostError(f"shmtree: rank {self.rank}: {link.failure}")
+                raise PeerLostError(f"shmtree: rank {self.rank}: "
+                                    f"{link.failure.removeprefix('shmtree: ')}")
 
     def _node_failed(self):
         """A from_mpi link's interrupt: this node's group is aborted (in global ranks)."""
@@ -213,7 +226,7 @@ class Spanning(SpanningMessages, Front, Pipelines):
         return global_ranks(text, self._members[self.node],
                             (lambda part: _STEP.sub(call, part)) if call else None)
 
-    def _guarded(self, run):
+    def _guarded(self, run, deadline=None):
         """A failure inside a call (other than a mismatch, which every rank raises alike and
         which leaves the group usable) fails every node: the node's group is aborted and the
         leader tells the other leaders.  Its message names global ranks and the user's call."""
@@ -227,8 +240,20 @@ class Spanning(SpanningMessages, Front, Pipelines):
             except CollectiveMismatchError:
                 raise
             except BaseException as exc:
-                if isinstance(exc, ShmtreeError) and exc.args and isinstance(exc.args[0], str) \
-                        and not _FROM_LINK.match(exc.args[0]):
+                said = self._timeout_words(exc, call, deadline)
+                if said is not None:
+                    # a step across nodes ran out of time (this rank's, another leader's, or
+                    # this node's leader's): every rank that waited raises the same words, in
+                    # global ranks, naming the ranks that had not arrived (the node's members
+                    # wait LEADER_GRACE_S longer than their leader, whose words these are)
+                    for link in {self._link, self._lane} - {None}:
+                        link.abort(said)
+                    if not self.group.closed and not self.group.aborted():
+                        self.group.abort(ABORT_TIMEOUT, self.node_rank, note=said)
+                    raise CollectiveTimeoutError(said) from None
+                if isinstance(exc, ShmtreeError) and exc.args and \
+                        isinstance(exc.args[0], str) and not _FROM_LINK.match(exc.args[0]) \
+                        and not _ACROSS.match(exc.args[0]):
                     exc.args = (self._global(exc.args[0], call),) + exc.args[1:]
                 text = (f"node {self.node} (rank {self.rank}) failed in {call}: "
                         f"{type(exc).__name__}: {exc}")
@@ -238,6 +263,50 @@ class Spanning(SpanningMessages, Front, Pipelines):
                     self.group.abort(ABORT_FAILED, self.node_rank, note=text)
                 raise
         return guarded
+
+    def _timeout_words(self, exc, call, deadline):
+        """The words of a timeout across nodes that `exc` reports, else None: this rank's own
+        (a LinkTimeout), or another rank's when this call's own deadline has passed too (a rank
+        that arrived after the others had timed out raises PeerLostError, as in one node)."""
+        if isinstance(exc, LinkTimeout):
+            return (f"shmtree: rank {self.rank} timed out in {call}; "
+                    f"{self._absent_nodes(exc.waiting, exc.exact)} had not arrived")
+        if isinstance(exc, CollectiveTimeoutError):        # in the node (its ranks' words)
+            text = _bare_text(self._global(str(exc), call), self.rank)
+            return text if _ACROSS.match(text) else None
+        if not isinstance(exc, PeerLostError) or deadline is None or \
+                time.monotonic() < deadline - LATE_SLACK_S:
+            return None
+        text = _bare_text(str(exc), self.rank)
+        if _ACROSS.match(text):                # another leader's, through the link
+            return text
+        return self._leader_timed_out()        # this node's leader's, through the node's group
+
+    def _leader_timed_out(self):
+        """The words of this node's leader when it aborted the node's group because its step
+        across nodes timed out (a member waiting in the same call raises them, as a
+        CollectiveTimeoutError), else None."""
+        group = self.group
+        if group.closed or group._seg.abort_state() != (ABORT_TIMEOUT, 0):
+            return None
+        note = group._seg.note(0)
+        return note if _ACROSS.match(note) else None
+
+    def _absent_nodes(self, nodes, exact):
+        """Words for the ranks of the given nodes that a step across nodes waited for: the
+        global ranks, by node; "a rank of" where a node has several (its leader sends for all
+        of them, once every one has arrived) or the step cannot tell which node (an MPI
+        collective request)."""
+        exact = exact or len(nodes) == 1
+        parts = []
+        for m in nodes:
+            members = self._members[m]
+            who = ranks_text(members)
+            parts.append(f"{who} (node {m})" if len(members) == 1 and exact
+                         else f"{'a rank' if exact else 'ranks'} of node {m} ({who})")
+        joined = ", ".join(parts)
+        return joined if exact else f"one or more of: {joined},"
+
 
     # ---- agreement ----
 

@@ -29,12 +29,24 @@ from .inter import Link
 __all__ = ["Pipelines"]
 
 
+LEADER_GRACE_S = 0.5         # (Pipelines._remaining)
+
+
 class Pipelines:
     """Spanning's data steps (a mixin: local, node_rank, node_size, _link, _lane, _segment,
     _scratch are Spanning's)."""
 
     def _remaining(self, deadline):
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+        """The time left of a call's deadline, for one in-node step.  A member other than the
+        leader, on a communicator of several nodes, waits LEADER_GRACE_S longer: when its
+        node's leader is late in a step it waits in across nodes, the leader's verdict (which
+        ranks, of which nodes, had not arrived) comes first and is what every rank says,
+        instead of a member's own "the leader had not arrived"."""
+        if deadline is None:
+            return None
+        if self.node_rank and self.nodes > 1:
+            deadline += LEADER_GRACE_S
+        return max(0.0, deadline - time.monotonic())
 
     def _intra_reduce(self, seg, op, out, deadline):
         """seg (every member's) reduced into out on the leader (None elsewhere)."""

@@ -4,7 +4,7 @@
 
 from_mpi modes (N processes, nodes of NODE_SIZE consecutive ranks; MODE-rr: ranks dealt round-robin
 over as many nodes): collectives, set, set-rr, setfail, parsed, mismatch,
-failure, kill, sigint, formfail, earlyclose, linktimeout, spin.  Launcher modes (N launchers, one per
+failure, kill, sigint, formfail, earlyclose, linktimeout, late, spin.  Launcher modes (N launchers, one per
 node, node n forking
 NODE_SIZE + n workers through shmtree.run(..., inter=COMM_WORLD)): launch-collectives, launch-set,
 launch-mismatch, launch-kill, launch-pool, launch-loop, launch-startfail.  orphans, closebusy: two Links, no group.
@@ -13,6 +13,7 @@ prints "OK <mode>" at the end.
 """
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -621,7 +622,8 @@ def mode_linktimeout(c):
             c.allreduce(np.ones(8), timeout=FAILURE_TIMEOUT_S)
         except shmtree.CollectiveTimeoutError as exc:
             took = time.monotonic() - t0
-            assert "timed out waiting for the other nodes" in str(exc), exc
+            assert "timed out in allreduce #2 across nodes; rank 1 (node 1) had not " \
+                "arrived" in str(exc), exc
             assert took < FAILURE_TIMEOUT_S + HANG_S, took
             print(f"rank 0 raised CollectiveTimeoutError after {took:.1f} s: {exc}", flush=True)
         else:
@@ -636,6 +638,40 @@ def mode_linktimeout(c):
         print(f"rank {me} raised PeerLostError: {exc}", flush=True)
     else:
         raise AssertionError(f"rank {me}: the communicator still works after a timeout")
+
+
+LATE_S = 2.0                # mode_late: how late the last rank enters
+LATE_TIMEOUT_S = 0.6        # the others' timeout
+
+
+def mode_late(c):
+    """The last rank enters an allreduce LATE_S late; the others pass timeout=LATE_TIMEOUT_S.
+    Every on-time rank raises CollectiveTimeoutError naming the user's call and the late
+    rank's global number (or its node's ranks) as the one that had not arrived, never an
+    on-time rank alone; the late rank raises PeerLostError."""
+    P, me = c.size, c.rank
+    late = P - 1
+    c.allreduce(np.ones(8))
+    W.Barrier()
+    if me == late:
+        time.sleep(LATE_S)
+    try:
+        c.allreduce(np.ones(8), timeout=LATE_TIMEOUT_S)
+    except shmtree.CollectiveTimeoutError as exc:
+        text = str(exc)
+        assert me != late, f"rank {me}: {text}"
+        assert "allreduce" in text and "had not arrived" in text, text
+        missing = re.search(r";\s*([^;]*?) had not arrived", text).group(1)
+        named = {int(r) for r in re.findall(r"\d+", re.sub(r"node \d+", "", missing))}
+        assert late in named, f"rank {me}: the late rank {late} is not named: {text}"
+        node_of_late = [r for r in range(P) if r // c.node_size == late // c.node_size]
+        assert named <= set(node_of_late), f"rank {me}: names on-time ranks: {text}"
+        print(f"rank {me} raised CollectiveTimeoutError: {text}", flush=True)
+    except shmtree.PeerLostError as exc:
+        assert me == late, f"rank {me}: {exc}"
+        print(f"rank {me} raised PeerLostError: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {me}: no error")
 
 
 def killed(who):
@@ -973,7 +1009,7 @@ def main():
     else:
         c = shmtree.from_mpi(W, node_size=node_size, **SEGMENT)
     globals()[f"mode_{mode}"](c)
-    if mode not in ("failure", "sigint", "linktimeout", "setfail"):
+    if mode not in ("failure", "sigint", "linktimeout", "setfail", "late"):
         c.close()
     W.Barrier()
     if W.rank == 0:

@@ -190,6 +190,18 @@ def test_a_timeout_in_an_inline_step_between_nodes():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,node_size", [(3, 2), (3, 1), (4, 2), (5, 2)])
+def test_a_timeout_names_the_late_rank_across_nodes(nprocs, node_size):
+    """The last rank is late: every on-time rank's CollectiveTimeoutError names the user's
+    call and the late rank (its global number) as the one that had not arrived (a node's
+    leader waiting across nodes had been named instead); the late rank gets PeerLostError."""
+    rc, out, _ = _launch(nprocs, "late", node_size, timeout=90)
+    assert rc == 0 and "OK late" in out, out[-4000:]
+    assert len(_reports(out, r"rank \d+ raised CollectiveTimeoutError")) == nprocs - 1, out[-4000:]
+    assert len(_reports(out, rf"rank {nprocs - 1} raised PeerLostError")) == 1, out[-4000:]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs,node_size", [(4, 2), (2, 1)])
 def test_simulated_nodes_do_not_spin_on_an_oversubscribed_machine(nprocs, node_size):
     """from_mpi: a node's group of 2 on a machine of 2 cores would spin, but the machine holds
