@@ -11,11 +11,12 @@ committed; every rank checks the claims (a difference raises CollectiveMismatchE
 rank, naming what each asked for) and the limits (_refusal: any limit of any rank that refuses
 the allocation raises MemoryError on every rank, naming the sizes and the limit; no memory file
 is sized past the file-size limit, whose ftruncate would raise SIGXFSZ), maps the others, and
-the ranks agree that every mapping succeeded before the owners close their descriptors.  Then only mappings
-remain: rank r's memory is freed when r has dropped its array (every view included) and every
-peer has dropped its own array of the same allocation (a rank's mappings of the peers' arrays
-go with its own array: weakref.finalize on its mapping), or when the communicator is closed
-(the peers' mappings are dropped; arrays still referenced stay valid as private memory).
+the ranks agree that every mapping succeeded before the owners close their descriptors.  Then
+only mappings remain: rank r's memory is freed when r has dropped its array (every view
+included) and every peer has dropped its own array of the same allocation (a rank's mappings of
+the peers' arrays go with its own array: weakref.finalize on its mapping), or when the
+communicator is closed (the peers' mappings are dropped; arrays still referenced stay valid as
+private memory).
 
 Single copy.  Each allocation is also registered with the communicator's engine (its number,
 this rank's stretch, every rank's mapping: Engine.share), which runs every collective of shared
@@ -185,7 +186,7 @@ def _refusal(what, shape, dtype, table):
     if need > have:
         r = rooms.index(have)
         limits.append(f"only {_gib(have)} ({have} bytes) is available (the least any rank sees "
-                      f"of MemAvailable and its memory cgroup's limit: rank {r}'s "
+                      f"of MemAvailable and its memory cgroup's limit; the least: rank {r}'s "
                       f"{transport.ROOM_NAMES.get(int(table[r, 5]), 'limit')})")
     fsize = [r for r in range(nranks) if sizes[r] > int(table[r, 6])]
     if fsize:
@@ -196,9 +197,9 @@ def _refusal(what, shape, dtype, table):
     maps = [r for r in range(nranks) if need > int(table[r, 7])]
     if maps:
         room = int(table[maps[0], 7])
-        limits.append(f"the address-space limit (RLIMIT_AS, ulimit -v) of {ranks_text(maps)} "
-                      f"lets it map only {_gib(room)} ({room} bytes) more, and every rank maps "
-                      "every rank's array")
+        limits.append(f"the address-space limit (RLIMIT_AS, ulimit -v) leaves {ranks_text(maps)} "
+                      f"only {_gib(room)} ({room} bytes) to map, and every rank maps every "
+                      "rank's array")
     refused = {}
     for r in range(nranks):
         e = int(table[r, 8])

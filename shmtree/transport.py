@@ -205,8 +205,8 @@ NO_LIMIT = (1 << 64) - 1  # (a limit that is not set, in the tables of comm.zero
 ROOM_MEMAVAILABLE, ROOM_CGROUP_V2, ROOM_CGROUP_V1 = 1, 2, 3
 ROOM_NAMES = {
     ROOM_MEMAVAILABLE: "MemAvailable (/proc/meminfo)",
-    ROOM_CGROUP_V2: "its memory cgroup's limit (cgroup v2 memory.max less memory.current)",
-    ROOM_CGROUP_V1: "its memory cgroup's limit (cgroup v1 memory.limit_in_bytes less "
+    ROOM_CGROUP_V2: "memory cgroup limit (cgroup v2 memory.max less memory.current)",
+    ROOM_CGROUP_V1: "memory cgroup limit (cgroup v1 memory.limit_in_bytes less "
                     "memory.usage_in_bytes)",
 }
 
@@ -301,13 +301,15 @@ def _stat_field(path, name) -> int:
 
 def _memory_cgroups(root):
     """(directory, limit file, usage file, reclaimable cache field) of this process's memory
-    cgroup and of each one above it, v2 and v1, as far as they are mounted where they are
-    expected (in a container the mount's root is often the container's own cgroup): the cgroup
-    walk of topology.cpu_quota's, for the memory controller."""
+    cgroup and of each one above it, v2 (also under unified/ of a hybrid mount) and v1, as far
+    as they are mounted where they are expected (in a container the mount's root is often the
+    container's own cgroup): the cgroup walk of topology.cpu_quota's, for the memory
+    controller."""
     paths = _proc_cgroups("memory", os.path.join(root, "proc/self/cgroup"))
     out = []
     for base, key, names in (
             ("sys/fs/cgroup", "v2", ("memory.max", "memory.current", "inactive_file")),
+            ("sys/fs/cgroup/unified", "v2", ("memory.max", "memory.current", "inactive_file")),
             ("sys/fs/cgroup/memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
                                                 "total_inactive_file"))):
         for d in _cgroup_dirs(Path(root, base), paths.get(key, "/")):
@@ -325,7 +327,7 @@ def create_memfd(total: int) -> int:
     if total > free:
         raise SharedMemoryError(
             f"shmtree: the group needs {total / 2**20:.1f} MiB of shared memory but only "
-            f"{free / 2**20:.1f} MiB is free (the bound: {ROOM_NAMES[kind]}); {fix}")
+            f"{free / 2**20:.1f} MiB is free (bound by this process's {ROOM_NAMES[kind]}); {fix}")
     limit = file_size_limit()
     if total > limit:                   # (before ftruncate: past the limit it raises SIGXFSZ)
         raise SharedMemoryError(
@@ -347,7 +349,8 @@ def create_memfd(total: int) -> int:
                 raise
             raise SharedMemoryError(
                 f"shmtree: the group needs {mib} of shared memory, which the kernel refused "
-                f"({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}); {fix}") from None
+                f"({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}); {fix}") \
+                from None
         # nobody may resize it afterwards (a shrink would turn accesses into SIGBUS)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
