@@ -42,8 +42,8 @@ import weakref
 
 import numpy as np
 
-from . import front as _front
-from .codes import ABORT_FAILED, ST_IDLE, ranks_text
+from . import front as _front, session
+from .codes import ABORT_FAILED, ST_IDLE, ST_LEFT, ranks_text
 from .communicator import Communicator
 from .errors import CollectiveMismatchError, ShmtreeError
 from .inter import Link
@@ -98,6 +98,28 @@ class SubCommunicator(Communicator):
         self.group.close()
         if self._engine is None:        # (else another thread's call still runs on it)
             self._seg = self.group._seg     # (the closed stand-in: the mapping goes now)
+
+    def __del__(self):
+        """Collected while open (dropped without close()): what close() does, less every wait
+        (a collection runs in whatever thread, inside whatever call): this rank leaves the
+        group, so that a peer waiting for it fails at once, and the memory files of its
+        messages are closed now (their mappings go with the objects; a message a receiver had
+        not mapped yet is lost, as if this process had exited: close() waits for those).  The
+        group's own descriptors go with SubGroup.__del__."""
+        try:
+            if self._closed or self._pid != os.getpid() or self._gen != session._fork_gen:
+                return
+            self._closed = True
+            try:
+                self._seg.set_state(self.rank, ST_LEFT)
+            except ShmtreeError:
+                pass
+            tr = self.__dict__.get("_p2p_transport")
+            if tr is not None and tr.pid == os.getpid():
+                self._p2p_transport = self._p2p_quick = None
+                _drop_descriptors(tr)
+        except Exception:
+            pass
 
     def __repr__(self):
         return f"<shmtree.Communicator rank={self.rank} size={self.size} (split)>"
@@ -360,6 +382,23 @@ def _round(comm, record):
             f"shmtree: split (a collective over the parent communicator, agreed through "
             f"allgathers of records of dtype {record.dtype.names[0]!r}...): "
             f"{str(exc).removeprefix('shmtree: ')}") from None
+
+
+def _drop_descriptors(tr):
+    """The memory files a messages.Transport holds (its channels out, its home), closed without
+    waiting for anyone (SubCommunicator.__del__; Transport.close is the waiting one)."""
+    for fd, _, _ in list(tr.out.values()):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    tr.out.clear()
+    fd, tr.home_fd = tr.home_fd, None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _discard(sub, group):

@@ -29,8 +29,10 @@ tree) for the rest.  The memory used is O(P x slots x chunk), independent of the
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import resource
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,15 +198,31 @@ class ChannelSpec:
 
 MEMORY_ROOT = "/"         # where available_memory reads /proc and /sys (tests: a fake tree)
 
+NO_LIMIT = (1 << 64) - 1  # (a limit that is not set, in the tables of comm.zeros: shared.py)
 
-def available_memory(root=None) -> int:
-    """Bytes a new anonymous shared mapping can still get: the smaller of MemAvailable
-    (/proc/meminfo) and what the memory cgroup of this process, and every cgroup above it that
-    is visible, still allows (cgroup v2: memory.max - memory.current; v1: memory.limit_in_bytes
-    - memory.usage_in_bytes; the inactive file cache a cgroup would reclaim counts as free).
-    root: where /proc and /sys are read (MEMORY_ROOT)."""
+# what binds the memory a process can still get (memory_room's kind; codes that travel in
+# comm.zeros's table, so that every rank names the same limit)
+ROOM_MEMAVAILABLE, ROOM_CGROUP_V2, ROOM_CGROUP_V1 = 1, 2, 3
+ROOM_NAMES = {
+    ROOM_MEMAVAILABLE: "MemAvailable (/proc/meminfo)",
+    ROOM_CGROUP_V2: "memory cgroup limit (cgroup v2 memory.max less memory.current)",
+    ROOM_CGROUP_V1: "memory cgroup limit (cgroup v1 memory.limit_in_bytes less "
+                    "memory.usage_in_bytes)",
+}
+
+# what ftruncate (or a first write) of a memory file answers when a limit refuses the size
+MEMORY_ERRNOS = (errno.EFBIG, errno.ENOSPC, errno.ENOMEM)
+
+
+def memory_room(root=None):
+    """(bytes, kind): the bytes a new anonymous shared mapping can still get, and which limit
+    binds (ROOM_*): the smaller of MemAvailable (/proc/meminfo) and what the memory cgroup of
+    this process, and every cgroup above it that is visible, still allows (cgroup v2:
+    memory.max - memory.current; v1: memory.limit_in_bytes - memory.usage_in_bytes; the
+    inactive file cache a cgroup would reclaim counts as free).  root: where /proc and /sys are
+    read (MEMORY_ROOT)."""
     root = MEMORY_ROOT if root is None else root
-    free = _mem_available(root)
+    free, kind = _mem_available(root), ROOM_MEMAVAILABLE
     for d, limit_name, usage_name, cache_name in _memory_cgroups(root):
         try:
             with open(os.path.join(d, limit_name)) as f:
@@ -216,8 +234,44 @@ def available_memory(root=None) -> int:
         if not limit.isdigit():           # ("max": no limit here)
             continue
         usage -= min(usage, _stat_field(os.path.join(d, "memory.stat"), cache_name))
-        free = min(free, max(0, int(limit) - usage))
-    return free
+        room = max(0, int(limit) - usage)
+        if room < free:
+            free = room
+            kind = ROOM_CGROUP_V2 if limit_name == "memory.max" else ROOM_CGROUP_V1
+    return free, kind
+
+
+def available_memory(root=None) -> int:
+    """Bytes a new anonymous shared mapping can still get (memory_room's, without the kind)."""
+    return memory_room(root)[0]
+
+
+def file_size_limit() -> int:
+    """This process's file-size limit (RLIMIT_FSIZE's soft limit, `ulimit -f`), which every
+    memory file it sizes is held to (NO_LIMIT when none).  Past it, ftruncate raises SIGXFSZ
+    (which kills a process that has not ignored it, as Python does) and fails with EFBIG: a
+    size is checked against it before any file is sized."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return NO_LIMIT if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
+
+
+def address_space_room() -> int:
+    """Bytes this process can still map (RLIMIT_AS's soft limit, `ulimit -v`, less its address
+    space in use now; NO_LIMIT when no limit is set)."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return NO_LIMIT
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        used = 0
+    return max(0, int(soft) - used)
+
+
+class SharedMemoryError(ShmtreeError, MemoryError):
+    """A group's shared memory is refused by a limit (create_memfd): a ShmtreeError, as every
+    error of making a group, and a MemoryError, as every refusal of memory."""
 
 
 def _mem_available(root) -> int:
@@ -247,13 +301,15 @@ def _stat_field(path, name) -> int:
 
 def _memory_cgroups(root):
     """(directory, limit file, usage file, reclaimable cache field) of this process's memory
-    cgroup and of each one above it, v2 and v1, as far as they are mounted where they are
-    expected (in a container the mount's root is often the container's own cgroup): the cgroup
-    walk of topology.cpu_quota's, for the memory controller."""
+    cgroup and of each one above it, v2 (also under unified/ of a hybrid mount) and v1, as far
+    as they are mounted where they are expected (in a container the mount's root is often the
+    container's own cgroup): the cgroup walk of topology.cpu_quota's, for the memory
+    controller."""
     paths = _proc_cgroups("memory", os.path.join(root, "proc/self/cgroup"))
     out = []
     for base, key, names in (
             ("sys/fs/cgroup", "v2", ("memory.max", "memory.current", "inactive_file")),
+            ("sys/fs/cgroup/unified", "v2", ("memory.max", "memory.current", "inactive_file")),
             ("sys/fs/cgroup/memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
                                                 "total_inactive_file"))):
         for d in _cgroup_dirs(Path(root, base), paths.get(key, "/")):
@@ -262,16 +318,39 @@ def _memory_cgroups(root):
 
 
 def create_memfd(total: int) -> int:
-    """A sealed-size anonymous memory file of `total` bytes, after checking that memory is there:
-    a shortfall is an exception now, not a SIGBUS or an OOM kill later."""
-    free = available_memory()
+    """A sealed-size anonymous memory file of `total` bytes, after checking that the limits let
+    this process have it (the memory there is, its file-size limit, its address space): a
+    shortfall is a SharedMemoryError now, not a SIGBUS, a SIGXFSZ or an OOM kill later."""
+    mib = f"{total / 2**20:.1f} MiB ({total} bytes)"
+    fix = "use fewer ranks, fewer slots or a smaller chunk_bytes"
+    free, kind = memory_room()
     if total > free:
-        raise ShmtreeError(
+        raise SharedMemoryError(
             f"shmtree: the group needs {total / 2**20:.1f} MiB of shared memory but only "
-            f"{free / 2**20:.1f} MiB is free; use fewer ranks, fewer slots or a smaller chunk_bytes")
+            f"{free / 2**20:.1f} MiB is free (bound by this process's {ROOM_NAMES[kind]}); {fix}")
+    limit = file_size_limit()
+    if total > limit:                   # (before ftruncate: past the limit it raises SIGXFSZ)
+        raise SharedMemoryError(
+            f"shmtree: the group needs {mib} of shared memory, more than this process's "
+            f"file-size limit (RLIMIT_FSIZE, ulimit -f) of {limit} bytes; raise the limit "
+            f"(ulimit -f unlimited) or {fix}")
+    room = address_space_room()
+    if total > room:
+        raise SharedMemoryError(
+            f"shmtree: the group needs {mib} of shared memory, more than this process's "
+            f"address-space limit (RLIMIT_AS, ulimit -v) leaves it ({room} bytes); raise the "
+            f"limit or {fix}")
     fd = os.memfd_create(f"shmtree-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, total)
+        try:
+            os.ftruncate(fd, total)
+        except OSError as exc:
+            if exc.errno not in MEMORY_ERRNOS:
+                raise
+            raise SharedMemoryError(
+                f"shmtree: the group needs {mib} of shared memory, which the kernel refused "
+                f"({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}); {fix}") \
+                from None
         # nobody may resize it afterwards (a shrink would turn accesses into SIGBUS)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:

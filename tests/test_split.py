@@ -6,6 +6,7 @@ multi-process test has a timeout; the autouse fixture of conftest.py checks that
 behind (processes, /dev/shm, memfd descriptors and mappings, the test process's CPU mask).
 SHMTREE_SPLIT_LOOPS=1000 makes the leak loop run 1000 splits (200 by default).
 """
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -667,6 +668,92 @@ def test_split_and_close_in_a_loop_leaves_nothing_behind():
         assert after["rss"] - before["rss"] < 8 << 20, (before, after)
         assert per_split < 0.25
     assert _memfd_fds() == baseline
+
+
+# ---------------------------------------------------------------------------------------------
+# descriptors: every split's go with it (issue 34, item 3)
+
+FD_CYCLES, FD_FROM = 300, 50    # split+close cycles, and the cycle the count is compared with
+FD_SLACK = 4                    # growth allowed from cycle FD_FROM to the last
+WAIT_EVERY, WAIT_S = 15, 0.06   # rank 1 comes late to the sub's allreduce every WAIT_EVERY-th
+                                # cycle: rank 0 waits past a time slice (20 ms), and its
+                                # liveness check of rank 1 opens a pidfd in the sub's group
+
+
+def _fd_kinds():
+    """{kind of descriptor: how many} of this process ("memfd:shmtree-p2p", "anon_inode:[pidfd]",
+    "pipe" ...)."""
+    kinds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            t = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        k = t.split("[")[0] if not t.startswith("/memfd:") else t[:len("/memfd:shmtree-p2p")]
+        k = "anon_inode:" + t.split(":", 1)[1] if t.startswith("anon_inode:") else k
+        kinds[k] = kinds.get(k, 0) + 1
+    return kinds
+
+
+def _one_cycle(comm, i, close):
+    """A split, used (a late peer now and then, messages both ways, a shared array), then
+    closed, or dropped without close() (close=False: collected)."""
+    sub = comm.split(0)
+    if comm.rank == 1 and i % WAIT_EVERY == 0:
+        time.sleep(WAIT_S)
+    sub.allreduce(np.ones(4))
+    peer = 1 - sub.rank
+    got = sub.sendrecv(np.full(3, sub.rank, np.float64), peer, source=peer)
+    assert int(got[0]) == peer
+    if i % 7 == 0:
+        a = sub.zeros(1024)
+        a[:] = 1
+        sub.allreduce(a, out=a)
+        del a
+    sub.barrier()                   # (every message read before either drops its channels)
+    if close:
+        sub.close()
+    else:
+        del sub
+        gc.collect()
+
+
+def fd_worker(comm, cycles, close):
+    counts = {}
+    for i in range(1, cycles + 1):
+        _one_cycle(comm, i, close)
+        if i in (FD_FROM, cycles):
+            n, kinds = _fd_count(), _fd_kinds()     # (closed by close() itself: no gc here)
+            gc.collect()          # (a closed Transport's mappings of its peers' homes go with
+            counts[i] = (n, _memfd_maps(), kinds)   # its objects, in reference cycles)
+    works = float(comm.allreduce(np.ones(2))[0])
+    return counts, works
+
+
+def _check_bounded(outs, cycles):
+    for rank, (counts, works) in enumerate(outs):
+        (n0, maps0, kinds0), (n1, maps1, kinds1) = counts[FD_FROM], counts[cycles]
+        grown = {k: v - kinds0.get(k, 0) for k, v in kinds1.items() if v != kinds0.get(k, 0)}
+        assert n1 - n0 <= FD_SLACK, (f"rank {rank}: {n0} descriptors after split {FD_FROM}, "
+                                     f"{n1} after split {cycles}; grown: {grown}")
+        assert maps1 == maps0, (rank, maps0, maps1)
+        assert works == 2.0
+
+
+@pytest.mark.timeout(120)
+def test_split_and_close_leave_no_descriptor_behind():
+    """300 split+close cycles at P=2, with what makes a split hold descriptors (pidfds of its
+    liveness checks, the memory files of its messages and shared arrays): rank 0's descriptor
+    count after the last is within FD_SLACK of its count after cycle 50 (was 20 -> 110 from
+    the 100th to the 1000th: every split's descriptors must go with its close)."""
+    _check_bounded(run_ok(fd_worker, 2, args=(FD_CYCLES, True)), FD_CYCLES)
+
+
+@pytest.mark.timeout(120)
+def test_a_split_dropped_without_close_leaves_no_descriptor_behind():
+    """The same, each sub-communicator dropped without close() and collected: its group's
+    pidfds (SubGroup.__del__) and its messages' memory files (SubCommunicator.__del__) go."""
+    _check_bounded(run_ok(fd_worker, 2, args=(150, False)), 150)
 
 
 # ---------------------------------------------------------------------------------------------
