@@ -49,6 +49,9 @@ def _plain(a):
     return a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
 
 
+WORK_BYTES = 64 << 20       # Executors._work: scratch kept up to this size
+
+
 class Executors:
     """The executors of Communicator (which provides rank, size, _call: one engine call made
     and driven to its end, and _drive / _interrupted / _call_name)."""
@@ -132,6 +135,14 @@ class Executors:
         self._call(ALLGATHER, src, view, None, 0, KIND_ALLGATHER, deadline, 0, desc,
                    self._by_position(offsets))
         return calls.finish(result, copy_back)
+
+    def _even_positions(self, nbytes):
+        """_by_position of blocks of nbytes each (rank r's at r * nbytes)."""
+        got = self._positions.get(nbytes)
+        if got is None:
+            got = self._by_position(tuple(r * nbytes for r in range(self.size + 1)))
+            self._positions[nbytes] = got
+        return got
 
     def _by_position(self, offsets):
         """[lo, hi) of each ring position's block, from the ranks' byte offsets (rank r's block
@@ -272,14 +283,9 @@ class Executors:
         dims = shape + (spec.opc, dt.itemsize, calls.dtype_digest(dt))
         if a.nbytes * P <= self._plan.small_bytes:
             stack = np.empty((P,) + a.shape, dt)
-            offsets = [r * a.nbytes for r in range(P + 1)]
             self._call(ALLGATHER, calls.bytes_of(src), calls.bytes_of(stack), None, 0, kind,
-                       deadline, 0, dims, self._by_position(offsets))
-            upto = me if exclusive else me + 1
-            if upto == 0:
-                dst[...] = _identity(spec.opc, dt, ())
-            else:
-                dst[...] = _fold(stack[:upto], spec.opc)[-1]
+                       deadline, 0, dims, self._even_positions(a.nbytes))
+            prefix_of(stack, me if exclusive else me + 1, spec.opc, dst)
             if copy_back is not None:
                 copy_back[...] = dst.reshape(copy_back.shape)
             return result
@@ -287,21 +293,35 @@ class Executors:
         b = calls.split_bounds(n, P)
         sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.uint64) * dt.itemsize
         m = b[me + 1] - b[me]
-        rows = np.empty((P, m), dt)
+        rows = self._work(0, (P, m), dt)
         self._exchange(_apart(src, dst).reshape(-1), rows, np.tile(sizes, P), kind, dims,
                        deadline)
         if exclusive:
-            prefix = np.empty((P, m), dt)
-            prefix[0] = _identity(spec.opc, dt, (m,))
+            prefix = self._work(1, (P, m), dt)
+            prefix[0] = _identity(spec.opc, dt, ())
             if P > 1:
-                prefix[1:] = _fold(rows[:P - 1], spec.opc)
+                _fold(rows[:P - 1], spec.opc, prefix[1:])
         else:
-            prefix = _fold(rows, spec.opc)
+            prefix = _fold(rows, spec.opc, rows)          # (in place)
         self._exchange(prefix, dst.reshape(-1), np.repeat(sizes, P), KIND_SCAN_BACK, dims,
                        deadline)
         if copy_back is not None:
             copy_back[...] = dst.reshape(copy_back.shape)
         return result
+
+    def _work(self, which, shape, dtype):
+        """Scratch of (shape, dtype) for a call's own use (scan's rows and prefixes), kept for
+        the next call up to WORK_BYTES: a fresh array of megabytes costs a page fault per 4 KiB
+        page on every call (2 MiB: 1 ms on a VM, ten times the exchange that fills it).  Calls of
+        one communicator run one at a time, so one set serves them all."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > WORK_BYTES:
+            return np.empty(shape, dtype)
+        works = self.__dict__.setdefault("_works", [None, None])
+        buf = works[which]
+        if buf is None or buf.nbytes < nbytes:
+            buf = works[which] = np.empty(max(nbytes, 4096), np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
 
     def _exchange(self, src, dst, B, kind, dims, deadline):
         """One exchange (above), the engine's alltoall: B[p*P + q] bytes from rank p to rank q
@@ -339,10 +359,11 @@ class Executors:
 
     def _said(self, exc, kind, deadline):
         """A disagreement this rank found after a round of its call (an out= that does not fit
-        what the round said, e.g. the root's dtype): said in place of the call's next round, so
-        that every other rank's call ends with CollectiveMismatchError naming it; then raised
-        here as the same kind of error, with its own words (a CollectiveMismatchError is a
-        ValueError too)."""
+        what the round said: the root's dtype or block, the rows the others send): said in
+        place of the call's next round, so that every other rank's call ends with
+        CollectiveMismatchError naming it; then raised here as a CollectiveMismatchError too,
+        with its own words (a ValueError as well).  An out= that this rank's own arguments
+        show wrong is a plain ValueError, raised at the parse."""
         self._error_round(kind, error_words(exc), deadline)
         raise CollectiveMismatchError(*exc.args) from None
 
@@ -456,19 +477,56 @@ def _row_bytes(a):
     return a.dtype.itemsize * math.prod(a.shape[1:])
 
 
-def _fold(rows, opc):
-    """The inclusive prefixes of rows (axis 0) in rank order: numpy's accumulate (bit for bit
-    numpy's, float16 and bfloat16 rounded after every step), except complex products, which
-    follow allreduce's kernel (the textbook formula, DESIGN section 11)."""
+def _fold(rows, opc, out=None):
+    """The inclusive prefixes of rows (axis 0) in rank order, into out (rows itself: in
+    place; None: a new array): numpy's accumulate, bit for bit (float16 and bfloat16 rounded
+    after every step), except complex products, which follow allreduce's kernel (the textbook
+    formula, DESIGN section 11)."""
     name = OP_NAMES[opc]
     dt = rows.dtype
-    if name == "prod" and dt.kind == "c":
+    if out is None:
         out = np.empty_like(rows)
+    if len(rows) and out is not rows:
         out[0] = rows[0]
+    if name == "prod" and dt.kind == "c":
         for r in range(1, len(rows)):
-            _kernels.reduce_into(out[r], (out[r - 1], np.ascontiguousarray(rows[r])), "prod")
+            row = rows[r].copy() if out is rows else np.ascontiguousarray(rows[r])
+            _kernels.reduce_into(out[r], (out[r - 1], row), "prod")
         return out
-    return _UFUNCS[name].accumulate(rows, axis=0, dtype=dt)
+    # row by row (out[r] = op(out[r - 1], rows[r]): what accumulate computes, bit for bit):
+    # accumulate along axis 0 runs its inner loop over the P rows of each column, element by
+    # element (a 2 MiB float32 scan at P=2 spent 9 ms in it: 0.1 ms this way)
+    ufunc = _UFUNCS[name]
+    for r in range(1, len(rows)):
+        ufunc(out[r - 1], rows[r], out=out[r], dtype=dt)
+    return out
+
+
+def prefix_of(stack, upto, opc, dst=None):
+    """The fold of stack[0], ..., stack[upto - 1] in rank order (the op's identity when upto
+    is 0): the last row of _fold(stack[:upto]), bit for bit, without its other rows; into dst,
+    or (None) into stack's own rows, returning the row that holds it.  The small scan's rule,
+    for the parsed call (Executors._scan) and the quick one (Communicator._quick) alike."""
+    dt = stack.dtype
+    if upto == 0:
+        got = _identity(opc, dt, stack.shape[1:])
+        if dst is None:
+            return got
+        dst[...] = got
+        return dst
+    name = OP_NAMES[opc]
+    if name == "prod" and dt.kind == "c":
+        row = _fold(stack[:upto], opc)[-1]
+    else:
+        ufunc = _UFUNCS[name]
+        row = stack[0]
+        for r in range(1, upto):
+            ufunc(row, stack[r], out=stack[r])
+            row = stack[r]
+    if dst is None:
+        return row
+    dst[...] = row
+    return dst
 
 
 def _identity(opc, dt, shape):

@@ -31,10 +31,11 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors, error_words
+from .collectives import Executors, error_words, prefix_of
+from .calls import bytes_of as _bytes_of
 from .front import DECLINED, Front, Persistent
 from .group import Group
-from .ops import OP_NAMES, OPS, dtype_name
+from .ops import OP_NAMES, OPS, dtype_name, reduction_codes as _reduction_codes
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
 from .messages import Messages                       # point-to-point (issue 24)
@@ -95,6 +96,7 @@ class Communicator(Messages, Front, Executors):
                                   [list(c) for c in tree.children], tree.root)
         self._positions = {}                 # block offsets by ring position, per call shape
         self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather
+        self._scan_codes = {}                # (op, dtype) -> op code, of the quick scans
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -114,6 +116,8 @@ class Communicator(Messages, Front, Executors):
         progress = self._progress
         if progress is not None and (progress.outstanding or progress.is_current_thread()):
             return DECLINED
+        if coll in _SMALL_ONLY:               # gather, scan, exscan: small ones only
+            return self._quick_small(eng, coll, array, op, out, root, timeout)
         tag = 0
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
@@ -142,6 +146,67 @@ class Communicator(Messages, Front, Executors):
             claim = out if array is None else array
             return self._broadcast_rest(result, claim, root, out, kind,
                                         None if start is None else start + timeout)
+        return result
+
+    def _quick_small(self, eng, coll, a, op, out, root, timeout):
+        """_quick of a small gather (axis=None), scan or exscan: the one engine allgather their
+        executors run (Executors._gather, _scan: the same descriptor), then, for a scan, the
+        fold of the rows this rank needs (collectives.prefix_of).  DECLINED for anything else
+        (a large call, an argument the parse must look at first)."""
+        P = self.size
+        if type(a) is not np.ndarray or a.nbytes * P > self._plan.small_bytes or \
+                not a.flags.c_contiguous:
+            return DECLINED
+        dt = a.dtype
+        if dt is not self._digest_of[0]:
+            self._digest_of = (dt, _dtype_digest(dt))
+        if coll == calls.GATHER:
+            if type(root) is not int or not 0 <= root < P:
+                return DECLINED
+            mine = root == self.rank
+            if mine and out is not None and type(out) is not np.ndarray:
+                return DECLINED
+            got = self._quick_call(eng, ALLGATHER, a, out if mine else None, None,
+                                   KIND_GATHER + KIND_ROOT_STEP * root, timeout,
+                                   self._digest_of[1])
+            return got if got is DECLINED or mine else None
+        if out is not None or a.ndim > 32:
+            return DECLINED
+        key = (op, dt)
+        codes = self._scan_codes.get(key)
+        if codes is None:
+            try:
+                codes = _reduction_codes(op, dt)[0]
+                hash(op)
+            except Exception:                  # (the parse says what is wrong)
+                return DECLINED
+            if len(self._scan_codes) < 64:
+                self._scan_codes[key] = codes
+        opc = codes
+        stack = np.empty((P,) + a.shape, dt)
+        dims = a.shape + (opc, dt.itemsize, self._digest_of[1])
+        got = self._quick_call(eng, ALLGATHER, _bytes_of(a), _bytes_of(stack), None,
+                               KIND_SCAN if coll == calls.SCAN else KIND_EXSCAN, timeout, 0,
+                               dims, self._even_positions(a.nbytes))
+        if got is DECLINED:
+            return got
+        me = self.rank                         # (a row of the stack: a new array's view)
+        return prefix_of(stack, me if coll == calls.EXSCAN else me + 1, opc)
+
+    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None):
+        """One engine call of a quick path, driven to its end: its result, or DECLINED."""
+        try:
+            start = None if timeout is None else time.monotonic()
+            got = eng.call(coll, array, out, op, 0, kind, timeout, tag, dims, offs)
+            if got is None:
+                return DECLINED
+            rc, result = got
+            if rc != _engine.DONE:
+                result = self._finish(eng, rc, None if start is None else start + timeout,
+                                      result)
+        except BaseException as exc:
+            self._interrupted(eng, exc)
+            raise
         return result
 
     def _bind(self, spec, slow):
@@ -592,6 +657,7 @@ class Communicator(Messages, Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
+_SMALL_ONLY = (calls.GATHER, calls.SCAN, calls.EXSCAN)      # (_quick_small's)
 _BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER)
                                                    # (the engine collectives a Persistent binds)
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,

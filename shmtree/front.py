@@ -176,6 +176,10 @@ class Front:
 
     def gather(self, array, root=0, *, axis=None, out=None, timeout=None):
         """The root gets what allgather would give (a new array, or `out`); the others None."""
+        if axis is None:
+            got = self._quick(GATHER, array, None, out, root, timeout)
+            if got is not DECLINED:
+                return got
         if _foreign(array, out):
             return _arrays.call(self.gather, array, out, "gather", root, axis=axis,
                                 timeout=timeout)
@@ -206,6 +210,9 @@ class Front:
 
     def scan(self, array, op="sum", *, out=None, timeout=None):
         """Rank r gets the reduction of ranks 0..r's arrays, in rank order."""
+        got = self._quick(SCAN, array, op, out, 0, timeout)
+        if got is not DECLINED:
+            return got
         if _foreign(array, out):
             return _arrays.call(self.scan, array, out, "scan", op, timeout=timeout)
         return self._start(calls.scan(self, array, op, out, timeout))
@@ -217,6 +224,9 @@ class Front:
 
     def exscan(self, array, op="sum", *, out=None, timeout=None):
         """Rank r gets the reduction of ranks 0..r-1's arrays; rank 0 the op's identity."""
+        got = self._quick(EXSCAN, array, op, out, 0, timeout)
+        if got is not DECLINED:
+            return got
         if _foreign(array, out):
             return _arrays.call(self.exscan, array, out, "exscan", op, timeout=timeout)
         return self._start(calls.exscan(self, array, op, out, timeout))

@@ -74,6 +74,9 @@ def _both_paths(comm, n):
         "reduce_scatter": lambda a: comm.reduce_scatter(a),
         "allgather": lambda a: comm.allgather(a),
         "broadcast": lambda a: comm.broadcast(a, root=0),
+        "gather": lambda a: comm.gather(a, root=P - 1),
+        "scan": lambda a: comm.scan(a, op="max"),
+        "exscan": lambda a: comm.exscan(a),
     }
     got = {}
     for name, op in ops.items():
@@ -93,10 +96,13 @@ def _both_paths(comm, n):
 def test_a_declined_call_runs_the_same_engine_call(P, tree, n):
     outs = run_ok(_both_paths, P, args=(n,), tree=tree)
     for rank, got in enumerate(outs):
-        for name in ("allreduce", "reduce", "reduce_scatter", "allgather", "broadcast"):
+        for name in ("allreduce", "reduce", "reduce_scatter", "allgather", "broadcast",
+                     "gather", "scan", "exscan"):
             res_p, calls_p, sent_p = got[name, "plain"]
             res_s, calls_s, sent_s = got[name, "strided"]
-            assert calls_p == calls_s == 1, (rank, name, calls_p, calls_s)
+            # (a large gather or scan is an exchange or two: the parsed path's alone)
+            one = 1 if name not in ("gather", "scan", "exscan") or n * 8 * P <= 4096 else calls_p
+            assert calls_p == calls_s == one, (rank, name, calls_p, calls_s)
             assert sent_p == sent_s, (rank, name, sent_p, sent_s)      # the same algorithm
             if res_p is None:
                 assert res_s is None
@@ -121,3 +127,36 @@ def _rs_bytes(comm):
     res = comm.reduce_scatter(np.ones(2))
     assert np.array_equal(res, [comm.size])
     return comm.stats()["bytes_sent"] - before
+
+
+def _mixed_paths(comm, n):
+    """Rank 0 passes plain arrays (the quick paths), the others strided views of the same
+    values (the parsed paths), in one call: the descriptors agree, the results are numpy's;
+    then an op that differs on one rank is a mismatch on every rank."""
+    P, me = comm.size, comm.rank
+    base = np.arange(2 * n, dtype=np.float32).reshape(n, 2) * (me + 1)
+    a = np.ascontiguousarray(base[:, 0]) if me == 0 else base[:, 0]
+    everyone = [np.arange(0, 2 * n, 2, dtype=np.float32) * (r + 1) for r in range(P)]
+    g = comm.gather(a, root=P - 1)
+    if me == P - 1:
+        assert np.array_equal(g, np.stack(everyone))
+    else:
+        assert g is None
+    assert np.array_equal(comm.scan(a), np.add.accumulate(np.stack(everyone))[me])
+    ex = comm.exscan(a, op="max")
+    if me:
+        assert np.array_equal(ex, np.maximum.accumulate(np.stack(everyone))[me - 1])
+    try:
+        comm.scan(a, op="max" if me == 1 else "sum")
+        said = None
+    except shmtree.CollectiveMismatchError as exc:
+        said = str(exc)
+    assert comm.allreduce(np.ones(1))[0] == P
+    return said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("P", [2, 3])
+def test_quick_and_parsed_paths_meet_in_one_call(P):
+    for rank, said in enumerate(run_ok(_mixed_paths, P, args=(5,))):
+        assert said is not None and "max" in said and "sum" in said, (rank, said)
