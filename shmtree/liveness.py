@@ -106,6 +106,12 @@ class Watch(dict):
         self.fds = 0
         _WATCHES.discard(self)
 
+    def __del__(self):                 # (a group collected without close(): its pidfds too)
+        try:
+            self.close()
+        except Exception:
+            pass
+
     __hash__ = object.__hash__        # (a set member by identity)
 
     def __eq__(self, other):
