@@ -103,6 +103,8 @@ DEF MEMO_DIMS = 64        # (numpy's most dimensions)
 DEF MEMO_META = 512       # the quick paths remember descriptions of at most this many bytes
 DEF C_PIECE = 65536
 DEF YIELD_NS = 200000
+DEF BUSY_YIELD_NS = 50000   # a sched_yield that took this long: another thread ran
+DEF BUSY_FOR_NS = 200000000  # and for this long, waits sleep without yielding
 DEF SLEEP_NS = 5000000
 DEF NOGIL_BYTES = 16384   # a quick path's copy releases the GIL only when larger: releasing
                           # and taking it back costs more than a small copy (~0.1 us)
@@ -136,6 +138,7 @@ cdef class Home:
     cdef char *base
     cdef volatile uint32_t *bell
     cdef volatile uint32_t *sleepers
+    cdef int64_t busy_until           # until then, a wait skips its yield phase (_wait)
 
     def __cinit__(self, m):
         if m.size < HOME_BYTES:
@@ -212,10 +215,12 @@ cdef class Home:
                 return False
             if now - start < spin_ns:
                 shm_cpu_relax()
-            elif now - start < spin_ns + YIELD_NS:
+            elif now - start < spin_ns + YIELD_NS and now >= self.busy_until:
                 spinning = False
                 sched_yield()
-            else:
+                if shm_now_ns() - now > BUSY_YIELD_NS:    # (another thread had this CPU:
+                    self.busy_until = shm_now_ns() + BUSY_FOR_NS    # sleep, as the engine's
+            else:                                                   # idle, wait.pxi)
                 shm_fetch_add32(self.sleepers, 1)
                 shm_fence()
                 seen = shm_load_seqcst32(self.bell)

@@ -31,7 +31,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors, error_words, prefix_of
+from .collectives import Executors, error_words, prefix_of, scan_gathers
 from .calls import bytes_of as _bytes_of
 from .front import DECLINED, Front, Persistent
 from .group import Group
@@ -154,8 +154,12 @@ class Communicator(Messages, Front, Executors):
         fold of the rows this rank needs (collectives.prefix_of).  DECLINED for anything else
         (a large call, an argument the parse must look at first)."""
         P = self.size
-        if type(a) is not np.ndarray or a.nbytes * P > self._plan.small_bytes or \
-                not a.flags.c_contiguous:
+        if type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return DECLINED
+        if coll == calls.GATHER:
+            if a.nbytes * P > self._plan.small_bytes:
+                return DECLINED
+        elif not scan_gathers(a.nbytes, P, self._plan.small_bytes):
             return DECLINED
         dt = a.dtype
         if dt is not self._digest_of[0]:
@@ -183,15 +187,19 @@ class Communicator(Messages, Front, Executors):
             if len(self._scan_codes) < 64:
                 self._scan_codes[key] = codes
         opc = codes
-        stack = np.empty((P,) + a.shape, dt)
+        small = a.nbytes * P <= self._plan.small_bytes
+        # small: the result is a row of the stack; else the stack is the executors' scratch
+        # (no page faults of P fresh rows per call) and the result a copy of one row
+        stack = np.empty((P,) + a.shape, dt) if small else self._work(0, (P,) + a.shape, dt)
         dims = a.shape + (opc, dt.itemsize, self._digest_of[1])
         got = self._quick_call(eng, ALLGATHER, _bytes_of(a), _bytes_of(stack), None,
                                KIND_SCAN if coll == calls.SCAN else KIND_EXSCAN, timeout, 0,
                                dims, self._even_positions(a.nbytes))
         if got is DECLINED:
             return got
-        me = self.rank                         # (a row of the stack: a new array's view)
-        return prefix_of(stack, me if coll == calls.EXSCAN else me + 1, opc)
+        me = self.rank
+        return prefix_of(stack, me if coll == calls.EXSCAN else me + 1, opc,
+                         None if small else np.empty(a.shape, dt))
 
     def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None):
         """One engine call of a quick path, driven to its end: its result, or DECLINED."""

@@ -151,3 +151,54 @@ def test_a_long_wait_parks():
     assert 0 < d["sleeps"] <= slices * 1.3 + 5, f"rank 0 waited {IDLE_WAIT_S} s: {d}"
     # the CPU the waiting rank used: 0.5-0.7% here, 3.3% before it parked across slices
     assert cpu < 0.02 * IDLE_WAIT_S, f"rank 0 used {cpu * 1e3:.1f} ms of CPU in a {IDLE_WAIT_S} s wait"
+
+
+def contended_worker(comm, calls, late_s):
+    """Rank 0 shares its CPU with a busy process (both pinned to the same CPU); rank 1 enters
+    each allreduce late_s late.  Returns rank 0's counters' delta over the calls."""
+    import os
+    import signal
+
+    cpus = sorted(os.sched_getaffinity(0))
+    comm.barrier()
+    pid = None
+    if comm.rank == 0:
+        os.sched_setaffinity(0, {cpus[0]})
+        pid = os.fork()
+        if pid == 0:                                  # the competitor: busy on rank 0's CPU
+            try:
+                os.sched_setaffinity(0, {cpus[0]})
+                while True:
+                    pass
+            finally:
+                os._exit(0)
+    elif len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[-1]})
+    try:
+        x = np.ones(4)
+        comm.allreduce(x)
+        before = comm.stats()
+        for _ in range(calls):
+            if comm.rank == 1:
+                time.sleep(late_s)
+            comm.allreduce(x)
+        return delta(before, comm.stats())
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.sched_setaffinity(0, cpus)
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_cpu_makes_waits_sleep_without_yielding():
+    """A yield that finds the CPU taken by another process gives that process the CPU for the
+    rest of its time slice, and nobody wakes a rank that yields; so once a yield took long, the
+    waits of the next 200 ms sleep on the bell after their spin (the peer's ring wakes them,
+    and a woken thread preempts a busy one).  30 waits of 2 ms on a CPU shared with a busy
+    process: a yield or two, not one or more per wait."""
+    calls = 30
+    d, _ = run_ok(contended_worker, 2, args=(calls, 0.002), pin=False)
+    assert d["calls"] == calls, d
+    assert d["sleeps"] >= calls // 2, d            # (the waits happened)
+    assert d["yields"] < calls // 3, d

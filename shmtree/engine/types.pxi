@@ -203,6 +203,8 @@ cdef struct Eng:
     int64_t slice_ns              # was not read yet: a call that finishes at once never reads it)
     bint nt                       # the call in progress writes its output with streaming stores
     uint64_t n_yields, n_sleeps, n_timeouts
+    int64_t busy_until            # until then, a wait skips its yield phase: a yield found this
+                                  # CPU taken by another thread lately (wait.pxi, BUSY_YIELD_NS)
     int64_t idle_since            # when the call in progress last made no progress (0: it did,
                                   # or it began): kept across its time slices (wait.pxi)
     uint64_t n_sent               # payload bytes this rank has published into rings

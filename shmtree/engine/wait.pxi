@@ -26,6 +26,10 @@ cdef inline bint slice_over(Eng *e, int *steps) noexcept nogil:
     return (steps[0] & 7) == 0 and now_past_slice(e, shm_now_ns())
 
 
+DEF BUSY_YIELD_NS = 50000          # a sched_yield that took this long: another thread ran
+DEF BUSY_FOR_NS = 200000000        # and for this long, waits sleep without yielding
+
+
 cdef int idle(Eng *e, Idle *w, const Alg *alg, Chan *c, Call *k) noexcept nogil:
     """Nothing was ready: spin (pause), then yield, then sleep on the bell.  RC_DONE means
     'look again'; RC_STALLED or RC_ABORTED end the slice."""
@@ -48,10 +52,17 @@ cdef int idle(Eng *e, Idle *w, const Alg *alg, Chan *c, Call *k) noexcept nogil:
     spent = now - w.since
     if spent < e.spin_ns:
         shm_cpu_relax()
-    elif spent < e.spin_ns + e.yield_ns:
+    elif spent < e.spin_ns + e.yield_ns and now >= e.busy_until:
         w.spinning = False
         e.n_yields += 1
         sched_yield()
+        if shm_now_ns() - now > BUSY_YIELD_NS:
+            # another thread had this CPU: a yield gives it the CPU for the rest of its time
+            # slice (nobody wakes a rank that yields: it runs again only when that slice
+            # ends), while a rank asleep on its bell is woken by its peer's ring, and the
+            # scheduler lets a woken thread preempt a busy one: this wait and the waits of
+            # the next BUSY_FOR_NS sleep after their spin, without yielding
+            e.busy_until = shm_now_ns() + BUSY_FOR_NS
     else:
         w.spinning = False
         shm_store_seqcst32(&me.sleepers, 1)
