@@ -31,7 +31,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors, error_words, prefix_of, scan_gathers
+from .collectives import Executors, error_words, gather_gathers, prefix_of, scan_gathers
 from .calls import bytes_of as _bytes_of
 from .front import DECLINED, Front, Persistent
 from .group import Group
@@ -157,7 +157,7 @@ class Communicator(Messages, Front, Executors):
         if type(a) is not np.ndarray or not a.flags.c_contiguous:
             return DECLINED
         if coll == calls.GATHER:
-            if a.nbytes * P > self._plan.small_bytes:
+            if not gather_gathers(a.nbytes, P, self._plan.small_bytes):
                 return DECLINED
         elif not scan_gathers(a.nbytes, P, self._plan.small_bytes):
             return DECLINED
@@ -274,7 +274,8 @@ class Communicator(Messages, Front, Executors):
         a, out, P = spec.array, spec.out, self.size
         mine = self.rank == spec.root
         if spec.axis is not None or type(a) is not np.ndarray or spec.timeout is not None \
-                or a.nbytes * P > self._plan.small_bytes or (mine and type(out) is not np.ndarray):
+                or not gather_gathers(a.nbytes, P, self._plan.small_bytes) \
+                or (mine and type(out) is not np.ndarray):
             return None
         dst = out if mine else np.empty((P,) + a.shape, a.dtype)
         return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
