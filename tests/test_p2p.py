@@ -535,7 +535,7 @@ def _refused_sendrecv_fn(comm):
         comm.sendrecv(x, other, other, sendtag=7, recvtag=7)
     out = []
     if comm.rank == 0:
-        for k, kw in enumerate(({"source": 5}, {"source": -1}, {"recvtag": -1},
+        for k, kw in enumerate(({"source": 5}, {"source": -2}, {"recvtag": -2},
                                 {"recvtag": "x"}, {"out": [1.0]}, {"timeout": True},
                                 {"source": 1.0})):
             args = {"source": 1, **kw}
