@@ -1120,12 +1120,12 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def _gather_refused(self, error, a, secs, like):
         """An all_gather whose outputs do not fit this rank's input `a` (error: gloo's
-        RuntimeError for that; returned to raise, an ArgumentError with its words).  The input is gathered all the same first,
-        into a temporary (blocking): the other ranks' all_gather takes part with it, so none
-        waits for this rank, and the error says what every rank passed - when their inputs
-        differ (tensor sizes that differ by rank) every rank's all_gather fails naming each
-        rank's shape and dtype, and so does this one's error; else it names the one shape and
-        dtype they share."""
+        RuntimeError for that; returned to raise, an ArgumentError with its words).  The input
+        is gathered all the same first, into a temporary (blocking): the other ranks'
+        all_gather takes part with it, so none waits for this rank, and the error says what
+        every rank passed - when their inputs differ (tensor sizes that differ by rank) every
+        rank's all_gather fails naming each rank's shape and dtype, and so does this one's
+        error; else it names the one shape and dtype they share."""
         comm = self._comm
         self._check_failed()
         tmp = np.empty((comm.size,) + tuple(a.shape), a.dtype)

@@ -1083,35 +1083,65 @@ from mpi4py import MPI
 import shmtree
 
 W = MPI.COMM_WORLD
+
+
+def refused(comm, calls):
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("returned")
+        except NotImplementedError as e:
+            out.append(("ANY_SOURCE" in str(e) or "ANY_TAG" in str(e)) and "by name" in str(e))
+    return out
+
+
+def any_tag_in_order(comm, peers):
+    # ANY_TAG from each peer: in the order sent, the status naming source and tag
+    r = comm.rank
+    reqs = [comm.isend(np.array([r, k]), peer, tag=tag)
+            for peer in peers for k, tag in enumerate((5, 3, 9))]
+    for peer in peers:
+        seen = []
+        for k in range(2):
+            st = shmtree.Status()
+            v = comm.recv(peer, tag=shmtree.ANY_TAG, status=st, timeout=60)
+            seen.append((st.source, st.tag, v.tolist()))
+        req = comm.irecv(peer, tag=shmtree.ANY_TAG, timeout=60)
+        v = req.result(60)
+        seen.append((req.status.source, req.status.tag, v.tolist()))
+        assert seen == [(peer, 5, [peer, 0]), (peer, 3, [peer, 1]), (peer, 9, [peer, 2])], seen
+    shmtree.wait_all(reqs, 60)
+
+
+def inter_worker(comm):
+    # a launcher per node (inter=): ANY_SOURCE refused, and ANY_TAG through the relay; ANY_TAG
+    # within the node works
+    r, P = comm.rank, comm.size
+    local, remote = r ^ 1, (r + 2) % P
+    got = refused(comm, (lambda: comm.recv(shmtree.ANY_SOURCE, timeout=30),
+                         lambda: comm.recv(remote, tag=shmtree.ANY_TAG, timeout=30),
+                         lambda: comm.irecv(remote, tag=shmtree.ANY_TAG)))
+    assert got == [True, True, True], got
+    any_tag_in_order(comm, [local])
+    assert comm.allreduce(np.ones(1))[0] == P
+    return True
+
+
+if sys.argv[1] == "inter":
+    got = shmtree.run(inter_worker, 2, inter=W)
+    assert got == [True, True], got            # (this node's workers)
+    print(f"OK any {W.rank}", flush=True)
+    sys.exit(0)
 comm = shmtree.from_mpi(W, node_size=2)
 r, P = comm.rank, comm.size
 local, remote = r ^ 1, (r + 2) % P
 assert comm.nodes == 2
-refused = []
-for call in (lambda: comm.recv(shmtree.ANY_SOURCE, timeout=30),
-             lambda: comm.irecv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG),
-             lambda: comm.sendrecv(np.zeros(1), local, shmtree.ANY_SOURCE, timeout=30)):
-    try:
-        call()
-        refused.append("returned")
-    except NotImplementedError as e:
-        refused.append("ANY_SOURCE" in str(e) and "by name" in str(e))
-assert refused == [True, True, True], refused
-# ANY_TAG from a rank of this node and from one of the other: in the order sent, the status
-# naming source and tag
-reqs = [comm.isend(np.array([r, k]), peer, tag=tag)
-        for peer in (local, remote) for k, tag in enumerate((5, 3, 9))]
-for peer in (local, remote):
-    seen = []
-    for k in range(2):
-        st = shmtree.Status()
-        v = comm.recv(peer, tag=shmtree.ANY_TAG, status=st, timeout=60)
-        seen.append((st.source, st.tag, v.tolist()))
-    req = comm.irecv(peer, tag=shmtree.ANY_TAG, timeout=60)
-    v = req.result(60)
-    seen.append((req.status.source, req.status.tag, v.tolist()))
-    assert seen == [(peer, 5, [peer, 0]), (peer, 3, [peer, 1]), (peer, 9, [peer, 2])], seen
-shmtree.wait_all(reqs, 60)
+got = refused(comm, (lambda: comm.recv(shmtree.ANY_SOURCE, timeout=30),
+                     lambda: comm.irecv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG),
+                     lambda: comm.sendrecv(np.zeros(1), local, shmtree.ANY_SOURCE, timeout=30)))
+assert got == [True, True, True], got
+any_tag_in_order(comm, [local, remote])
 assert comm.allreduce(np.ones(1))[0] == P
 comm.close()
 W.Barrier()
@@ -1119,11 +1149,13 @@ print(f"OK any {r}", flush=True)
 """
 
 
-@pytest.mark.timeout(120)
-def test_any_source_across_simulated_nodes(tmp_path):
-    """A communicator across nodes (from_mpi, 4 ranks on 2 simulated nodes): ANY_TAG works
-    within and between nodes, with its Status; ANY_SOURCE is refused with a
-    NotImplementedError that says what to do, and the communicator stays usable."""
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode,nprocs", [("from_mpi", 4), ("inter", 2)])
+def test_any_source_across_simulated_nodes(tmp_path, mode, nprocs):
+    """A communicator across 2 simulated nodes (from_mpi, 4 ranks; inter=, 2 launchers of 2
+    workers): ANY_TAG works within a node and, over MPI (from_mpi), between nodes, with its
+    Status; ANY_SOURCE is refused with a NotImplementedError that says what to do (and
+    ANY_TAG through the launchers' relay), and the communicator stays usable."""
     import subprocess
     import sys
     from test_multinode import _import_root, _mpiexec, _reap, _unlink_own_mpich_segments, _shm
@@ -1135,11 +1167,11 @@ def test_any_source_across_simulated_nodes(tmp_path):
     before = _shm()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
-    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(prog)],
+    proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, str(prog), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     try:
-        out, _ = proc.communicate(timeout=100)
+        out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
@@ -1148,7 +1180,8 @@ def test_any_source_across_simulated_nodes(tmp_path):
         _reap(proc.pid)
         _unlink_own_mpich_segments(before)
     out = out.decode(errors="replace")
-    assert proc.returncode == 0 and all(f"OK any {r}" in out for r in range(4)), out[-4000:]
+    assert proc.returncode == 0 and all(f"OK any {r}" in out for r in range(nprocs)), \
+        out[-4000:]
     assert not [n for n in _shm() - before if "shmtree" in n], _shm() - before
 
 
