@@ -71,6 +71,8 @@ CMA_BYTES = 256 << 10       # from this size the receiver copies straight from t
 CLOSE_WAIT_S = 30.0         # how long close() waits for receivers to map a channel that holds
                             # messages they have not read
 SLICE_S = 0.02              # between two checks of the peers, the deadline, the group
+LOOK_S = 5.0                # an ANY_SOURCE receive looks for new senders at least this often
+                            # (else only when one counts its new channel: _find_senders)
 SLICE_NS = int(SLICE_S * 1e9)
 _ENVELOPE = struct.Struct("<8Q")
 _MAGIC = 0x3147534d54534d53  # "SMSTMSG1"
@@ -619,6 +621,9 @@ class Transport(_Matching):
         self.kept = {}              # source -> list of _Kept, in arrival order
         self.made_seen = None       # the count of channels made to this rank (_p2p.Home.made)
                                     # when senders were last looked for (_find_senders)
+        self.looked_at = 0.0        # when they were (a look is made again every LOOK_S while
+                                    # an ANY_SOURCE receive waits: a lookup that failed for
+                                    # want of a mapping is tried again)
         self.turn = 0               # where the pumping of every source begins (ANY_SOURCE:
                                     # no source is always read first)
         self.scratch = None         # for discarded payloads
@@ -762,7 +767,7 @@ class Transport(_Matching):
         made = self.home.made()
         if made == self.made_seen:
             return made
-        self.made_seen = made
+        self.made_seen, self.looked_at = made, time.monotonic()
         for r in range(self.size):
             if r not in self.inn:
                 self._in_ring(r)
@@ -1076,6 +1081,8 @@ class Transport(_Matching):
         Pool when every other rank has been idle for the stall timeout; while one lives and
         may send, it waits."""
         group = self.group
+        if now - self.looked_at >= LOOK_S:
+            self.made_seen = None     # (the next progress looks again)
         others = [p for p in range(self.size) if p != self.rank]
         gone = {}
         for p in others:

@@ -781,10 +781,11 @@ def _any_fn(comm, per):
     P = comm.size
     if comm.rank:
         time.sleep(0.2)
+        sent_at = time.monotonic()                # (CLOCK_MONOTONIC: one clock for all)
         for k in range(per):
             n = _ANY_SIZES[(k + comm.rank) % len(_ANY_SIZES)]
             comm.send(np.full(n, 1000 * comm.rank + k, np.int32), 0, tag=k % 2)
-        return None
+        return sent_at
     got = []
     total = per * (P - 1)
     for i in range(total):
@@ -796,7 +797,7 @@ def _any_fn(comm, per):
             a = req.result(60)
             st = req.status
         got.append((st.Get_source(), st.Get_tag(), st.count, st.nbytes, str(st.dtype),
-                    st.shape, int(a[0]), a.shape, bool((a == a[0]).all())))
+                    st.shape, int(a[0]), a.shape, bool((a == a[0]).all()), time.monotonic()))
     return got
 
 
@@ -807,10 +808,12 @@ def test_any_source_gets_every_message_with_its_status(P):
     never heard from): every message once, its Status its source, tag, bytes, dtype and
     shape, and each source's messages of one tag in the order sent."""
     per = 6
-    got = run_ok(_any_fn, P, args=(per,))[0]
+    results = run_ok(_any_fn, P, args=(per,))
+    got = results[0]
     assert len(got) == per * (P - 1)
-    seen = {}
-    for src, tag, count, nbytes, dtype, shape, first, a_shape, whole in got:
+    seen, first_at = {}, {}
+    for src, tag, count, nbytes, dtype, shape, first, a_shape, whole, at in got:
+        first_at.setdefault(src, at)
         k = first - 1000 * src
         n = _ANY_SIZES[(k + src) % len(_ANY_SIZES)]
         assert 1 <= src < P and 0 <= k < per and whole, (src, first)
@@ -820,6 +823,10 @@ def test_any_source_gets_every_message_with_its_status(P):
     assert sorted(seen) == [(s, t) for s in range(1, P) for t in (0, 1)]
     for (src, tag), ks in seen.items():
         assert ks == list(range(tag, per, 2)), (src, tag, ks)     # never reordered
+    # first contact is found when the sender counts its new channel in rank 0's home, not by
+    # the periodic look (messages.LOOK_S, 5 s)
+    for src in range(1, P):
+        assert first_at[src] - results[src] < 2.0, (src, first_at[src] - results[src])
 
 
 def _any_order_fn(comm):
