@@ -4,9 +4,12 @@ travel").
 
 Two kinds of shared pages, each a sealed memfd of its own (mapped with _moving.Mapping):
 
-- a rank's **home** (one page): its futex *bell* and *sleepers* count.  Whatever a rank's
-  messages may wait for (data from any peer, room in any channel to a peer) rings this one
-  bell, so one thread waits for any number of channels on one futex.
+- a rank's **home** (one page): its futex *bell* and *sleepers* count, and the count of
+  channels made to it (*made*: a sender adds one, then rings, when it makes its channel to
+  this rank, so that a receive from any source looks for new channels only when it moved).
+  Whatever a rank's messages may wait for (data from any peer, room in any channel to a peer,
+  a new channel) rings this one bell, so one thread waits for any number of channels on one
+  futex.
 - a **channel** from a sender to a receiver, made by the sender on its first message to that
   receiver: a header page and a byte ring (a power of two).  The sender alone writes `head`,
   the receiver alone `tail` (release stores; the other side's acquire loads: _csrc/shm_sync.h),
@@ -89,6 +92,7 @@ cdef enum:
     OFF_RHOME = 400           # u64 receiver's home descriptor
     HOME_BELL = 128           # u32
     HOME_SLEEPERS = 256       # u32 count of this rank's threads asleep on the bell
+    HOME_MADE = 384           # u32 count of the channels made to this rank (by their senders)
     GRANULE = 64
 
 DEF HOME_MAGIC = 0x454d4f485453504d
@@ -139,6 +143,7 @@ cdef class Home:
     cdef volatile uint32_t *bell
     cdef volatile uint32_t *sleepers
     cdef int64_t busy_until           # until then, a wait skips its yield phase (_wait)
+    cdef volatile uint32_t *made_count
 
     def __cinit__(self, m):
         if m.size < HOME_BYTES:
@@ -147,8 +152,19 @@ cdef class Home:
         self.base = <char *><size_t>m.address
         self.bell = <volatile uint32_t *>(self.base + 128)
         self.sleepers = <volatile uint32_t *>(self.base + 256)
+        self.made_count = <volatile uint32_t *>(self.base + HOME_MADE)
 
     def ring(self):
+        ring_bell(self.bell, self.sleepers)
+
+    def made(self):
+        """How many channels senders have made to this rank (each adds one, then rings)."""
+        return shm_load_seqcst32(self.made_count)
+
+    def note_made(self):
+        """(A sender, once its channel to this home's rank is made and can be looked up.)
+        Count it, then ring: a receive from any source waiting here looks for it."""
+        shm_fetch_add32(self.made_count, 1)
         ring_bell(self.bell, self.sleepers)
 
     def hold(self):
@@ -173,11 +189,13 @@ cdef class Home:
                     break
                 shm_futex_wait(self.bell, seen, min(end - now, <int64_t>SLEEP_NS))
 
-    def wait(self, list conds, int64_t slice_ns, int64_t spin_ns):
+    def wait(self, list conds, int64_t slice_ns, int64_t spin_ns, int64_t made=-1):
         """Wait until one of `conds` holds, at most slice_ns (GIL released): spin (pause) for
         spin_ns, yield for 200 us, then sleep on the bell.  conds: (Ring, need) pairs: a sender's
-        ring waits for `need` bytes of room, a receiver's for `need` bytes of data.  Returns True
-        when one holds (or the bell rang), False when the slice ran out."""
+        ring waits for `need` bytes of room, a receiver's for `need` bytes of data; made >= 0:
+        also until the count of channels made to this rank is no longer `made` (a receive from
+        any source: a sender it has not heard from made its channel).  Returns True when one
+        holds (or the bell rang), False when the slice ran out."""
         cdef int n = len(conds), i
         if n > MAX_CONDS:
             n = MAX_CONDS
@@ -189,10 +207,11 @@ cdef class Home:
             rg = <Ring?>r
             _cond(&cs[i], rg, need)
         with nogil:
-            ok = self._wait(cs, n, slice_ns, spin_ns)
+            ok = self._wait(cs, n, slice_ns, spin_ns, made)
         return ok
 
-    cdef bint _wait(self, Cond *cs, int n, int64_t slice_ns, int64_t spin_ns) noexcept nogil:
+    cdef bint _wait(self, Cond *cs, int n, int64_t slice_ns, int64_t spin_ns,
+                    int64_t made=-1) noexcept nogil:
         cdef int64_t start, now, end
         cdef uint32_t seen
         cdef bint ok = False, spinning = spin_ns > 0
@@ -203,6 +222,8 @@ cdef class Home:
             for i in range(n):
                 if cond_ready(&cs[i]):
                     return True
+            if made >= 0 and shm_load_seqcst32(self.made_count) != <uint32_t>made:
+                return True
             # one pause per look, the clock read every 32 looks (as the engine's idle): 32
             # pauses per look made a ping-pong's message 0.3-0.4 us slower (a pause is some
             # 40-140 cycles)
@@ -228,6 +249,8 @@ cdef class Home:
                     if cond_ready(&cs[i]):
                         ok = True
                         break
+                if made >= 0 and shm_load_seqcst32(self.made_count) != <uint32_t>made:
+                    ok = True
                 if not ok:
                     shm_futex_wait(self.bell, seen, min(end - now, <int64_t>SLEEP_NS))
                 shm_fetch_add32(self.sleepers, <uint32_t>-1)
@@ -582,6 +605,7 @@ cdef class Quick:
     cdef object tr
     cdef Lock lock
     cdef dict sends, recvs, incoming, kept, out, inn, headers
+    cdef list anyrecvs
     cdef Home home
     cdef int64_t spin_ns, slice_ns
     cdef bint _closed
@@ -595,6 +619,7 @@ cdef class Quick:
         self.lock = <Lock?>tr.lock
         self.sends, self.recvs, self.incoming = tr.sends, tr.recvs, tr.incoming
         self.kept, self.out, self.inn = tr.kept, tr.out, tr.inn
+        self.anyrecvs = tr.any_recvs          # (posted receives from any source: the same list)
         self.home = <Home?>tr.home
         self.spin_ns = tr.spin_ns
         self.headers, self.parse, self.clock = headers, parse, clock
@@ -689,7 +714,8 @@ cdef class Quick:
 
     cdef object _recv(self, src, tag, out, deadline):
         """The blocking recv from src: the next record from src when nothing else is received
-        from it and the record, all there, has the tag wanted (and fits `out`, when given),
+        from it (nor from any source: a receive from ANY_SOURCE posted before this one comes
+        first) and the record, all there, has the tag wanted (and fits `out`, when given),
         waiting for it up to one slice (natively); None: nothing done, take the general path.
         (parse: description bytes -> (dtype, shape); clock: time.monotonic, for a deadline.)"""
         cdef Ring ring
@@ -708,8 +734,8 @@ cdef class Quick:
         while True:
             self.lock.take()
             try:
-                if self._closed or src in self.recvs or src in self.incoming or \
-                        self.kept.get(src):
+                if self._closed or self.anyrecvs or src in self.recvs or \
+                        src in self.incoming or self.kept.get(src):
                     return None
                 chan = self.inn.get(src)
                 if chan is None:
@@ -782,15 +808,16 @@ cdef class Quick:
 # what is wrong.
 
 cdef object _send_general = None, _recv_general = None, _sendrecv_general = None
-cdef object _deadline_of = None
+cdef object _deadline_of = None, _set_status = None
 
 
-def set_general(send_general, recv_general, sendrecv_general, deadline_of):
-    """(messages.py, once.)  The general paths of send, recv and sendrecv, and
-    calls.deadline_of (the one rule of a timeout)."""
-    global _send_general, _recv_general, _sendrecv_general, _deadline_of
+def set_general(send_general, recv_general, sendrecv_general, deadline_of, set_status):
+    """(messages.py, once.)  The general paths of send, recv and sendrecv, calls.deadline_of
+    (the one rule of a timeout), and what fills a Status of a received message (status,
+    source, tag, array)."""
+    global _send_general, _recv_general, _sendrecv_general, _deadline_of, _set_status
     _send_general, _recv_general, _deadline_of = send_general, recv_general, deadline_of
-    _sendrecv_general = sendrecv_general
+    _sendrecv_general, _set_status = sendrecv_general, set_status
 
 
 def messages_send(self, array, dest, *, tag=0, timeout=None):
@@ -805,10 +832,12 @@ def messages_send(self, array, dest, *, tag=0, timeout=None):
     return _send_general(self, array, dest, tag, timeout, False)
 
 
-def messages_recv(self, source, *, tag=0, out=None, timeout=None):
-    """Receive the next message from rank `source` with tag `tag`: a new array of the
-    sender's shape and dtype, or `out` (same shape and dtype: else ValueError, and the
-    message is consumed)."""
+def messages_recv(self, source, *, tag=0, out=None, timeout=None, status=None):
+    """Receive the next message from rank `source` (shmtree.ANY_SOURCE: from any rank) with
+    tag `tag` (shmtree.ANY_TAG: any tag): a new array of the sender's shape and dtype, or
+    `out` (same shape and dtype: else ValueError, and the message is consumed).  status: a
+    shmtree.Status, given the message's source, tag and size.  Messages from one source with
+    one tag arrive in the order sent; receives match in the order they were posted."""
     quick = self._p2p_quick
     if type(quick) is Quick:
         deadline = None
@@ -816,24 +845,28 @@ def messages_recv(self, source, *, tag=0, out=None, timeout=None):
             try:
                 deadline = _deadline_of(timeout)
             except ValueError:      # (said after the general path's checks, as ever)
-                return _recv_general(self, source, tag, out, timeout, None, False)
-        got = (<Quick>quick)._recv(source, tag, out, deadline)
-        if got is not None:
+                return _recv_general(self, source, tag, out, timeout, None, False, status)
+        got = (<Quick>quick)._recv(source, tag, out, deadline)   # (declines ANY_SOURCE and
+        if got is not None:                                      # ANY_TAG: negative)
+            if status is not None:
+                _set_status(status, source, tag, got)
             return got
-        return _recv_general(self, source, tag, out, timeout, deadline, True)
-    return _recv_general(self, source, tag, out, timeout, None, False)
+        return _recv_general(self, source, tag, out, timeout, deadline, True, status)
+    return _recv_general(self, source, tag, out, timeout, None, False, status)
 
 
 def messages_sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=None,
-                      timeout=None):
+                      timeout=None, status=None):
     """Send `array` to `dest` and receive from `source` at once (neither waits for the other
-    to finish): the received array (or `out`).
+    to finish): the received array (or `out`).  source and recvtag may be ANY_SOURCE and
+    ANY_TAG, and status a shmtree.Status, as recv's.
 
     The quick path (a halo exchange's small messages): Quick._send, then Quick._recv, when
     the receive's arguments are ones the general path takes as they are (an int source with
     a channel already, so a rank; an int tag in range; `out` an ndarray or None), so that
     nothing is sent by a call that the general path would refuse; the receive goes the
-    general way when Quick._recv declines after the send."""
+    general way when Quick._recv declines after the send.  (ANY_SOURCE, ANY_TAG: the general
+    way, since no channel is under -1 and a tag must be >= 0 here.)"""
     quick = self._p2p_quick
     deadline = None
     if type(quick) is Quick and type(source) is int and type(recvtag) is int \
@@ -844,13 +877,16 @@ def messages_sendrecv(self, array, dest, source, *, sendtag=0, recvtag=0, out=No
                 deadline = _deadline_of(timeout)
             except Exception:       # (raised by the general path, after its own checks)
                 return _sendrecv_general(self, array, dest, source, sendtag, recvtag, out,
-                                         timeout)
+                                         timeout, status)
         if (<Quick>quick)._send(array, dest, sendtag):
             got = (<Quick>quick)._recv(source, recvtag, out, deadline)
             if got is not None:
+                if status is not None:
+                    _set_status(status, source, recvtag, got)
                 return got
-            return _recv_general(self, source, recvtag, out, timeout, deadline, True)
-    return _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout)
+            return _recv_general(self, source, recvtag, out, timeout, deadline, True, status)
+    return _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout,
+                             status)
 
 
 cdef inline char *_b(m) except NULL:

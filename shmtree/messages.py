@@ -20,6 +20,19 @@ and a large send waits for the receiver.  The receiver reads records in the orde
 each to its first posted receive from that sender with the same tag (non-overtaking per tag), or
 keeps it (a private copy) until one is posted: tags may be received out of order.
 
+Any source, any tag.  A receive may name ANY_SOURCE and ANY_TAG (-1, as MPI's); its Status (or
+an irecv's Request.status) then says the message's source, tag and size.  Receives match in the
+order they were posted: a message goes to the first posted receive that takes it, whether that
+names its source or ANY_SOURCE (each receive has a posting number); a receive posted later takes
+the earliest-arrived kept message it matches (each kept message has an arrival number), and
+messages of one source with one tag are never reordered.  An ANY_SOURCE receive waits on every
+channel to this rank, including those of senders it has not heard from yet: channels are made
+lazily by their senders, so a sender counts each channel it makes in the receiver's home
+(_p2p.Home.note_made) before ringing it, and the receiver looks senders up in /proc only when
+that count moved.  It fails once no other rank can ever send (each died, or left with nothing
+unread: PeerLostError when one died) or at its timeout (CollectiveTimeoutError); while another
+rank lives it waits.  (Between nodes: ANY_TAG, not ANY_SOURCE: remote.py.)
+
 Progress.  The transport's state (posted sends per destination, posted receives per source, the
 message being read from each source, the unmatched messages) lives under one lock; whoever
 waits - a blocking call in the caller's thread, or the communicator's message thread for isend
@@ -50,7 +63,7 @@ from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_S
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .requests import Request
 
-__all__ = ["Messages", "Transport"]
+__all__ = ["Messages", "Transport", "Status", "ANY_SOURCE", "ANY_TAG"]
 
 RING_BYTES = 1 << 20        # a channel's ring (pages are committed as they are first written)
 CMA_BYTES = 256 << 10       # from this size the receiver copies straight from the sender's
@@ -58,6 +71,8 @@ CMA_BYTES = 256 << 10       # from this size the receiver copies straight from t
 CLOSE_WAIT_S = 30.0         # how long close() waits for receivers to map a channel that holds
                             # messages they have not read
 SLICE_S = 0.02              # between two checks of the peers, the deadline, the group
+LOOK_S = 5.0                # an ANY_SOURCE receive looks for new senders at least this often
+                            # (else only when one counts its new channel: _find_senders)
 SLICE_NS = int(SLICE_S * 1e9)
 _ENVELOPE = struct.Struct("<8Q")
 _MAGIC = 0x3147534d54534d53  # "SMSTMSG1"
@@ -138,6 +153,69 @@ def _header(dtype, shape, tag, nbytes, address=0) -> bytes:
 # operations
 
 
+ANY_SOURCE = -1             # a receive from any rank (MPI.ANY_SOURCE's value)
+ANY_TAG = -1                # a receive of any tag (MPI.ANY_TAG's value; also inter='s launcher
+                            # relaying: remote.Relay, whose receives take any tag)
+
+
+class Status:
+    """What a receive got, as mpi4py's Status: pass one as recv(..., status=) or
+    sendrecv(..., status=), or read an irecv's Request.status once it is done.
+
+    source, tag: the message's (useful after ANY_SOURCE and ANY_TAG); count: its payload's
+    bytes (also nbytes); dtype, shape: the array's.  Get_source(), Get_tag(), Get_count(dtype):
+    mpi4py's names (Get_count() counts bytes, Get_count(dtype) items of that dtype)."""
+
+    __slots__ = ("source", "tag", "count", "dtype", "shape")
+
+    def __init__(self):
+        self.source = ANY_SOURCE
+        self.tag = ANY_TAG
+        self.count = 0
+        self.dtype = None
+        self.shape = None
+
+    @property
+    def nbytes(self):
+        return self.count
+
+    def Get_source(self):
+        return self.source
+
+    def Get_tag(self):
+        return self.tag
+
+    def Get_count(self, dtype=None):
+        """The payload's bytes, or its number of items of `dtype` (a numpy dtype or what
+        np.dtype takes)."""
+        if dtype is None:
+            return self.count
+        size = np.dtype(dtype).itemsize
+        if not size or self.count % size:
+            raise ValueError(f"shmtree: Status.Get_count: {self.count} bytes are not a whole "
+                             f"number of {np.dtype(dtype)} items")
+        return self.count // size
+
+    def __repr__(self):
+        return (f"shmtree.Status(source={self.source}, tag={self.tag}, count={self.count}, "
+                f"dtype={self.dtype}, shape={self.shape})")
+
+
+def _status_arg(status):
+    if status is not None and not isinstance(status, Status):
+        raise TypeError(f"shmtree: recv: status must be a shmtree.Status, got "
+                        f"{type(status).__name__}")
+    return status
+
+
+def _set_status(status, source, tag, array):
+    """Fill a Status (recv's status=) with a received message's."""
+    _status_arg(status)
+    status.source, status.tag = source, tag
+    status.count, status.dtype, status.shape = array.nbytes, array.dtype, array.shape
+    return status
+
+
 class _Op:
     __slots__ = ("kind", "peer", "tag", "deadline", "done", "result", "error", "request",
                  "what", "__weakref__")
@@ -183,22 +261,36 @@ class _Send(_Op):
 
 
 class _Recv(_Op):
-    __slots__ = ("out",)
+    """A posted receive.  peer, tag: as the transport knows them (ANY_SOURCE, ANY_TAG until
+    it matches a message: then the message's); asked: (source, tag) as the caller named them
+    in its communicator's ranks and tags, None for ANY_SOURCE / ANY_TAG (a communicator across
+    nodes translates them for its transports); seq: its posting number (post_recv)."""
+    __slots__ = ("out", "asked", "seq")
 
-    def __init__(self, peer, tag, deadline, out):
+    def __init__(self, peer, tag, deadline, out, asked=None):
         super().__init__("recv", peer, tag, deadline)
         self.out = out
+        self.asked = asked
+        self.seq = 0
+
+    def status(self, into=None):
+        """The Status of the message received (once done): `into` filled, or a new one."""
+        src, tag = self.asked if self.asked is not None else (None, None)
+        return _set_status(Status() if into is None else into, self.peer if src is None else src,
+                           self.tag if tag is None else tag, self.result)
 
 
 class _Kept:
-    """A message that arrived before its receive was posted (a private copy)."""
-    __slots__ = ("tag", "array", "complete", "claimant")
+    """A message that arrived before its receive was posted (a private copy); order: its
+    arrival number (which of two kept messages an ANY_SOURCE receive takes)."""
+    __slots__ = ("tag", "array", "complete", "claimant", "order")
 
-    def __init__(self, tag, array):
+    def __init__(self, tag, array, order=0):
         self.tag = tag
         self.array = array
         self.complete = False
         self.claimant = None
+        self.order = order
 
 
 class _Incoming:
@@ -208,8 +300,6 @@ class _Incoming:
 
 
 _DISCARD = object()
-ANY_TAG = -1                # a receive of any tag (inter='s launcher relaying: remote.Relay;
-                            # its tag becomes the message's)
 _CMA = 1                    # envelope flag: the payload is read from the sender's memory
 QUICK_BYTES = _p2p.QUICK_BYTES  # a message of at most this is written whole when the ring has
                                 # room (the quick paths)
@@ -276,22 +366,49 @@ class _Matching:
         self.thread = None          # the message thread (isend/irecv)
         self.wake_thread = threading.Condition(threading.Lock())
         self.nonblocking = []       # posted nonblocking ops not yet done
+        self.any_recvs = []         # posted receives from ANY_SOURCE, in order (one list for
+                                    # good: the native quick path holds it)
+        self.posted_count = 0       # receives posted (their posting numbers)
+        self.arrived_count = 0      # messages kept (their arrival numbers)
 
     # ---- posting (under the lock) ----
 
     def post_recv(self, op):
+        """Post a receive: it takes the earliest-arrived kept message it matches (from its
+        source; ANY_SOURCE: from any, the first of each source being the one it may take), or
+        waits, in posting order, among the receives of its source or of ANY_SOURCE."""
+        self.posted_count += 1
+        op.seq = self.posted_count
+        if op.peer == ANY_SOURCE:
+            best = None
+            for src, kept in self.kept.items():
+                for i, k in enumerate(kept):
+                    if k.claimant is None and (k.tag == op.tag or op.tag == ANY_TAG):
+                        if best is None or k.order < best[2].order:
+                            best = (src, i, k)
+                        break             # (a source's later messages may not overtake it)
+            if best is None:
+                self.any_recvs.append(op)
+                return
+            src, i, k = best
+            op.peer = src
+            self._take_kept(op, self.kept[src], i, k)
+            return
         kept = self.kept.get(op.peer)
         if kept:
             for i, k in enumerate(kept):
                 if (k.tag == op.tag or op.tag == ANY_TAG) and k.claimant is None:
-                    op.tag = k.tag
-                    del kept[i]
-                    if k.complete:
-                        self._deliver(op, k.array)
-                    else:
-                        k.claimant = op
+                    self._take_kept(op, kept, i, k)
                     return
         self.recvs.setdefault(op.peer, []).append(op)
+
+    def _take_kept(self, op, kept, i, k):
+        op.tag = k.tag
+        del kept[i]
+        if k.complete:
+            self._deliver(op, k.array)
+        else:
+            k.claimant = op
 
     def _deliver(self, op, array):
         """A recv op gets a kept message (a private copy)."""
@@ -315,15 +432,27 @@ class _Matching:
         if posted:
             for i, r in enumerate(posted):
                 if r.tag == tag or r.tag == ANY_TAG:
-                    op = posted.pop(i)
-                    op.tag = tag
+                    op = r
                     break
+        anys = self.any_recvs
+        if anys:                      # (the first posted of the two receives that take it)
+            for j, r in enumerate(anys):
+                if r.tag == tag or r.tag == ANY_TAG:
+                    if op is None or r.seq < op.seq:
+                        op = anys.pop(j)
+                        op.peer = src
+                        posted = None
+                    break
+        if posted is not None and op is not None:
+            posted.pop(i)
             if not posted:
                 del self.recvs[src]
         if op is None:
-            k = _Kept(tag, np.empty(shape, dtype))
+            self.arrived_count += 1
+            k = _Kept(tag, np.empty(shape, dtype), self.arrived_count)
             self.kept.setdefault(src, []).append(k)
             return None, k, k.array, None
+        op.tag = tag
         if op.out is None:
             return op, None, np.empty(shape, dtype), None
         wrong = _check_out(op.out, dtype, shape)
@@ -355,6 +484,7 @@ class _Matching:
         for o in self.all_ops():
             o.finish(error=exc if o is op else lost)
         self.recvs.clear()
+        self.any_recvs.clear()
         for ks in self.kept.values():
             ks[:] = [k for k in ks if k.claimant is None]
 
@@ -396,7 +526,7 @@ class _Matching:
                             done = all(op.done for op in ops)
                     finished = self._finished_requests()
                     if not done:
-                        conds, missing = self.conds()
+                        conds, missing, made = self.conds()
                         budget = SLICE_S
                         for op in ops:
                             if op.deadline is not None:
@@ -406,7 +536,7 @@ class _Matching:
                     self._complete(finished)
                 if done:
                     return
-                self._wait(conds, missing, budget)
+                self._wait(conds, missing, made, budget)
         except BaseException as exc:
             if moving or not all(op.done for op in ops):
                 self._broken(exc)
@@ -427,6 +557,8 @@ class _Matching:
             if op.error is not None:
                 req.set_exception(op.error)
             else:
+                if op.kind == "recv":
+                    req.status = op.status()     # (before its waiters wake)
                 req.set_result(op.result)
 
     # ---- the message thread (isend, irecv) ----
@@ -487,6 +619,13 @@ class Transport(_Matching):
         self.recvs = {}             # source -> list of posted _Recv, in order
         self.incoming = {}          # source -> _Incoming (a message being read)
         self.kept = {}              # source -> list of _Kept, in arrival order
+        self.made_seen = None       # the count of channels made to this rank (_p2p.Home.made)
+                                    # when senders were last looked for (_find_senders)
+        self.looked_at = 0.0        # when they were (a look is made again every LOOK_S while
+                                    # an ANY_SOURCE receive waits: a lookup that failed for
+                                    # want of a mapping is tried again)
+        self.turn = 0               # where the pumping of every source begins (ANY_SOURCE:
+                                    # no source is always read first)
         self.scratch = None         # for discarded payloads
         self.idle_since = {}        # Pool: peer -> when it was first seen idle
         self.relay = False          # the launcher's (remote.Relay): peers that leave are no error
@@ -575,13 +714,14 @@ class Transport(_Matching):
         _p2p.init_channel(m, self.nonce, self.rank, dest, RING_BYTES, self.pid, self.home_fd)
         ring = _p2p.Ring(m, True)
         self.out[dest] = (fd, m, ring)
-        # the receiver may already wait for this channel (on its home bell): tell it
+        # the receiver may already wait for this channel (on its home bell, a receive from any
+        # source for any new channel): count it there, and ring
         pid, hfd = self._lookup(dest, f"h{dest}")
         if hfd is not None:
             home = self._map(pid, hfd, f"h{dest}", _p2p.PAGE_BYTES)
             if home is not None and _p2p.check_home(home, self.nonce, dest):
                 ring.set_peer(home)
-                _p2p.Home(home).ring()
+                _p2p.Home(home).note_made()
         return ring
 
     def _link_receiver(self, ring, dest):
@@ -618,6 +758,20 @@ class Transport(_Matching):
         ring.attach()
         self.inn[src] = (m, ring, home, pid)
         return ring
+
+    def _find_senders(self):
+        """(An ANY_SOURCE receive is posted.)  Map the channels of senders not heard from yet:
+        looked up in /proc only when the count of channels made to this rank has moved since
+        the last look (a sender counts its channel, then rings, once it can be looked up; the
+        first look finds those made before this rank's home was)."""
+        made = self.home.made()
+        if made == self.made_seen:
+            return made
+        self.made_seen, self.looked_at = made, time.monotonic()
+        for r in range(self.size):
+            if r not in self.inn:
+                self._in_ring(r)
+        return made
 
     # ---- the quick path of the blocking calls: a whole record at once (natively) ----
 
@@ -659,6 +813,16 @@ class Transport(_Matching):
         for src in list(set(self.recvs) | set(self.incoming)):
             m = self._pump(src)
             moved = moved or m
+        if self.any_recvs:              # every source, from a turning start
+            self._find_senders()
+            srcs = sorted(self.inn)
+            if srcs:
+                k = self.turn = (self.turn + 1) % len(srcs)
+                for src in srcs[k:] + srcs[:k]:
+                    m = self._pump(src)
+                    moved = moved or m
+                    if not self.any_recvs:
+                        break
         return moved
 
     def _step_send(self, op):
@@ -709,7 +873,7 @@ class Transport(_Matching):
         while True:
             inc = self.incoming.get(src)
             if inc is None:
-                if not self.recvs.get(src) and not any(
+                if not self.recvs.get(src) and not self.any_recvs and not any(
                         k.claimant is not None for k in self.kept.get(src, ())):
                     return moved      # (nobody waits for a message from src)
                 inc = self._envelope(src, ring)
@@ -788,8 +952,9 @@ class Transport(_Matching):
     # ---- waiting ----
 
     def conds(self):
-        """What the posted operations wait for: (ring, bytes) pairs for Home.wait, and whether
-        some source's channel is still missing."""
+        """What the posted operations wait for: (ring, bytes) pairs for Home.wait, whether
+        some source's channel is still missing, and (an ANY_SOURCE receive posted) the count
+        of channels made to this rank that a new sender's channel changes (else None)."""
         conds, missing = [], False
         for dest, q in self.sends.items():
             got = self.out.get(dest)
@@ -817,14 +982,22 @@ class Transport(_Matching):
             else:
                 need = inc.pad
             conds.append((got[1], max(1, need)))
-        return conds, missing
+        made = None
+        if self.any_recvs:              # (every other channel: its next record)
+            made = self.made_seen if self.made_seen is not None else self.home.made()
+            for src, got in self.inn.items():
+                if src not in self.recvs and src not in self.incoming:
+                    conds.append((got[1], _G))
+        return conds, missing, made
 
     def peers_waited_for(self):
-        return set(self.sends) | set(self.recvs) | set(self.incoming)
+        peers = set(self.sends) | set(self.recvs) | set(self.incoming)
+        return peers | set(range(self.size)) if self.any_recvs else peers
 
     def all_ops(self):
         ops = [op for q in self.sends.values() for op in q]
         ops += [op for rs in self.recvs.values() for op in rs]
+        ops += self.any_recvs
         ops += [inc.op for inc in self.incoming.values() if inc.op is not None]
         ops += [k.claimant for ks in self.kept.values() for k in ks if k.claimant is not None]
         return [op for op in ops if not op.done]
@@ -846,6 +1019,10 @@ class Transport(_Matching):
         ops = self.all_ops()
         for op in ops:
             p = op.peer
+            if p == ANY_SOURCE:
+                if self._check_any(op, now):
+                    return
+                continue
             if p == self.rank:
                 continue
             member = p < group.size       # (else the node's launcher, inter=: remote.Relay)
@@ -897,6 +1074,72 @@ class Transport(_Matching):
             else:
                 self.idle_since.pop(p, None)
 
+    def _check_any(self, op, now):
+        """check() of a receive from ANY_SOURCE: it fails (True: after failing every posted
+        operation, as for one peer) once no other rank can ever send it anything - each died,
+        or left with nothing unread (PeerLostError when one died) - or at its deadline, or in a
+        Pool when every other rank has been idle for the stall timeout; while one lives and
+        may send, it waits."""
+        group = self.group
+        if now - self.looked_at >= LOOK_S:
+            self.made_seen = None     # (the next progress looks again)
+        others = [p for p in range(self.size) if p != self.rank]
+        gone = {}
+        for p in others:
+            state = group._seg.state(p)
+            how = group.death_of(p) if state != ST_LEFT else ""
+            if state != ST_LEFT and not how:
+                break
+            gone[p] = how or "left"
+        if others and len(gone) == len(others):
+            self.progress()           # (what they sent before they went counts: look again)
+            self._find_senders()
+            if op.done or any(self._unread(p) for p in others):
+                return False
+            died = [p for p, how in gone.items() if how != "left"]
+            said = "; ".join(f"rank {p} {'left the group' if how == 'left' else f'died ({how})'}"
+                             for p, how in gone.items())
+            text = (f"every other rank is gone ({said}) while rank {self.rank} waited in recv "
+                    f"from ANY_SOURCE (tag {'ANY_TAG' if op.tag == ANY_TAG else op.tag}): no "
+                    "message can come")
+            if died:
+                group.abort(ABORT_DIED, died[0])
+                self.fail_all(PeerLostError(f"shmtree: rank {self.rank}: {text}; the group is "
+                                            "aborted"), op)
+            else:
+                self._abort(ABORT_LEFT, text)
+                self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group is "
+                                           "aborted"), op)
+            return True
+        if op.deadline is not None and now >= op.deadline:
+            text = (f"rank {self.rank} timed out in recv from ANY_SOURCE (tag "
+                    f"{'ANY_TAG' if op.tag == ANY_TAG else op.tag})")
+            self._abort(ABORT_TIMEOUT, text)
+            self.fail_all(CollectiveTimeoutError(f"shmtree: {text}; the group is aborted"), op)
+            return True
+        if self.stall_timeout is not None and others:
+            idle = []
+            for p in others:
+                if group._seg.state(p) == ST_IDLE:
+                    idle.append(now - self.idle_since.setdefault(p, now))
+                else:
+                    self.idle_since.pop(p, None)
+            if len(idle) == len(others) and min(idle) >= self.stall_timeout:
+                text = (f"recv from ANY_SOURCE cannot complete in the Pool: rank {self.rank} "
+                        f"waited for it for {min(idle):.1f} s while every other rank was idle "
+                        "(no task, or finished its task without sending)")
+                self._abort(ABORT_STALL, text)
+                self.fail_all(ShmtreeError(f"shmtree: rank {self.rank}: {text}; the group is "
+                                           "aborted"), op)
+                return True
+        return False
+
+    def _unread(self, p):
+        """Bytes in rank p's channel to this rank not yet read (0: none, or no channel)."""
+        got = self.inn.get(p)
+        ring = got[1] if got is not None else self._in_ring(p)
+        return 0 if ring is None else ring.unread()
+
     def _never(self, op):
         """The peer has left: can op never complete?  (A recv still can while the ring holds
         data: the state was read first.)"""
@@ -930,7 +1173,10 @@ class Transport(_Matching):
             finished = self._finished_requests()
         self._complete(finished)
 
-    def _wait(self, conds, missing, budget):
+    def _wait(self, conds, missing, made, budget):
+        """Wait (outside the lock) for what conds() said: the conds, a missing sender's channel
+        (looked up again after each ring), a new channel for an ANY_SOURCE receive (made: the
+        count of channels made to this rank when its senders were last looked for)."""
         ns = max(100_000, int(budget * 1e9))
         if missing:                  # a sender's channel to look for: it rings when it makes it
             seen = self.home.hold()
@@ -939,6 +1185,8 @@ class Transport(_Matching):
                     for src in set(self.recvs) | set(self.incoming):
                         if src not in self.inn and self._in_ring(src) is not None:
                             return
+                    if made is not None and self.home.made() != made:
+                        return
                     ready = any(r.avail() >= n if not r.sender else r.room() >= n
                                 for r, n in conds)
                 if not ready:
@@ -946,7 +1194,7 @@ class Transport(_Matching):
             finally:
                 self.home.unhold()
         else:
-            self.home.wait(conds, ns, self.spin_ns)
+            self.home.wait(conds, ns, self.spin_ns, -1 if made is None else made)
 
     def _wake(self):
         self.home.ring()
@@ -970,7 +1218,7 @@ class Transport(_Matching):
                         not group.death_of(op.peer) and group._seg.state(op.peer) != ST_LEFT)]
                 else:
                     pending = []
-                conds, _ = self.conds()
+                conds, _, _ = self.conds()
             self._complete(finished)
             if not pending or time.monotonic() >= limit:
                 return
@@ -1009,25 +1257,43 @@ class Transport(_Matching):
 # the public calls (a mixin of Communicator)
 
 
-def _rank_arg(comm, r, what):
+def _rank_arg(comm, r, what, any_ok=False):
+    """A rank argument checked: an int in 0..size-1, or (any_ok: a receive's source)
+    ANY_SOURCE."""
     try:
         r = operator.index(r)
     except TypeError:
         raise TypeError(f"shmtree: {what} must be an int, got {type(r).__name__}") from None
     if not 0 <= r < comm.size:
+        if r == ANY_SOURCE:
+            if any_ok:
+                return r
+            raise ValueError(f"shmtree: {what} ANY_SOURCE ({ANY_SOURCE}) is for receives only: "
+                             f"a message goes to a rank in 0..{comm.size - 1}")
         raise ValueError(f"shmtree: {what} {r} is outside 0..{comm.size - 1}")
     return r
 
 
-def _tag_arg(tag, what="tag"):
+def _tag_arg(tag, what="tag", any_ok=False):
+    """A tag checked: an int >= 0, or (any_ok: a receive's) ANY_TAG."""
     try:
         tag = operator.index(tag)
     except TypeError:
         raise TypeError(f"shmtree: {what} must be an int >= 0, got {type(tag).__name__}") \
             from None
     if not 0 <= tag < 2**63:
+        if tag == ANY_TAG:
+            if any_ok:
+                return tag
+            raise ValueError(f"shmtree: {what} ANY_TAG ({ANY_TAG}) is for receives only: a "
+                             "message's tag is an int >= 0")
         raise ValueError(f"shmtree: {what} must be an int >= 0, got {tag}")
     return tag
+
+
+def _asked(source, tag):
+    """(source, tag) as a receive named them, None for ANY_SOURCE / ANY_TAG (_Recv.asked)."""
+    return (None if source == ANY_SOURCE else source, None if tag == ANY_TAG else tag)
 
 
 def _out_arg(out):
@@ -1111,49 +1377,75 @@ class Messages:
             raise op.error
         return None
 
-    def _recv_general(self, source, tag, out, timeout, deadline, tried):
+    def _recv_general(self, source, tag, out, timeout, deadline, tried, status=None):
         """recv, past the quick path (tried: already, by _p2p.messages_recv, with the deadline
         given; else the deadline is timeout's, found here)."""
+        asked = self._p2p_asked(source, tag)
         tr, source, tag = self._p2p_route(source, "source", tag)
+        _status_arg(status)
         if not tried:
             deadline = deadline_of(timeout)
             got = tr.quick.recv(source, tag, out, deadline)      # (checks what it takes)
             if got is not None:
+                if status is not None:
+                    _set_status(status, asked[0], asked[1], got)
                 return got
-        source, tag, out = _rank_arg(self, source, "source"), _tag_arg(tag), _out_arg(out)
-        op = _Recv(source, tag, deadline, out)
+        source, tag = _rank_arg(self, source, "source", True), _tag_arg(tag, any_ok=True)
+        op = _Recv(source, tag, deadline, _out_arg(out), asked)
         with tr.lock:
             tr.post_recv(op)
         tr.run([op])
         if op.error is not None:
             raise op.error
+        if status is not None:
+            op.status(status)
         return op.result
 
-    def _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout):
+    def _p2p_asked(self, source, tag):
+        """(_Recv.asked) A receive's source and tag as named, in this communicator's ranks and
+        tags: None for ANY_SOURCE / ANY_TAG (then the message's, once matched), the rest
+        checked (a communicator across nodes translates them for its transports)."""
+        try:
+            source, tag = operator.index(source), operator.index(tag)
+        except TypeError:
+            return (None, None)           # (the route's checks raise what is wrong)
+        return _asked(source, tag)
+
+    def _sendrecv_general(self, array, dest, source, sendtag, recvtag, out, timeout,
+                          status=None):
         """sendrecv, past the quick path (_p2p.messages_sendrecv)."""
+        asked = self._p2p_asked(source, recvtag)
         tr, dest, sendtag = self._p2p_route(dest, "dest", sendtag, "sendtag")
         from_tr, source, recvtag = self._p2p_route(source, "source", recvtag, "recvtag")
         deadline = deadline_of(timeout)
         dest, sendtag = _rank_arg(self, dest, "dest"), _tag_arg(sendtag, "sendtag")
-        source, recvtag = _rank_arg(self, source, "source"), _tag_arg(recvtag, "recvtag")
-        array, out = movable(array, "send"), _out_arg(out)
+        source = _rank_arg(self, source, "source", True)
+        recvtag = _tag_arg(recvtag, "recvtag", True)
+        array, out, status = movable(array, "send"), _out_arg(out), _status_arg(status)
         if from_tr is not tr:           # (across nodes: one peer on this node, one elsewhere)
-            request = self._p2p_post(from_tr, _Recv(source, recvtag, deadline, out), "irecv")
+            request = self._p2p_post(from_tr, _Recv(source, recvtag, deadline, out, asked),
+                                     "irecv")
             op = _Send(dest, sendtag, deadline, array, tr.cma)
             with tr.lock:
                 tr.post_send(op)
             tr.run([op])
             if op.error is not None:
                 raise op.error
-            return request.result()
+            got = request.result()
+            if status is not None:
+                for name in Status.__slots__:
+                    setattr(status, name, getattr(request.status, name))
+            return got
         if tr.quick_send(array, dest, sendtag):      # (a small message: sent already)
             got = tr.quick.recv(source, recvtag, out, deadline)
             if got is not None:
+                if status is not None:
+                    _set_status(status, asked[0], asked[1], got)
                 return got
-            ops = [_Recv(source, recvtag, deadline, out)]
+            ops = [_Recv(source, recvtag, deadline, out, asked)]
         else:
             ops = [_Send(dest, sendtag, deadline, array, tr.cma),
-                   _Recv(source, recvtag, deadline, out)]
+                   _Recv(source, recvtag, deadline, out, asked)]
         with tr.lock:
             for op in ops:
                 (tr.post_send if op.kind == "send" else tr.post_recv)(op)
@@ -1161,6 +1453,8 @@ class Messages:
         for op in ops:
             if op.error is not None:
                 raise op.error
+        if status is not None:
+            ops[-1].status(status)
         return ops[-1].result
 
     def isend(self, array, dest, *, tag=0, timeout=None):
@@ -1171,10 +1465,13 @@ class Messages:
         return self._p2p_post(tr, op, "isend")
 
     def irecv(self, source, *, tag=0, out=None, timeout=None):
-        """recv, nonblocking: a Request whose result is the received array."""
+        """recv, nonblocking: a Request whose result is the received array, and whose
+        `status` (a shmtree.Status) says the message's source, tag and size once it is done.
+        source and tag may be ANY_SOURCE and ANY_TAG, as recv's."""
+        asked = self._p2p_asked(source, tag)
         tr, source, tag = self._p2p_route(source, "source", tag)
-        op = _Recv(_rank_arg(self, source, "source"), _tag_arg(tag), deadline_of(timeout),
-                   _out_arg(out))
+        op = _Recv(_rank_arg(self, source, "source", True), _tag_arg(tag, any_ok=True),
+                   deadline_of(timeout), _out_arg(out), asked)
         return self._p2p_post(tr, op, "irecv")
 
     def _p2p_post(self, tr, op, name):
@@ -1201,4 +1498,4 @@ class Messages:
 
 
 _p2p.set_general(Messages._send_general, Messages._recv_general, Messages._sendrecv_general,
-                 deadline_of)
+                 deadline_of, _set_status)

@@ -29,6 +29,14 @@ communicator's epoch, then a text): a rank whose call times out or breaks aborts
 group and its links, and sends a control message to every rank, so that a peer on another node
 waiting for it raises PeerLostError instead of hanging.  MPI requests left posted by a failure
 are kept, with their buffers, for the life of the process (as inter.Link does).
+
+Any source, any tag.  A receive of ANY_TAG from a named rank works as on one machine, within a
+node and between nodes (Remote shares the matching).  A receive from ANY_SOURCE on a
+communicator across nodes raises NotImplementedError: its messages come through two
+transports (the node's and MPI's, or the launcher's relay), whose posting orders cannot be
+merged; receive from each rank by name (or probe them in turn with irecv), or use a node's own
+communicator.  ANY_TAG through a launcher's relay (inter=) is refused likewise: its tags fold
+the destination in.
 """
 from __future__ import annotations
 
@@ -41,8 +49,9 @@ import numpy as np
 
 from .codes import ABORT_FAILED, ABORT_TIMEOUT
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
-from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, ANY_TAG, Messages, _broken_text, _flat,
-                       _header, _Matching, _parse, _rank_arg, _Recv, _Send, _tag_arg, Transport)
+from .messages import (_DISCARD, _ENVELOPE, _G, _MAGIC, ANY_SOURCE, ANY_TAG, Messages,
+                       _broken_text, _flat, _header, _Matching, _parse, _rank_arg, _Recv, _Send,
+                       _tag_arg, Transport)
 
 __all__ = ["SpanningMessages", "Remote", "Relay", "message_comm", "free_comm"]
 
@@ -92,12 +101,25 @@ class SpanningMessages(Messages):
 
     def _p2p_route(self, r, what, tag, tag_what="tag"):
         self._check_open()
-        r = _rank_arg(self, r, what)
+        r = _rank_arg(self, r, what, any_ok=what == "source")
+        if r == ANY_SOURCE:
+            raise NotImplementedError(
+                f"shmtree: recv from ANY_SOURCE is not supported on a communicator across "
+                f"nodes (rank {self.rank} of {self.size}, on node {self.node}): its messages "
+                "come through the node's transport and MPI's, whose posting orders cannot be "
+                "merged; receive from each rank by name (irecv from each, then wait for the "
+                "first: concurrent.futures.wait(..., return_when=FIRST_COMPLETED)), or use "
+                "the node's own communicator")
         node, local = self._where[r]
         if node == self.node:
             return self.local._p2p(), local, tag
         if self._p2p_relay:          # to or from the launcher (the rank after the node's
-            tag = _tag_arg(tag, tag_what)                     # members), r folded into tag
+            tag = _tag_arg(tag, tag_what, any_ok=what == "source")   # members), r folded in
+            if tag == ANY_TAG:
+                raise NotImplementedError(
+                    f"shmtree: recv of ANY_TAG from rank {r} of another node is not supported "
+                    f"with a launcher per node (inter=): its relay folds the destination into "
+                    f"the tag; receive each tag by name")
             if tag >= _TAG_LIMIT // self.size:
                 raise ValueError(f"shmtree: {tag_what} {tag} is too large for a message "
                                  f"between nodes with a launcher per node (inter=): at most "
@@ -266,9 +288,9 @@ class Remote(_Matching):
     # ---- waiting ----
 
     def conds(self):
-        return None, False
+        return None, False, None
 
-    def _wait(self, conds, missing, budget):
+    def _wait(self, conds, missing, made, budget):
         if time.monotonic() - self.moved_at < SPIN_S:
             os.sched_yield()
         else:
@@ -277,6 +299,7 @@ class Remote(_Matching):
     def all_ops(self):
         ops = [op for op, _ in self.sending]
         ops += [op for posted in self.recvs.values() for op in posted]
+        ops += self.any_recvs           # (none: refused across nodes, SpanningMessages)
         ops += [item[2] for item in self.landing if item[2] is not None]
         ops += [k.claimant for ks in self.kept.values() for k in ks if k.claimant is not None]
         return [op for op in ops if not op.done]

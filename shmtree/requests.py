@@ -39,7 +39,12 @@ class Request(concurrent.futures.Future):
 
     The call's input must not be modified, nor its `out` read, until the request is done.
     result(timeout) running out raises TimeoutError and leaves the call running; cancel()
-    returns False (every rank must make the call)."""
+    returns False (every rank must make the call).
+
+    status: an irecv's shmtree.Status (the message's source, tag and size), set before the
+    request completes; None otherwise."""
+
+    status = None
 
     def __init__(self, name: str, number: int, progress: "Progress"):
         if _LAZY:                     # Future.__init__ less its Condition: made on first use

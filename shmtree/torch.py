@@ -29,13 +29,18 @@ issue collectives (DDP comm hooks such as PowerSGD).
 
 Outputs of any layout are written (a non-contiguous one through a temporary); ReduceOp.AVG of
 integer tensors is refused before anything is touched, as gloo's RuntimeError; what the backend
-does not offer (recv from any source, ReduceOp.PREMUL_SUM, coalescing by device) raises
-NotImplementedError naming shmtree and the operation.
+does not offer (ReduceOp.PREMUL_SUM, coalescing by device) raises NotImplementedError naming
+shmtree and the operation.  A local error that leaves the other ranks waiting in the operation
+is made theirs too: all_to_all_single's bad split sizes are said in the call's round (every
+rank raises, a ValueError), all_gather's outputs that do not fit the input are checked against
+what every rank passed (gathered all the same: the error names every rank's shape and dtype).
 
 Supported: all_reduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), broadcast, reduce,
 all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
 all_to_all, all_to_all_single (split sizes: shmtree's alltoall(counts=)), send, recv, isend,
-irecv, batch_isend_irecv (shmtree's messages, with tags), barrier, the coalesced forms,
+irecv, recv from any source (recv / irecv with src=None: recv_anysource, its Work's
+_source_rank() the sender's rank), batch_isend_irecv (shmtree's messages, with tags), barrier,
+the coalesced forms,
 monitored_barrier; subgroups (new_group, DeviceMesh: a shmtree group each, made through the
 subgroup's store as the world's is - torch calls the creator on the members only); CPU tensors
 of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), float32/64,
@@ -60,8 +65,10 @@ from torch.futures import Future
 
 from . import calls
 from .arrays import as_numpy
+from .codes import KIND_ALLTOALL
+from .errors import CollectiveMismatchError
 from .group import Group
-from .messages import QUICK_BYTES, _rank_arg
+from .messages import ANY_SOURCE, QUICK_BYTES, Status, _rank_arg
 
 BACKEND = "shmtree"
 _TOKEN_KEY = "shmtree/group-token"
@@ -69,7 +76,8 @@ QUICK_P2P_BYTES = QUICK_BYTES             # send / recv of at most this: see the
 INLINE_BYTES = 256 << 10        # operations on at most this much run blocking (see _work)
 SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, "
              "reduce_scatter_tensor, gather, scatter, all_to_all, all_to_all_single, send, recv, "
-             "isend, irecv, batch_isend_irecv, barrier, monitored_barrier, the coalesced forms")
+             "isend, irecv, recv from any source, batch_isend_irecv, barrier, "
+             "monitored_barrier, the coalesced forms")
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
@@ -128,9 +136,32 @@ def _check_avg(op, tensors, what):
 # ---- the arguments, as torch documents them and gloo checks them ----
 
 
+class ArgumentError(RuntimeError, ValueError):
+    """A bad argument (or an operation that failed because some rank's was bad: a mismatch
+    between the ranks, a local error said in the call's round): a RuntimeError, as gloo
+    raises one (in its words), and a ValueError, as Python and torch's own checks name it."""
+
+
 def _invalid(what, text):
     """An invalid argument: gloo's RuntimeError, its words, naming shmtree and the operation."""
     return RuntimeError(f"shmtree: ProcessGroupShmtree.{what}: {text}")
+
+
+def _invalid_value(what, text):
+    """_invalid, also a ValueError (ArgumentError)."""
+    return ArgumentError(f"shmtree: ProcessGroupShmtree.{what}: {text}")
+
+
+def _failed(rank, exc):
+    """The RuntimeError a failed operation raises from wait() (an ArgumentError when what
+    failed it is a ValueError: CollectiveMismatchError, a bad argument of some rank)."""
+    cls = ArgumentError if isinstance(exc, ValueError) else RuntimeError
+    return cls(f"shmtree: rank {rank}: the operation failed: {type(exc).__name__}: {exc}")
+
+
+def _raised(error):
+    """A Work's failure, raised anew (its type kept: RuntimeError or ArgumentError)."""
+    return (ArgumentError if isinstance(error, ArgumentError) else RuntimeError)(str(error))
 
 
 def _form(opts, args, kwargs, cls, what, fields):
@@ -268,17 +299,23 @@ def _seconds(timeout, default):
     return timeout.total_seconds()
 
 
-def _check_splits(what, splits, t, size):
+def _check_splits(what, splits, t, size, side):
     """gloo's checkSplitSizes: no splits, dim 0 divides by the size; else `size` of them
-    summing to dim 0."""
+    summing to dim 0 (gloo's words; an ArgumentError: a RuntimeError and a ValueError)."""
     rows = int(t.shape[0])
     if not splits:
         if rows % size:
-            raise _invalid(what, "Tensor's dim 0 does not divide equally across group size")
+            raise _invalid_value(what, f"Tensor's dim 0 does not divide equally across group "
+                                       f"size (the {side} has {rows} rows, the group {size} "
+                                       "ranks)")
     elif len(splits) != size:
-        raise _invalid(what, "Number of tensor splits not equal to group size")
+        raise _invalid_value(what, f"Number of tensor splits not equal to group size "
+                                   f"({side}_split_sizes {splits}: {len(splits)} for {size} "
+                                   "ranks)")
     elif sum(splits) != rows or any(n < 0 for n in splits):
-        raise _invalid(what, "Split sizes doesn't match total dim 0 size")
+        raise _invalid_value(what, f"Split sizes doesn't match total dim 0 size "
+                                   f"({side}_split_sizes {splits} sum to {sum(splits)}, the "
+                                   f"{side} has {rows} rows)")
 
 
 def _single_p2p(what, tensors, tag):
@@ -457,11 +494,27 @@ class _PostedWork(dist.Work):
     """The Work of a posted operation: wait() returns once it is done and raises its failure;
     get_future() fails likewise (see _settle)."""
 
+    _recv_from = None                   # a recv's: its source rank, or ANY_SOURCE
+
     def __init__(self, requests, source, future, pg):
         super().__init__()
         self._requests, self._source, self._future = requests, source, future
         self._pg = pg
         self._error = None              # the failure, set before the source completes
+
+    def _source_rank(self):
+        """A recv's source rank: the one it named, or (recv_anysource) the sender's once it is
+        done (-1 before, as gloo's); any other operation's: torch's error."""
+        src = self._recv_from
+        if src is None:
+            return super()._source_rank()
+        if src != ANY_SOURCE:
+            return src
+        req = self._requests[-1] if self._requests else None
+        status = getattr(req, "status", None) if req is not None and req.done() else None
+        return -1 if status is None else status.source
+
+    source_rank = _source_rank
 
     def wait(self, timeout=None):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
@@ -481,7 +534,7 @@ class _PostedWork(dist.Work):
                 raise
         if self._error is not None:
             self._pg._seen(self._error)
-            raise RuntimeError(str(self._error))
+            raise _raised(self._error)
         return True
 
     def get_future(self):
@@ -517,7 +570,7 @@ class _FailedWork(dist.Work):
 
     def wait(self, timeout=None):
         self._pg._seen(self._error)
-        raise RuntimeError(str(self._error))
+        raise _raised(self._error)
 
     def get_future(self):
         return self._future
@@ -587,14 +640,26 @@ class _LazyRecvWork(dist.Work):
         self._posted = None             # the _PostedWork, once posted
         self._done = False              # received here
         self._error = None              # posting it failed (raised by wait)
+        self._got_from = -1             # the sender's rank, once received here
 
     def _post(self):                    # (under the group's _issuing; by _post_lazy)
         comm, buf, src, tag, t = self._pg._comm, self._buf, self._src, self._tag, self._t
         try:
             self._posted = self._pg._p2p_post(lambda: comm.irecv(src, tag=tag, out=buf),
                                               lambda: [t])
+            self._posted._recv_from = src
         except RuntimeError as exc:     # (not the failure of whatever made it post)
             self._error = exc
+
+    def _source_rank(self):
+        """The sender's rank (gloo's: -1 until received; a recv that named it: that one)."""
+        if self._posted is not None:
+            return self._posted._source_rank()
+        if self._src != ANY_SOURCE:
+            return self._src
+        return self._got_from
+
+    source_rank = _source_rank
 
     def _posted_work(self):
         pg = self._pg
@@ -612,11 +677,12 @@ class _LazyRecvWork(dist.Work):
             with pg._issuing:
                 if pg._lazy is self:             # (else posted meanwhile, by another thread)
                     pg._lazy = None
+                    status = Status()
                     try:
-                        pg._comm.recv(self._src, tag=self._tag, out=self._buf)
+                        pg._comm.recv(self._src, tag=self._tag, out=self._buf, status=status)
                     except Exception as exc:
-                        raise RuntimeError(f"shmtree: rank {pg._comm.rank}: the operation "
-                                           f"failed: {type(exc).__name__}: {exc}") from None
+                        raise _failed(pg._comm.rank, exc) from None
+                    self._got_from = status.source
                     self._done = True
                     return True
         if self._error is not None:
@@ -767,8 +833,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                         step()
                     value = finish()
                 except Exception as exc:
-                    error = RuntimeError(f"shmtree: rank {self._comm.rank}: the operation "
-                                         f"failed: {type(exc).__name__}: {exc}")
+                    error = _failed(self._comm.rank, exc)
                     self._failure = error
                     return _FailedWork(error, self)
             return _DoneWork(value)
@@ -803,8 +868,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 except BaseException as exc:      # (a failure of the finishing step itself)
                     failed = exc
             if failed is not None:
-                error = RuntimeError(f"shmtree: rank {self._comm.rank}: the operation failed: "
-                                     f"{type(failed).__name__}: {failed}")
+                error = _failed(self._comm.rank, failed)
                 work._error = error
                 self._failure = error             # (for the next operation, if nobody waits)
                 source.set_result(_Failed(error))
@@ -1004,15 +1068,21 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         _check_dense(what, input_tensors)
         _check_match(what, input_tensors)
         first = input_tensors[0]
+        bad = None                      # outputs that do not fit the input (said below)
         for outs in output_tensors:
             _check_dense(what, outs)
-            _check_match(what, outs, first.dtype, first.shape)
+            try:
+                _check_match(what, outs, first.dtype, first.shape)
+            except RuntimeError as exc:
+                bad = bad or exc
         if n == 1:
             a = _view(first)
         else:
             for t in input_tensors:
                 _view(t)
             a = _view(torch.stack([t.detach() for t in input_tensors]))
+        if bad is not None:
+            raise self._gather_refused(bad, a, secs, first)
         gathered = torch.empty((size,) + tuple(a.shape), dtype=first.dtype)
         g = _view(gathered)
         every = gathered.view((size * n,) + tuple(first.shape))
@@ -1029,14 +1099,17 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         """all_gather_into_tensor: output holds size copies' room, dim 0 rank-major."""
         what = "all_gather_into_tensor"
         comm, size = self._comm, self._comm.size
-        if output.dtype != input.dtype:
-            raise _invalid(what, f"invalid tensor type at index 0 (expected {input.dtype}, got "
-                                 f"{output.dtype})")
-        if output.numel() != size * input.numel():
-            raise _invalid(what, f"invalid tensor size at index 0 (expected {size} x "
-                                 f"{_size_text(input)}, got {_size_text(output)})")
-        out, put = _shaped(output, (size,) + tuple(input.shape), what)
         secs = _seconds(getattr(opts, "timeout", None), self._timeout)
+        if output.dtype != input.dtype:
+            raise self._gather_refused(
+                _invalid(what, f"invalid tensor type at index 0 (expected {input.dtype}, got "
+                               f"{output.dtype})"), _view(input), secs, input)
+        if output.numel() != size * input.numel():
+            raise self._gather_refused(
+                _invalid(what, f"invalid tensor size at index 0 (expected {size} x "
+                               f"{_size_text(input)}, got {_size_text(output)})"),
+                _view(input), secs, input)
+        out, put = _shaped(output, (size,) + tuple(input.shape), what)
 
         def finish():
             if put is not None:
@@ -1044,6 +1117,51 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             return list(output.chunk(size)) if output.dim() else [output]
         return self._work([_call(calls.allgather, comm, _view(input), out=out, timeout=secs)],
                           out.nbytes, finish)
+
+    def _gather_refused(self, error, a, secs, like):
+        """An all_gather whose outputs do not fit this rank's input `a` (error: gloo's
+        RuntimeError for that; returned to raise, an ArgumentError with its words).  The input
+        is gathered all the same first, into a temporary (blocking): the other ranks'
+        all_gather takes part with it, so none waits for this rank, and the error says what
+        every rank passed - when their inputs differ (tensor sizes that differ by rank) every
+        rank's all_gather fails naming each rank's shape and dtype, and so does this one's
+        error; else it names the one shape and dtype they share."""
+        comm = self._comm
+        self._check_failed()
+        tmp = np.empty((comm.size,) + tuple(a.shape), a.dtype)
+        theirs = None
+        with self._issuing:
+            self._post_lazy()
+            try:
+                _call(calls.allgather, comm, a, out=tmp, timeout=secs)(True)()
+            except CollectiveMismatchError as exc:
+                theirs = exc
+            except Exception as exc:              # (a dead peer, a timeout: said with it)
+                return RuntimeError(f"{error} (and gathering every rank's input to compare "
+                                    f"failed: {type(exc).__name__}: {exc})")
+        if theirs is not None:
+            said = str(theirs).split("ranks disagree on the collective call: ", 1)[-1]
+            return ArgumentError(f"{error}: all_gather takes tensors of one shape and dtype on "
+                                 f"every rank, and the ranks' differ: {said}")
+        return ArgumentError(f"{error} (every rank's input has shape {_size_text(like)} and "
+                             f"dtype {like.dtype}: each output tensor must have them)")
+
+    def _said(self, error, kind, name, secs):
+        """A local error of an operation that the other ranks make with arguments that may
+        be right (error: returned, to raise): said in the call's round first (their call then
+        raises a CollectiveMismatchError naming this rank's error: none waits for this rank;
+        ranks that all made an error each raise their own)."""
+        comm = self._comm
+        if comm.size > 1 and not self._group.aborted():
+            spec = calls.CallSpec(name, getattr(calls, name.upper()), kind, error=error,
+                                  timeout=secs, deadline=calls.deadline_of(secs))
+            with self._issuing:
+                self._post_lazy()
+                try:
+                    comm._start(spec)             # (raises `error`, once said)
+                except Exception:
+                    pass
+        return error
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
         """reduce_scatter(outputs, input_lists, opts) and reduce_scatter(output, inputs,
@@ -1382,32 +1500,37 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         comm, size = self._comm, self._comm.size
         out_s = [int(n) for n in (output_split_sizes or [])]
         in_s = [int(n) for n in (input_split_sizes or [])]
-        _check_dense(what, [output])
-        _check_dense(what, [input])
-        if output.dtype != input.dtype:
-            raise _invalid(what, f"invalid tensor type (expected {input.dtype}, got "
-                                 f"{output.dtype})")
-        if input.dim() == 0 or output.dim() == 0:
-            raise _invalid(what, "the input and the output need at least one dimension")
-        _check_splits(what, in_s, input, size)
-        _check_splits(what, out_s, output, size)
         secs = _seconds(getattr(opts, "timeout", None), self._timeout)
+        try:                            # (each rank sees only its own: said in the round)
+            _check_dense(what, [output])
+            _check_dense(what, [input])
+            if output.dtype != input.dtype:
+                raise _invalid(what, f"invalid tensor type (expected {input.dtype}, got "
+                                     f"{output.dtype})")
+            if input.dim() == 0 or output.dim() == 0:
+                raise _invalid(what, "the input and the output need at least one dimension")
+            if not input.is_contiguous():
+                raise _invalid_value(what, "Tensors must be contiguous (the input is not: as "
+                                           "gloo, all_to_all_single takes a contiguous input; "
+                                           "pass input.contiguous())")
+            _check_splits(what, in_s, input, size, "input")
+            _check_splits(what, out_s, output, size, "output")
+            if not in_s and not out_s and output.numel() != input.numel():
+                raise _invalid(what, f"invalid tensor size: the output has {output.numel()} "
+                                     f"elements, the input {input.numel()}")
+        except (RuntimeError, ValueError) as exc:
+            raise self._said(exc, KIND_ALLTOALL, "alltoall", secs) from None
         inner = 1
         for n in input.shape[1:]:
             inner *= int(n)
         if not in_s and not out_s:
-            if output.numel() != input.numel():
-                raise _invalid(what, f"invalid tensor size: the output has {output.numel()} "
-                                     f"elements, the input {input.numel()}")
-            a = _view(input).reshape(size, -1) if input.is_contiguous() \
-                else _view(input.reshape(size, -1))
+            a = _view(input).reshape(size, -1)
             out, put = _shaped(output, (size, output.numel() // size), what)
             counts = None
         else:
             rows = int(input.shape[0])
             counts = in_s or [rows // size] * size
-            a = _view(input).reshape(rows, inner) if input.is_contiguous() \
-                else _view(input.reshape(rows, inner))
+            a = _view(input).reshape(rows, inner)
             out, put = _shaped(output, (int(output.shape[0]), inner), what)
 
         def finish():
@@ -1486,19 +1609,34 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         so at most one receive is held back, and a sender never waits for it (its message
         fits in the ring once the receives before it are posted)."""
         t, tag = _single_p2p("recv", tensors, tag)
+        try:
+            src = _rank_arg(self._comm, srcRank, "source")
+        except (TypeError, ValueError) as exc:  # (torch's C++ takes RuntimeErrors)
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+        return self._recv(t, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        """recv_anysource([tensor], tag) (torch.distributed.recv / irecv with src=None): the
+        next message with that tag from any rank, into the tensor, as recv's; the Work's
+        _source_rank() is the sender's rank once it is done (-1 before, as gloo's).  Messages
+        of one sender arrive in the order sent; receives match in the order they were issued
+        (shmtree's ANY_SOURCE)."""
+        t, tag = _single_p2p("recv_anysource", tensors, tag)
+        return self._recv(t, ANY_SOURCE, tag)
+
+    def _recv(self, t, src, tag):
+        """recv and recv_anysource (src: a rank or ANY_SOURCE, checked)."""
         buf = _p2p_bytes(t)
         comm = self._comm
         if buf.nbytes <= QUICK_P2P_BYTES:
             self._check_failed()
-            try:
-                _rank_arg(comm, srcRank, "source")
-            except (TypeError, ValueError) as exc:  # (torch's C++ takes RuntimeErrors)
-                raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
             with self._issuing:
                 self._post_lazy()
-                self._lazy = work = _LazyRecvWork(self, t, buf, srcRank, tag)
+                self._lazy = work = _LazyRecvWork(self, t, buf, src, tag)
             return work
-        return self._p2p(lambda: comm.irecv(srcRank, tag=tag, out=buf), lambda: [t])
+        work = self._p2p(lambda: comm.irecv(src, tag=tag, out=buf), lambda: [t])
+        work._recv_from = src
+        return work
 
     def _post_lazy(self):
         """Post the held-back small receive, if any (under self._issuing)."""
@@ -1517,12 +1655,6 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         if self._group.aborted():
             raise RuntimeError(f"shmtree: rank {self._comm.rank}: "
                                f"{self._group.describe_abort()}")
-
-    def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError(
-            "shmtree: recv from any source (torch.distributed.recv / irecv with src=None, "
-            "ProcessGroup.recv_anysource) is not supported by the shmtree backend: shmtree's "
-            "messages name their source; pass src=, or use a gloo group for this")
 
     def _p2p(self, start, finish):
         """A message, posted: start() gives its Request (shmtree's isend / irecv); the Work's

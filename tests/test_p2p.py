@@ -535,7 +535,7 @@ def _refused_sendrecv_fn(comm):
         comm.sendrecv(x, other, other, sendtag=7, recvtag=7)
     out = []
     if comm.rank == 0:
-        for k, kw in enumerate(({"source": 5}, {"source": -1}, {"recvtag": -1},
+        for k, kw in enumerate(({"source": 5}, {"source": -2}, {"recvtag": -2},
                                 {"recvtag": "x"}, {"out": [1.0]}, {"timeout": True},
                                 {"source": 1.0})):
             args = {"source": 1, **kw}
@@ -765,6 +765,431 @@ def test_in_the_test_process_nothing_leaks():
             comm.close()
     time.sleep(0.05)
     assert set(threading.enumerate()) <= threads
+
+
+# ---------------------------------------------------------------------------------------------
+# any source, any tag (issue 34, item 7): Status, posting order, first contact, failures
+
+_ANY_SIZES = (3, 40_000, 2_000_000)        # a quick record, a ring's worth, more than the ring
+
+
+def _any_fn(comm, per):
+    """Every rank but 0 sends `per` messages to rank 0, their first contact (after a pause,
+    so that rank 0 already waits for channels that do not exist yet), tags 0 and 1 in turn,
+    of sizes in turn; rank 0 receives them all from ANY_SOURCE with ANY_TAG, the first half
+    by recv(status=), the rest by irecv (Request.status)."""
+    P = comm.size
+    if comm.rank:
+        time.sleep(0.2)
+        sent_at = time.monotonic()                # (CLOCK_MONOTONIC: one clock for all)
+        for k in range(per):
+            n = _ANY_SIZES[(k + comm.rank) % len(_ANY_SIZES)]
+            comm.send(np.full(n, 1000 * comm.rank + k, np.int32), 0, tag=k % 2)
+        return sent_at
+    got = []
+    total = per * (P - 1)
+    for i in range(total):
+        if i < total // 2:
+            st = shmtree.Status()
+            a = comm.recv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG, status=st, timeout=60)
+        else:
+            req = comm.irecv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG, timeout=60)
+            a = req.result(60)
+            st = req.status
+        got.append((st.Get_source(), st.Get_tag(), st.count, st.nbytes, str(st.dtype),
+                    st.shape, int(a[0]), a.shape, bool((a == a[0]).all()), time.monotonic()))
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [3, 4])
+def test_any_source_gets_every_message_with_its_status(P):
+    """recv / irecv from ANY_SOURCE with ANY_TAG at P=3 and 4 (P-1 senders that rank 0 has
+    never heard from): every message once, its Status its source, tag, bytes, dtype and
+    shape, and each source's messages of one tag in the order sent."""
+    per = 6
+    results = run_ok(_any_fn, P, args=(per,))
+    got = results[0]
+    assert len(got) == per * (P - 1)
+    seen, first_at = {}, {}
+    for src, tag, count, nbytes, dtype, shape, first, a_shape, whole, at in got:
+        first_at.setdefault(src, at)
+        k = first - 1000 * src
+        n = _ANY_SIZES[(k + src) % len(_ANY_SIZES)]
+        assert 1 <= src < P and 0 <= k < per and whole, (src, first)
+        assert (tag, count, nbytes, dtype, shape, a_shape) == (k % 2, 4 * n, 4 * n, "int32",
+                                                                (n,), (n,)), (src, k)
+        seen.setdefault((src, tag), []).append(k)
+    assert sorted(seen) == [(s, t) for s in range(1, P) for t in (0, 1)]
+    for (src, tag), ks in seen.items():
+        assert ks == list(range(tag, per, 2)), (src, tag, ks)     # never reordered
+    # first contact is found when the sender counts its new channel in rank 0's home, not by
+    # the periodic look (messages.LOOK_S, 5 s)
+    for src in range(1, P):
+        assert first_at[src] - results[src] < 2.0, (src, first_at[src] - results[src])
+
+
+def _any_order_fn(comm):
+    """Posting order between receives that name the source and ANY_SOURCE, and arrival order
+    among kept messages, made deterministic with acknowledgements."""
+    r = comm.rank
+    out = []
+    if r == 0:
+        # 1. a specific receive posted first gets the first message, the ANY_SOURCE one the next
+        a = comm.irecv(1, tag=0)
+        b = comm.irecv(shmtree.ANY_SOURCE, tag=0)
+        comm.send(np.zeros(1), 1, tag=50)                         # (go)
+        out.append([int(a.result(60)[0]), int(b.result(60)[0]), b.status.source])
+        # 2. the other way round
+        c = comm.irecv(shmtree.ANY_SOURCE, tag=0)
+        d = comm.irecv(1, tag=0)
+        comm.send(np.zeros(1), 1, tag=50)
+        out.append([int(c.result(60)[0]), c.status.source, int(d.result(60)[0])])
+        # 3. kept messages: the earliest-arrived first, whichever its source (1 then 2, then
+        # 2 then 1); tag 99 says "the one before is kept" (it is behind it in the channel)
+        for first, second in ((1, 2), (2, 1)):
+            for src in (first, second):
+                comm.send(np.zeros(1), src, tag=51)               # (go: send yours)
+                comm.recv(shmtree.ANY_SOURCE, tag=99, timeout=60)
+            order = []
+            for _ in range(2):
+                st = shmtree.Status()
+                v = comm.recv(shmtree.ANY_SOURCE, tag=5, status=st, timeout=60)
+                order.append((st.source, int(v[0])))
+            out.append(order)
+        # 4. ANY_TAG from one source: its messages in the order sent, whatever their tags;
+        # then the same through ANY_SOURCE, and a blocking recv that names a tag kept behind
+        comm.send(np.zeros(1), 1, tag=52)
+        tags = []
+        for _ in range(3):
+            st = shmtree.Status()
+            comm.recv(1, tag=shmtree.ANY_TAG, status=st, timeout=60)
+            tags.append(st.tag)
+        st = shmtree.Status()
+        last = comm.recv(1, tag=8, status=st, timeout=60)         # (sent after a tag 7)
+        tags.append((st.tag, int(last[0])))
+        st = shmtree.Status()
+        comm.recv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG, status=st, timeout=60)
+        tags.append((st.source, st.tag))
+        out.append(tags)
+        # 5. sendrecv from ANY_SOURCE, with status=
+        st = shmtree.Status()
+        got = comm.sendrecv(np.array([7.0]), 2, shmtree.ANY_SOURCE, sendtag=60,
+                            recvtag=shmtree.ANY_TAG, status=st, timeout=60)
+        out.append([st.source, st.tag, got.tolist()])
+        return out
+    if r == 1:
+        comm.recv(0, tag=50)
+        comm.send(np.array([1.0]), 0, tag=0)
+        comm.send(np.array([2.0]), 0, tag=0)
+        comm.recv(0, tag=50)
+        comm.send(np.array([3.0]), 0, tag=0)
+        comm.send(np.array([4.0]), 0, tag=0)
+    for _ in range(2):
+        comm.recv(0, tag=51)
+        comm.send(np.array([10.0 * r]), 0, tag=5)
+        comm.send(np.zeros(1), 0, tag=99)
+    if r == 1:
+        comm.recv(0, tag=52)
+        for k, tag in enumerate((3, 4, 3, 7, 8)):
+            comm.send(np.array([100.0 + k]), 0, tag=tag)
+    if r == 2:
+        got = comm.recv(0, tag=60)
+        comm.send(got * 2, 0, tag=61)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_any_source_matching_order():
+    """MPI's rules: receives match in posting order, whether they name the source or
+    ANY_SOURCE; a receive takes the earliest-arrived kept message; one source's messages of
+    one tag never overtake each other, ANY_TAG included."""
+    got = run_ok(_any_order_fn, 3)[0]
+    assert got[0] == [1, 2, 1]                    # specific first: it gets message 1
+    assert got[1] == [3, 1, 4]                    # ANY_SOURCE first: it gets message 3
+    assert got[2] == [(1, 10), (2, 20)]           # kept from 1 first, then from 2
+    assert got[3] == [(2, 20), (1, 10)]           # kept from 2 first, then from 1
+    assert got[4] == [3, 4, 3, (8, 104), (1, 7)]  # ANY_TAG in order; tag 8 past a kept 7
+    assert got[5] == [2, 61, [14.0]]
+
+
+def _any_quick_fn(comm):
+    """A blocking recv that names its source, on a warm channel (the quick path), must not
+    take a message that an ANY_SOURCE irecv posted before it is to get: both messages wait in
+    the channel when the two receives are posted (the quick path would find them there
+    first, before the message thread wakes)."""
+    if comm.rank == 1:
+        for _ in range(3):                        # (channel and memo warm)
+            comm.send(np.zeros(1), 0, tag=0)
+        comm.send(np.array([1.0]), 0, tag=0)
+        comm.send(np.array([2.0]), 0, tag=0)
+        comm.barrier()
+        return None
+    for _ in range(3):
+        comm.recv(1, tag=0)
+    comm.barrier()                                # (both are in the channel, unread)
+    req = comm.irecv(shmtree.ANY_SOURCE, tag=0)
+    second = comm.recv(1, tag=0, timeout=60)
+    return int(req.result(60)[0]), int(second[0])
+
+
+@pytest.mark.timeout(60)
+def test_an_any_source_irecv_keeps_its_place_before_a_quick_recv():
+    assert run_ok(_any_quick_fn, 2)[0] == (1, 2)
+
+
+def _any_timeout_fn(comm):
+    if comm.rank == 0:
+        start = time.monotonic()
+        try:
+            comm.recv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG, timeout=0.3)
+        except shmtree.CollectiveTimeoutError as e:
+            return ("timeout", time.monotonic() - start, "recv from ANY_SOURCE" in str(e))
+        return ("returned",)
+    try:
+        comm.barrier(timeout=30)
+    except shmtree.PeerLostError:
+        return ("lost",)
+    return ("returned",)
+
+
+@pytest.mark.timeout(60)
+def test_any_source_timeout():
+    got = run_ok(_any_timeout_fn, 3)
+    assert got[0][0] == "timeout" and 0.25 <= got[0][1] < 5 and got[0][2], got[0]
+    assert got[1:] == [("lost",), ("lost",)]
+
+
+def _any_left_fn(comm):
+    if comm.rank:
+        comm.send(np.array([float(comm.rank)]), 0, tag=3)     # then returns: leaves
+        return None
+    time.sleep(0.5)
+    got = sorted(float(comm.recv(shmtree.ANY_SOURCE, tag=3)[0]) for _ in range(2))
+    try:
+        comm.recv(shmtree.ANY_SOURCE, timeout=30)
+    except shmtree.ShmtreeError as e:
+        return got, error_name(e), "every other rank is gone" in str(e) and "left" in str(e)
+    return got, "returned"
+
+
+@pytest.mark.timeout(60)
+def test_any_source_when_every_other_rank_left():
+    """What the others sent before they left is received; then ANY_SOURCE has nobody left
+    to hear from, and says so (not a timeout)."""
+    assert run_ok(_any_left_fn, 3)[0] == ([1.0, 2.0], "ShmtreeError", True)
+
+
+def _any_victim(group, rank, ready):
+    comm = group.join(rank)
+    ready.put(rank)
+    time.sleep(600)
+
+
+def _any_late_sender(group, rank, go):
+    comm = group.join(rank)
+    go.wait(60)
+    comm.send(np.array([5.0]), 0, tag=4)
+    time.sleep(600)
+
+
+def _any_survivor(group, rank, queue):
+    comm = group.join(rank)
+    start = time.monotonic()
+    try:
+        st = shmtree.Status()
+        v = comm.recv(shmtree.ANY_SOURCE, tag=4, status=st, timeout=60)
+        queue.put(("got", st.source, float(v[0])))
+        start = time.monotonic()
+        comm.recv(shmtree.ANY_SOURCE, tag=4, timeout=60)
+        queue.put(("returned", "", 0.0))
+    except BaseException as e:
+        queue.put((error_name(e), str(e), time.monotonic() - start))
+    finally:
+        comm.close()
+
+
+@pytest.mark.timeout(90)
+def test_any_source_with_dead_peers():
+    """P=3: rank 2 is SIGKILLed while rank 0 waits in recv(ANY_SOURCE); rank 1 lives, so
+    rank 0 keeps waiting and gets rank 1's message; once rank 1 is killed too, nobody can
+    send and the receive raises PeerLostError within a few seconds."""
+    ctx = mp.get_context("fork")
+    with shmtree.Group(3) as group:
+        ready, queue, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        survivor = ctx.Process(target=_any_survivor, args=(group, 0, queue))
+        late = ctx.Process(target=_any_late_sender, args=(group, 1, go))
+        victim = ctx.Process(target=_any_victim, args=(group, 2, ready))
+        procs = [survivor, late, victim]
+        try:
+            for p in procs:
+                p.start()
+            assert ready.get(timeout=30) == 2
+            time.sleep(0.5)                       # (rank 0 waits in its recv by now)
+            os.kill(victim.pid, signal.SIGKILL)
+            time.sleep(1.0)                       # (it sees rank 2 dead, and waits on)
+            go.set()
+            assert queue.get(timeout=30) == ("got", 1, 5.0)
+            time.sleep(0.3)
+            os.kill(late.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            name, text, _ = queue.get(timeout=30)
+            assert name == "PeerLostError", text
+            assert "every other rank is gone" in text and "died" in text, text
+            assert time.monotonic() - killed < DETECT_S
+        finally:
+            stop_processes(procs)
+            queue.close()
+            ready.close()
+
+
+def _any_misuse_fn(comm):
+    out = []
+    for call in (lambda: comm.send(np.zeros(1), shmtree.ANY_SOURCE),
+                 lambda: comm.isend(np.zeros(1), shmtree.ANY_SOURCE),
+                 lambda: comm.sendrecv(np.zeros(1), shmtree.ANY_SOURCE, 0),
+                 lambda: comm.send(np.zeros(1), 1 - comm.rank, tag=shmtree.ANY_TAG),
+                 lambda: comm.recv(-2), lambda: comm.irecv(-2),
+                 lambda: comm.recv(shmtree.ANY_SOURCE, tag=-2),
+                 lambda: comm.recv(1 - comm.rank, status=object()),
+                 lambda: comm.recv(shmtree.ANY_SOURCE, status={})):
+        try:
+            call()
+            out.append("ok")
+        except (TypeError, ValueError) as e:
+            named = "ANY_SOURCE" in str(e) or "ANY_TAG" in str(e) or "Status" in str(e) \
+                or "outside" in str(e) or ">= 0" in str(e)
+            out.append((type(e).__name__, named))
+    comm.barrier()                                # the group is usable, nothing was sent
+    comm.send(np.array([float(comm.rank)]), 1 - comm.rank, tag=0)
+    out.append(float(comm.recv(shmtree.ANY_SOURCE)[0]))
+    return out
+
+
+def test_any_source_misuse():
+    """A send to ANY_SOURCE (or with ANY_TAG) is a ValueError naming it; a status= that is
+    not a shmtree.Status a TypeError; nothing is sent or posted by a refused call."""
+    V, T = ("ValueError", True), ("TypeError", True)
+    got = run_ok(_any_misuse_fn, 2)
+    for rank, out in enumerate(got):
+        assert out == [V, V, V, V, V, V, V, T, T, float(1 - rank)], (rank, out)
+    assert shmtree.ANY_SOURCE == -1 and shmtree.ANY_TAG == -1
+    assert "Status" in shmtree.__all__ and "ANY_SOURCE" in shmtree.__all__
+    st = shmtree.Status()
+    assert (st.Get_source(), st.Get_tag(), st.Get_count()) == (-1, -1, 0)
+    st.count = 24
+    assert st.Get_count(np.float64) == 3
+    with pytest.raises(ValueError):
+        st.Get_count(np.dtype("V5"))
+
+
+_ANY_MPI_PROG = r"""
+import sys
+import numpy as np
+from mpi4py import MPI
+import shmtree
+
+W = MPI.COMM_WORLD
+
+
+def refused(comm, calls):
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("returned")
+        except NotImplementedError as e:
+            out.append(("ANY_SOURCE" in str(e) or "ANY_TAG" in str(e)) and "by name" in str(e))
+    return out
+
+
+def any_tag_in_order(comm, peers):
+    # ANY_TAG from each peer: in the order sent, the status naming source and tag
+    r = comm.rank
+    reqs = [comm.isend(np.array([r, k]), peer, tag=tag)
+            for peer in peers for k, tag in enumerate((5, 3, 9))]
+    for peer in peers:
+        seen = []
+        for k in range(2):
+            st = shmtree.Status()
+            v = comm.recv(peer, tag=shmtree.ANY_TAG, status=st, timeout=60)
+            seen.append((st.source, st.tag, v.tolist()))
+        req = comm.irecv(peer, tag=shmtree.ANY_TAG, timeout=60)
+        v = req.result(60)
+        seen.append((req.status.source, req.status.tag, v.tolist()))
+        assert seen == [(peer, 5, [peer, 0]), (peer, 3, [peer, 1]), (peer, 9, [peer, 2])], seen
+    shmtree.wait_all(reqs, 60)
+
+
+def inter_worker(comm):
+    # a launcher per node (inter=): ANY_SOURCE refused, and ANY_TAG through the relay; ANY_TAG
+    # within the node works
+    r, P = comm.rank, comm.size
+    local, remote = r ^ 1, (r + 2) % P
+    got = refused(comm, (lambda: comm.recv(shmtree.ANY_SOURCE, timeout=30),
+                         lambda: comm.recv(remote, tag=shmtree.ANY_TAG, timeout=30),
+                         lambda: comm.irecv(remote, tag=shmtree.ANY_TAG)))
+    assert got == [True, True, True], got
+    any_tag_in_order(comm, [local])
+    assert comm.allreduce(np.ones(1))[0] == P
+    return True
+
+
+if sys.argv[1] == "inter":
+    got = shmtree.run(inter_worker, 2, inter=W)
+    assert got == [True, True], got            # (this node's workers)
+    print(f"OK any {W.rank}", flush=True)
+    sys.exit(0)
+comm = shmtree.from_mpi(W, node_size=2)
+r, P = comm.rank, comm.size
+local, remote = r ^ 1, (r + 2) % P
+assert comm.nodes == 2
+got = refused(comm, (lambda: comm.recv(shmtree.ANY_SOURCE, timeout=30),
+                     lambda: comm.irecv(shmtree.ANY_SOURCE, tag=shmtree.ANY_TAG),
+                     lambda: comm.sendrecv(np.zeros(1), local, shmtree.ANY_SOURCE, timeout=30)))
+assert got == [True, True, True], got
+any_tag_in_order(comm, [local, remote])
+assert comm.allreduce(np.ones(1))[0] == P
+comm.close()
+W.Barrier()
+print(f"OK any {r}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode,nprocs", [("from_mpi", 4), ("inter", 2)])
+def test_any_source_across_simulated_nodes(tmp_path, mode, nprocs):
+    """A communicator across 2 simulated nodes (from_mpi, 4 ranks; inter=, 2 launchers of 2
+    workers): ANY_TAG works within a node and, over MPI (from_mpi), between nodes, with its
+    Status; ANY_SOURCE is refused with a NotImplementedError that says what to do (and
+    ANY_TAG through the launchers' relay), and the communicator stays usable."""
+    import subprocess
+    import sys
+    from test_multinode import _import_root, _mpiexec, _reap, _unlink_own_mpich_segments, _shm
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    prog = tmp_path / "any_prog.py"
+    prog.write_text(_ANY_MPI_PROG)
+    before = _shm()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), _import_root()) if p]))
+    proc = subprocess.Popen([mpiexec, "-n", str(nprocs), sys.executable, str(prog), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec hung:\n{out.decode(errors='replace')[-3000:]}")
+    finally:
+        _reap(proc.pid)
+        _unlink_own_mpich_segments(before)
+    out = out.decode(errors="replace")
+    assert proc.returncode == 0 and all(f"OK any {r}" in out for r in range(nprocs)), \
+        out[-4000:]
+    assert not [n for n in _shm() - before if "shmtree" in n], _shm() - before
 
 
 # ---------------------------------------------------------------------------------------------

@@ -439,3 +439,221 @@ def test_a_dead_sender_makes_a_waiting_recv_raise(tmp_path):
     assert values == "[1.0, 1.0, 1.0, 1.0]"
     assert outcome.startswith("RuntimeError") and "rank 1 died" in outcome, outcome
     assert float(took) < 10, took
+
+
+# ---- issue 34: recv from any source (item 7), all_gather of sizes that differ by rank (item 5),
+# all_to_all_single's bad split sizes (item 6)
+
+
+def _build_tensor(size, value):
+    """torch's distributed_test._build_tensor (CPU, float)."""
+    return torch.empty(size, size, size, dtype=torch.float).fill_(value)
+
+
+def any_source_worker(rank, size, backend, store_path, outdir):
+    """torch's distributed_test test_send_recv_any_source, ported: every rank in turn receives
+    two messages from each other rank, through dist.recv (src=None: recv_anysource; the
+    sender's rank returned) and dist.irecv (work._source_rank()), each tensor holding its
+    sender's rank; then every rank's list of senders is gathered and each rank must appear
+    2 (W-1) times.  Then ours: a large message (posted, not held back) from any source, and
+    the pg-level recv_anysource with a tag."""
+    import shmtree.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size, timeout=__import__("datetime").timedelta(seconds=60))
+    send_recv_size = 10
+    tensor = _build_tensor(send_recv_size, value=rank)
+    recv_ranks, irecv_ranks, bad = [], [], []
+    for dst in range(dist.get_world_size()):
+        if dst == rank:
+            for dst in range(dist.get_world_size()):
+                if dst == rank:
+                    continue
+                for recv in ["recv", "irecv"]:
+                    output_tensor = _build_tensor(send_recv_size, value=-1)
+                    if recv == "recv":
+                        sender = dist.recv(output_tensor)
+                        recv_ranks.append(sender)
+                    else:
+                        work = dist.irecv(output_tensor)
+                        work.wait()
+                        sender = work._source_rank()
+                        irecv_ranks.append(sender)
+                    if not output_tensor.eq(sender).all():
+                        bad.append((recv, sender, float(output_tensor.flatten()[0])))
+        else:
+            dist.send(tensor, dst)  # recv
+            dist.send(tensor, dst)  # irecv
+    recv_ranks_tensor = torch.cat((torch.tensor(recv_ranks), torch.tensor(irecv_ranks)), 0)
+    global_recv_ranks = [torch.empty_like(recv_ranks_tensor)
+                         for _ in range(dist.get_world_size())]
+    dist.all_gather(global_recv_ranks, recv_ranks_tensor)
+    everyone = sorted(x for t in global_recv_ranks for x in t.tolist())
+    frequency = [everyone.count(r) for r in range(size)]
+    # ours: large (a posted receive), and recv_anysource at the pg level with a tag
+    big = []
+    if rank == 0:
+        for _ in range(size - 1):
+            out = torch.zeros(200_000)
+            work = dist.irecv(out, tag=3)
+            work.wait()
+            big.append((work._source_rank(), float(out[0]), float(out[-1])))
+        pg = dist.group.WORLD
+        out = torch.zeros(2)
+        work = pg.recv_anysource([out], 4)
+        work.wait()
+        big.append((work._source_rank(), out.tolist()))
+    else:
+        dist.send(torch.full((200_000,), float(rank)), 0, tag=3)
+        if rank == size - 1:
+            dist.send(torch.tensor([5.0, 6.0]), 0, tag=4)
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save({"bad": bad, "frequency": frequency, "recv": recv_ranks, "irecv": irecv_ranks,
+                "big": big}, os.path.join(outdir, f"{backend}-{rank}.pt"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3])
+def test_send_recv_any_source_as_on_gloo(tmp_path, size):
+    """Item 7: torch's test_send_recv_any_source passes on shmtree as on gloo (W=2, 3), and a
+    large message and recv_anysource with a tag give the sender's rank."""
+    for backend in ("gloo", "shmtree"):
+        _spawn(any_source_worker, size, backend, str(tmp_path / f"store-{backend}"),
+               str(tmp_path))
+    for backend in ("gloo", "shmtree"):
+        for rank in range(size):
+            got = torch.load(tmp_path / f"{backend}-{rank}.pt")
+            assert got["bad"] == [], (backend, rank, got["bad"])
+            assert got["frequency"] == [2 * (size - 1)] * size, (backend, got)
+            others = sorted([r for r in range(size) if r != rank] * 2)
+            assert sorted(got["recv"] + got["irecv"]) == others, (backend, rank, got)
+            if rank == 0:
+                want = [(r, float(r), float(r)) for r in range(1, size)]
+                assert sorted(got["big"][:-1]) == want, (backend, got["big"])
+                assert got["big"][-1] == (size - 1, [5.0, 6.0]), (backend, got["big"])
+
+
+def mismatch_worker(rank, size, backend, store_path, outdir):
+    """The checks of items 5 and 6, each call timed (a hang would run into the group's 60 s)."""
+    import time
+
+    import shmtree.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size, timeout=__import__("datetime").timedelta(seconds=60))
+    got = {}
+
+    def outcome(name, call):
+        t0 = time.monotonic()
+        try:
+            call()
+            got[name] = ("ok", "", False, False, time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001
+            got[name] = (type(exc).__name__, str(exc), isinstance(exc, ValueError),
+                         isinstance(exc, RuntimeError), time.monotonic() - t0)
+        t = torch.ones(1)
+        dist.all_reduce(t)                        # the group goes on
+        got[name + " after"] = float(t[0])
+
+    # item 6, torch's test_c10d_gloo test_all_to_all_single (test_c10d_common's
+    # _test_all_to_all_single, at world size 1 there): equal splits of a 2 x 2, then its
+    # transpose (not contiguous)
+    if size == 1:
+        inp, out = torch.ones(2, 2), torch.zeros(2, 2)
+        outcome("a2a equal", lambda: dist.all_to_all_single(out, inp))
+        outcome("a2a transposed", lambda: dist.all_to_all_single(out, inp.t()))
+    n = 2 * size + 1
+    outcome("a2a splits sum", lambda: dist.all_to_all_single(
+        torch.zeros(n), torch.ones(n), None, [1] * size))
+    outcome("a2a out splits sum", lambda: dist.all_to_all_single(
+        torch.zeros(n), torch.ones(n), [2] * size, [n - 2 * (size - 1)] + [2] * (size - 1)))
+    outcome("a2a splits count", lambda: dist.all_to_all_single(
+        torch.zeros(n), torch.ones(n), None, [1] * (size + 1)))
+    if backend == "shmtree" and size > 1:
+        # one rank's splits are wrong, the others' right (equal, then uneven splits)
+        m = 2 * size
+        outcome("a2a one bad", lambda: dist.all_to_all_single(
+            torch.zeros(m), torch.ones(m), None, [1] * size if rank == 1 else None))
+        outcome("a2a one bad uneven", lambda: dist.all_to_all_single(
+            torch.zeros(m), torch.ones(m), None, [1] * size if rank == 1 else [2] * size))
+        big = 300_000 * size                      # (above INLINE_BYTES: posted)
+        outcome("a2a one bad large", lambda: dist.all_to_all_single(
+            torch.zeros(big), torch.ones(big), None,
+            [1] * size if rank == 0 else [big // size] * size))
+        # item 5: all_gather of tensors whose sizes differ by rank, outputs of every rank's
+        # size (every rank's check fails); outputs of one size, one rank's input larger
+        outcome("ag sizes by rank", lambda: dist.all_gather(
+            [torch.zeros(r + 1) for r in range(size)], torch.ones(rank + 1)))
+        outcome("ag one larger", lambda: dist.all_gather(
+            [torch.zeros(1) for _ in range(size)], torch.ones(2 if rank == 1 else 1)))
+        outcome("ag dtype by rank", lambda: dist.group.WORLD.allgather(   # (torch's own
+            [[torch.zeros(2, dtype=torch.float64 if r == 0 else torch.float32)   # check of
+              for r in range(size)]],                                           # dtypes: the
+            [torch.ones(2, dtype=torch.float64 if rank == 0 else torch.float32)]).wait())  # pg's
+        # inputs agree, rank 0's outputs do not fit: rank 0 raises (naming the one shape),
+        # the others' all_gather completes
+        outcome("ag outputs wrong", lambda: dist.all_gather(
+            [torch.zeros(3 if rank == 0 and r == 1 else 2) for r in range(size)],
+            torch.ones(2)))
+        outcome("ag into tensor", lambda: dist.all_gather_into_tensor(
+            torch.zeros(size * (size + 1) // 2), torch.ones(rank + 1)))
+    dist.destroy_process_group()
+    torch.save(got, os.path.join(outdir, f"mm-{backend}-{size}-{rank}.pt"))
+
+
+@pytest.mark.timeout(240)
+def test_a2a_bad_splits_and_uneven_all_gather_are_said_on_every_rank(tmp_path):
+    """Items 5 and 6.  all_to_all_single: at world size 1 torch's test_all_to_all_single
+    passes as on gloo (a transposed input: ValueError "Tensors must be contiguous"), and split
+    sizes that do not fit raise gloo's words as a ValueError (and RuntimeError); at W=2 and 3
+    one rank's bad splits raise a ValueError on every rank at once, not a hang.  all_gather of
+    sizes or dtypes that differ by rank raises on every rank, naming the dtype and every
+    rank's shape; the group goes on after each."""
+    _spawn(mismatch_worker, 1, "gloo", str(tmp_path / "store-gloo-1"), str(tmp_path))
+    for size in (1, 2, 3):
+        _spawn(mismatch_worker, size, "shmtree", str(tmp_path / f"store-{size}"),
+               str(tmp_path))
+    gloo = torch.load(tmp_path / "mm-gloo-1-0.pt")
+    ours = torch.load(tmp_path / "mm-shmtree-1-0.pt")
+    assert gloo["a2a equal"][0] == ours["a2a equal"][0] == "ok"
+    assert gloo["a2a transposed"][:3] == ("ValueError", "Tensors must be contiguous", True)
+    name, text, is_value, is_runtime, _ = ours["a2a transposed"]
+    assert is_value and "Tensors must be contiguous" in text, ours["a2a transposed"]
+    for case in ("a2a splits sum", "a2a out splits sum", "a2a splits count"):
+        words = gloo[case][1]                     # gloo's RuntimeError, its words
+        assert gloo[case][3] and words, (case, gloo[case])
+        name, text, is_value, is_runtime, _ = ours[case]
+        assert is_value and is_runtime and words in text, (case, ours[case], words)
+    for size in (2, 3):
+        for rank in range(size):
+            got = torch.load(tmp_path / f"mm-shmtree-{size}-{rank}.pt")
+            for case, value in got.items():
+                if case.endswith(" after"):
+                    assert value == float(size), (size, rank, case)
+                    continue
+                name, text, is_value, is_runtime, took = value
+                assert took < 20, (size, rank, case, took)             # no hang
+                if case == "ag outputs wrong" and rank != 0:
+                    assert name == "ok", (size, rank, case, value)
+                    continue
+                assert is_value and is_runtime, (size, rank, case, value)
+                if case.startswith("a2a"):
+                    assert "Split sizes doesn't match total dim 0 size" in text or \
+                        "Number of tensor splits not equal to group size" in text, value
+                    if case.startswith("a2a one bad"):
+                        bad = 0 if case.endswith("large") else 1
+                        assert rank == bad or f"rank {bad} raised" in text, value
+            every = [f"rank {r}: allgather(shape=({r + 1},), dtype float32" for r in range(size)]
+            for case in ("ag sizes by rank", "ag into tensor"):
+                text = got[case][1]
+                assert all(piece in text for piece in every), (size, rank, case, text)
+            text = got["ag one larger"][1]
+            assert "rank 1: allgather(shape=(2,), dtype float32" in text, (size, rank, text)
+            text = got["ag dtype by rank"][1]
+            assert "rank 0: allgather(shape=(2,), dtype float64" in text and \
+                "allgather(shape=(2,), dtype float32" in text, (size, rank, text)
+            if rank == 0:
+                text = got["ag outputs wrong"][1]
+                assert "invalid tensor size" in text and "shape (2) and dtype torch.float32" \
+                    in text, text

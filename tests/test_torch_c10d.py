@@ -1073,6 +1073,18 @@ def test_allgather_coalesced(self):
 
 
 @case
+def test_all_to_all_single(self):
+    """_test_all_to_all_single (world size 1 in torch, a 2 x 2 there: 2W x 2 here, so that
+    it divides among the ranks): equal splits, then a transposed input (not contiguous)."""
+    input_tensor = torch.ones(2 * self.world_size, 2)
+    output_tensor = torch.zeros(2 * self.world_size, 2)
+    dist.all_to_all_single(output_tensor, input_tensor)
+    input_tensor = torch.ones(2, 2 * self.world_size).t()
+    with self.assertRaisesRegex(ValueError, "Tensors must be contiguous"):
+        dist.all_to_all_single(output_tensor, input_tensor)
+
+
+@case
 def test_monitored_barrier(self):
     dist.monitored_barrier()
 
