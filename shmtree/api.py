@@ -1,7 +1,7 @@
 """The public API in one place: Group, Communicator, run, Pool and the module-level calls.
 
-Each lives in a module of its own (README.md, "How it works"; docs/design.md, "Layers");
-imports point one way, down:
+Each lives in a module of its own (docs/design.md, "Layers"; the API reference of the docs,
+docs/api/, is made from their docstrings); imports point one way, down:
 
     pool          Pool (and its multiprocessing.pool overrides)
     launch        run                                   (pool uses its start checks)

@@ -19,7 +19,43 @@ __all__ = ["join"]
 
 
 def join(group, rank):
-    """The communicator of `rank`, which Group.join admitted in this process."""
+    """The communicator of `rank`, which Group.join admitted in this process.
+
+    Not called directly: ``group.join(rank)`` admits the rank (checks the segment's header,
+    pins the process, places its rings) and hands it here.  The communicator becomes this
+    process's (``shmtree.current()``); when the group is one node of several (``inter=``), the
+    communicator across nodes is made around it and returned instead.
+
+    Parameters
+    ----------
+    group : Group
+        The group, already admitting `rank` in this process.
+    rank : int
+        The local rank.
+
+    Returns
+    -------
+    Communicator
+        This rank's communicator (across nodes: the spanning one).
+
+    Examples
+    --------
+    >>> import multiprocessing, shmtree
+    >>> def worker(group, rank, results):
+    ...     with group.join(rank) as comm:            # Group.join comes here
+    ...         results.put((rank, comm is shmtree.current()))
+    >>> ctx = multiprocessing.get_context("fork")
+    >>> results = ctx.Queue()
+    >>> with shmtree.Group(2) as group:
+    ...     procs = [ctx.Process(target=worker, args=(group, r, results)) for r in range(2)]
+    ...     for p in procs:
+    ...         p.start()
+    ...     got = sorted(results.get(timeout=60) for _ in procs)
+    ...     for p in procs:
+    ...         p.join()
+    >>> got
+    [(0, True), (1, True)]
+    """
     session._warn_if_member_elsewhere(group, rank, stacklevel=3)    # (the caller of Group.join)
     comm = Communicator(group, rank)
     group._comm = weakref.ref(comm)      # (Group.close closes this process's member)

@@ -174,10 +174,64 @@ def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
 
 
 def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options):
-    """Call fn(comm, *args, **kwargs) in `nprocs` new processes; their return values by rank.
+    """Call ``fn(comm, *args, **kwargs)`` in `nprocs` new processes; their return values by rank.
 
-    If a worker raises or dies, the group is aborted, the others are stopped, and WorkerError
-    (rank, remote_traceback) is raised for the rank that failed first."""
+    SPMD: one new process per rank (fork by default), each joins a new `Group` and calls `fn`
+    with its `Communicator`; `run` returns when every worker has returned.  The arguments are
+    checked before any process starts.  Workers die with the process that called `run`.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(comm, *args, **kwargs)``, run on every rank.  Under spawn and forkserver it must be
+        a module-level function (a lambda gets a `TypeError` before any process starts).
+    nprocs : int
+        The number of ranks (processes).  With `inter` (a launcher per node): this node's
+        workers.
+    args : tuple, default ()
+        Positional arguments after `comm` (``args=5`` is refused: write ``args=(5,)``).
+    kwargs : dict, optional
+        Keyword arguments of `fn`.
+    start_method : {"fork", "spawn", "forkserver"} or multiprocessing context, optional
+        How the workers start; fork where the platform has it.
+    **group_options
+        Options of `Group` (``tree``, ``chunk_bytes``, ``pin``, ``topology``, ...;
+        ``inter=mpi_comm`` makes this process its node's launcher of a communicator across
+        nodes).
+
+    Returns
+    -------
+    list
+        ``fn``'s return value on each rank, by rank.
+
+    Raises
+    ------
+    TypeError
+        An unknown option (named, with the closest valid one), `args` not a tuple, `kwargs` not
+        a dict, `fn` not callable, or something that cannot be pickled for spawn / forkserver.
+        Raised before any process starts.
+    WorkerError
+        A worker raised or died: the group is aborted, the other workers are stopped, and the
+        error names the rank that failed first (the root cause, not the other ranks'
+        consequent errors), with its traceback (``remote_traceback``).
+
+    See Also
+    --------
+    Pool : a persistent pool of workers that form one group.
+    Group : bring your own processes.
+
+    Examples
+    --------
+    >>> import numpy as np, shmtree
+    >>> def step(comm, scale):
+    ...     return float(comm.allreduce(np.ones(4) * scale).sum())
+    >>> shmtree.run(step, 2, args=(1.5,))
+    [12.0, 12.0]
+    >>> shmtree.run(step, 2, args=1.5)
+    Traceback (most recent call last):
+        ...
+    TypeError: shmtree.run: args must be a tuple ...; for a single argument write args=(1.5,)
+    """
     try:
         _check_options("shmtree.run", group_options,
                        ("args", "kwargs", "start_method") + GROUP_OPTIONS)

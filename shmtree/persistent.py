@@ -46,11 +46,39 @@ def _unbound():
 
 
 class Persistent(functools.partial):
-    """A collective call bound once: p() runs it and returns its result (the same output array
-    every time: out=, or one made at init), p.start() posts it and returns a Request (whose
-    result is numpy's view when out= is another library's array), p.free() releases it.  The
-    bound arrays' contents may change between calls; every rank must make its calls in the
-    same order, as for any collective."""
+    """A collective call bound once: p() runs it, p.start() posts it, p.free() releases it.
+
+    Made by the ``*_init`` forms (``comm.allreduce_init(x, out=x)``, ``shmtree.scan_init(x)``,
+    ...), which check and bind the call's arguments once, locally.  ``p()`` returns the call's
+    result: the same output array every time (`out`, or one made at init; where the output's
+    shape is the peers' to say, the first call's result).  The bound arrays' contents may
+    change between calls; every rank must make its calls in the same order, as for any
+    collective.  Mismatches, faults and timeouts behave as for the plain call (``timeout=``
+    counts from each call).  A Persistent cannot be pickled.
+
+    Attributes
+    ----------
+    name : str
+        The collective (``"allreduce"``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np, shmtree
+    >>> def step(comm):
+    ...     grad = np.empty(3)
+    ...     p = comm.allreduce_init(grad, out=grad)     # checked and bound once
+    ...     sums = []
+    ...     for k in range(3):
+    ...         grad[...] = comm.rank + k              # the contents may change
+    ...         p()                                    # runs the allreduce; returns grad
+    ...         sums.append(float(grad[0]))
+    ...     req = p.start()                            # posted: a Request
+    ...     req.wait()
+    ...     p.free()                                   # a later p() raises ShmtreeError
+    ...     return sums, p.freed
+    >>> shmtree.run(step, 2)
+    [([1.0, 3.0, 5.0], True), ([1.0, 3.0, 5.0], True)]
+    """
 
     __slots__ = ("name", "_comm", "_spec", "_given", "_torch", "_freed")
 
@@ -94,8 +122,20 @@ class Persistent(functools.partial):
         return got if self._given is None or got is None else self._given
 
     def start(self):
-        """Post the call: a Request (its result: what p() returns, numpy's view of an out= of
-        another library)."""
+        """Post the call: a Request.
+
+        Persistent calls follow the issue order like any call.
+
+        Returns
+        -------
+        Request
+            Its result is what ``p()`` returns (numpy's view of an `out` of another library).
+
+        Raises
+        ------
+        ShmtreeError
+            The call was freed.
+        """
         spec = self._spec
         if spec is None:
             raise ShmtreeError(f"shmtree: this persistent {self.name} was freed")
@@ -113,13 +153,17 @@ class Persistent(functools.partial):
                 self._bound(self._spec._replace(out=got))
 
     def free(self):
-        """Release the bound arrays; later calls raise ShmtreeError."""
+        """Release the bound arrays; later calls raise ShmtreeError.
+
+        Dropping the Persistent does the same.
+        """
         self._spec = self._given = None
         self._freed = True
         self._set(self._slow)
 
     @property
     def freed(self) -> bool:
+        """Whether `free` was called."""
         return self._freed
 
     def __reduce__(self):

@@ -263,18 +263,73 @@ class _PoolInternals(multiprocessing.pool.Pool):
 
 
 class Pool(_PoolInternals):
-    """A multiprocessing Pool whose `processes` workers form one shmtree group; each joins once,
-    with its own rank, at start.
+    """A multiprocessing Pool whose `processes` workers form one shmtree group.
 
-    Tasks use the module-level calls (shmtree.allreduce, shmtree.rank...).  map/starmap/imap and
-    their async forms deal tasks one at a time (chunksize 1 unless given), so any multiple of
-    `processes` tasks that each make the same collectives works; `pool.run(fn, *args)` calls
-    fn(comm, *args) once on every worker and returns the results by rank.  A collective that
-    cannot complete because members are idle (no task) fails on the waiting members after
-    `stall_timeout` seconds; a task that raises while others wait for it makes them fail at once,
-    with its exception in the message; either way the pool is then broken (PeerLostError).
-    `context`: a multiprocessing context or a start method name ("fork", "spawn",
-    "forkserver")."""
+    Each worker joins the group once, with its own rank, at start.  Tasks (`map`, `starmap`,
+    `imap` and the async forms) use the module-level calls (``shmtree.allreduce``,
+    ``shmtree.rank()``, ...) and are dealt one at a time (chunksize 1 unless given), so any
+    multiple of `processes` tasks that each make the same collectives works.
+    ``pool.run(fn, *args)`` calls ``fn(comm, *args)`` once on every worker (SPMD).
+
+    Never a silent hang: a collective that cannot complete because members are idle (no task)
+    or finished their task without making it fails on the waiting members after
+    `stall_timeout` seconds, with a `ShmtreeError` naming the waiting and the idle ranks and
+    the collective's number; a task that raises while others wait for it makes them fail at
+    once, with its exception in the message; a worker that dies fails the outstanding jobs with
+    `PeerLostError`.  After any of these the pool is broken: later calls raise
+    `PeerLostError`.
+
+    Parameters
+    ----------
+    processes : int, optional
+        The number of workers (ranks); default: the usable cores (the CPU mask within the
+        cgroup's quota).
+    initializer : callable, optional
+        Called as ``initializer(*initargs)`` in each worker, after it joined.  One that raises
+        makes ``Pool(...)`` raise `WorkerError` naming the rank, once (no loop of respawned
+        workers).
+    initargs : tuple, default ()
+        Arguments of `initializer`.
+    context : {"fork", "spawn", "forkserver"} or multiprocessing context, optional
+        How the workers start; fork where the platform has it.
+    stall_timeout : float, default 10.0
+        Seconds a member waits in a collective while members that have not made it are idle.
+    **group_options
+        Options of `Group` (``tree``, ``chunk_bytes``, ``inter=``, ...).
+
+    Raises
+    ------
+    TypeError
+        An unknown option (``maxtasksperchild`` is refused: a worker is a rank for the pool's
+        whole life), an `initializer` that is not callable, `initargs` not a tuple, or
+        something that cannot be pickled.  Raised before any process starts.
+    WorkerError
+        The `initializer` raised in a worker.
+    PeerLostError
+        A worker failed while the pool started.
+
+    See Also
+    --------
+    run : SPMD on new processes.
+
+    Notes
+    -----
+    ``Pool(...)`` returns once every worker has joined and run the initializer.  Tasks are
+    pickled whatever the start method, so a task must be a module-level function.
+
+    Examples
+    --------
+    >>> import numpy as np, shmtree
+    >>> def task(i):                 # in a worker: the module-level calls
+    ...     return float(shmtree.allreduce(np.ones(3) * shmtree.rank()).sum())
+    >>> def step(comm, scale):
+    ...     return comm.rank * scale
+    >>> with shmtree.Pool(2) as pool:
+    ...     print(pool.map(task, range(4)))       # two rounds of one task per worker
+    ...     print(pool.run(step, 10))
+    [3.0, 3.0, 3.0, 3.0]
+    [0, 10]
+    """
 
     def __init__(self, processes=None, *, initializer=None, initargs=(), context=None,
                  stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
@@ -349,6 +404,7 @@ class Pool(_PoolInternals):
 
     @property
     def group(self) -> Group:
+        """The pool's `Group`."""
         return self._shm_group
 
     def _check_group(self):
@@ -375,9 +431,40 @@ class Pool(_PoolInternals):
         return super().imap_unordered(self._shm_task(func), iterable, chunksize)
 
     def run(self, fn, *args, **kwargs) -> list:
-        """Call fn(comm, *args, **kwargs) once on every worker (SPMD, as shmtree.run does on new
-        processes) and return the results by rank.  If fn raises on some rank, WorkerError
-        names the root cause (as shmtree.run's)."""
+        """Call ``fn(comm, *args, **kwargs)`` once on every worker; the results by rank.
+
+        SPMD, as `shmtree.run` does on new processes, but on the pool's workers and communicator.
+
+        Parameters
+        ----------
+        fn : callable
+            A module-level function (it is pickled), called as ``fn(comm, *args, **kwargs)``.
+        *args, **kwargs
+            Its further arguments.
+
+        Returns
+        -------
+        list
+            ``fn``'s return value on each worker, by rank.
+
+        Raises
+        ------
+        TypeError
+            `fn` is not callable.
+        WorkerError
+            `fn` raised on some rank: the error names the root cause, as `shmtree.run`'s does.
+        PeerLostError
+            The pool is broken (a worker died, a stall, a task that raised while others waited).
+
+        Examples
+        --------
+        >>> import numpy as np, shmtree
+        >>> def step(comm):
+        ...     return comm.allreduce(np.array([comm.rank + 1])).tolist()
+        >>> with shmtree.Pool(2) as pool:
+        ...     pool.run(step)
+        [[3], [3]]
+        """
         if not callable(fn):
             raise TypeError(f"shmtree.Pool.run: fn must be callable, got {fn!r}")
         self._check_group()

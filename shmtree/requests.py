@@ -33,16 +33,42 @@ SPIN_S = 50e-6          # an idle progress thread polls its queue this long befo
 
 
 class Request(concurrent.futures.Future):
-    """The result of a nonblocking collective, a concurrent.futures.Future: result(timeout),
-    done(), exception(timeout), add_done_callback(fn) - so concurrent.futures.wait and
-    asyncio.wrap_future work - and wait(timeout) (= result) and test() (= done).
+    """The result of a nonblocking call: a `concurrent.futures.Future`.
+
+    Returned at once by the ``i`` forms (``comm.iallreduce(x)``, ...), by `Persistent.start`
+    and by the messages' ``isend`` / ``irecv``.  It has the Future's methods -
+    ``result(timeout)``, ``done()``, ``exception(timeout)``, ``add_done_callback(fn)`` - so
+    `concurrent.futures.wait` and `asyncio.wrap_future` work, plus ``wait(timeout)``
+    (= ``result``) and ``test()`` (= ``done``).
 
     The call's input must not be modified, nor its `out` read, until the request is done.
-    result(timeout) running out raises TimeoutError and leaves the call running; cancel()
-    returns False (every rank must make the call).
+    ``result(timeout)`` running out raises `TimeoutError` and leaves the call running;
+    ``cancel()`` returns False (every rank must make the call).  Completion callbacks run in
+    the communicator's progress thread, after the call; a collective or a wait inside one
+    raises `ShmtreeError` (it could never complete there).  A forked child cannot wait for its
+    parent's requests (`ShmtreeError`).
 
-    status: an irecv's shmtree.Status (the message's source, tag and size), set before the
-    request completes; None otherwise."""
+    Attributes
+    ----------
+    name : str
+        The call (``"iallreduce"``, ...).
+    number : int
+        Its place in the issue order of the communicator's calls.
+    status : shmtree.Status or None
+        An irecv's status (the message's source, tag and size), set before the request
+        completes; None otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np, shmtree
+    >>> def step(comm):
+    ...     req = comm.iallreduce(np.array([comm.rank + 1.0]))
+    ...     local = float(np.arange(4.0) @ np.arange(4.0))  # computes meanwhile
+    ...     total = req.wait(timeout=30)
+    ...     return float(total[0]), local, req.done()
+    >>> shmtree.run(step, 2)
+    [(3.0, 14.0, True), (3.0, 14.0, True)]
+    """
 
     status = None
 
@@ -74,14 +100,40 @@ class Request(concurrent.futures.Future):
         self.__dict__["_cond"] = cond
 
     def cancel(self):
+        """Return False: a collective cannot be cancelled (every rank must make the call)."""
         return False
 
     def wait(self, timeout=None):
-        """The call's result (as result)."""
+        """The call's result (as result).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait (None: no limit).
+
+        Returns
+        -------
+        object
+            What the blocking call would have returned.
+
+        Raises
+        ------
+        TimeoutError
+            `timeout` ran out; the call goes on.
+        Exception
+            The call's own failure (`CollectiveMismatchError`, `PeerLostError`, ...).
+        ShmtreeError
+            Waited for in a forked child, or inside a completion callback.
+        """
         return self.result(timeout)
 
     def test(self):
-        """Is the call over (completed or failed)?  (as done)"""
+        """Is the call over (completed or failed)?  (as done)
+
+        Returns
+        -------
+        bool
+        """
         return self.done()
 
     def done(self):
@@ -146,9 +198,38 @@ if _LAZY:
 
 
 def wait_all(requests, timeout=None) -> list:
-    """The results of `requests`, once all are done, in the order given.  If any failed, raises
-    the failure of the one posted first.  timeout: seconds for all of them together (then
-    TimeoutError; the calls keep running)."""
+    """The results of `requests`, once all are done, in the order given.
+
+    Parameters
+    ----------
+    requests : iterable of Request
+        The requests to wait for.
+    timeout : float, optional
+        Seconds for all of them together (None: no limit).
+
+    Returns
+    -------
+    list
+        Their results, in the order given.
+
+    Raises
+    ------
+    TypeError
+        Something that is not a `Request`.
+    TimeoutError
+        `timeout` ran out (the calls keep running).
+    Exception
+        If any failed: the failure of the one posted first.
+
+    Examples
+    --------
+    >>> import numpy as np, shmtree
+    >>> def step(comm):
+    ...     reqs = [comm.iallreduce(np.array([k])) for k in range(3)]
+    ...     return [int(r[0]) for r in shmtree.wait_all(reqs)]
+    >>> shmtree.run(step, 2)
+    [[0, 2, 4], [0, 2, 4]]
+    """
     requests = list(requests)
     for r in requests:
         if not isinstance(r, Request):
