@@ -147,17 +147,6 @@ class SubGroup(Group):
             except OSError:
                 pass
 
-    def __del__(self):
-        # collected without close() (its communicator was dropped while open): the pidfds of
-        # its members' liveness checks (liveness.Watch) go too, not only its descriptor
-        procs = self.__dict__.get("_procs")
-        if procs is not None:
-            try:
-                procs.close()
-            except Exception:
-                pass
-        super().__del__()
-
     def __reduce__(self):
         raise ShmtreeError("shmtree: the group of a sub-communicator cannot be sent to another "
                            "process (its members joined it when it was made)")
