@@ -124,6 +124,22 @@ def test_expected_output_block_is_parsed():
     assert expected_output("print(1)\n") is None
 
 
+# ---- the API reference names every public name ----
+
+def test_api_reference_lists_every_public_name():
+    """Every name of shmtree.__all__ has an entry in the API reference (docs/api/*.rst): an
+    autosummary line of its own or a directive that documents it."""
+    api = os.path.join(ROOT, "docs", "api")
+    text = ""
+    for name in sorted(os.listdir(api)):
+        if name.endswith(".rst"):
+            with open(os.path.join(api, name)) as f:
+                text += f.read()
+    missing = [n for n in shmtree.__all__ if n != "__version__" and not re.search(
+        rf"^(   {n}|\.\. \w+:: (shmtree\.)?{n})$", text, re.M)]
+    assert not missing, f"not in docs/api/: {missing}"
+
+
 # ---- the Examples sections of the API's docstrings ----
 
 def _api_doctests():
