@@ -75,7 +75,7 @@ class Front:
         Parameters
         ----------
         %(array)s
-            dtypes: bool, int8-64, uint8-64, float16/32/64, complex64/128 and bfloat16
+            Its dtype: bool, int8-64, uint8-64, float16/32/64, complex64/128 or bfloat16
             (``ml_dtypes.bfloat16``, ``torch.bfloat16``).
         %(op)s
         out : ndarray or writable buffer, optional

@@ -1,4 +1,4 @@
-"""The public API surface (README.md, "API"): run, Pool, Group, Communicator, module level.
+"""The public API surface (docs/guide/launching.md): run, Pool, Group, Communicator, module level.
 
 Worker functions are module-level so that they pickle for spawn and forkserver.  Hand-made
 processes are always terminated, killed and joined in a finally block.
@@ -70,7 +70,7 @@ def test_api_module_reexports():
 # shmtree.run
 
 def contract_step(comm, scale):
-    """The example of README.md ("Example"), verbatim."""
+    """The example of README.md and examples/run_allreduce.py, verbatim."""
     x = np.arange(10.0) * (comm.rank + 1) * scale
     y = comm.allreduce(x)
     comm.allreduce(x, op="max", out=x)
@@ -149,7 +149,7 @@ def test_run_module_level_functions():
 # shmtree.Pool
 
 def pool_task(i):
-    """The Pool task of README.md ("Example"), plus what the test wants to see."""
+    """The Pool task of README.md (examples/pool_tasks.py), plus what the test wants to see."""
     y = shmtree.allreduce(np.ones(3) * shmtree.rank())
     shmtree.barrier()
     return dict(i=i, rank=shmtree.rank(), size=shmtree.size(), y=y.tolist(), pid=os.getpid(),

@@ -8,6 +8,8 @@
   without it the example must still exit 0, saying it skipped, and the test is skipped.
 - A ``# mpiexec: ARGS`` line marks an example that runs under ``mpiexec ARGS``: run so where
   mpiexec (the mpich wheel's) and mpi4py are present, else skipped.
+- README.md's code blocks are these very files, and its set-up commands are the ones CI and
+  the docs name.
 - The Examples sections of the public API's docstrings (the modules of API_MODULES) run as
   doctests, each in a clean namespace that is a module of its own (so that a function it
   defines can be sent to a Pool's workers).
@@ -122,6 +124,49 @@ def test_expected_output_block_is_parsed():
     text = "print(1)\n\n# Output:\n# [1, 2]\n#\n# x\n"
     assert expected_output(text) == ["[1, 2]", "", "x"]
     assert expected_output("print(1)\n") is None
+
+
+# ---- the API reference names every public name ----
+
+def test_api_reference_lists_every_public_name():
+    """Every name of shmtree.__all__ has an entry in the API reference (docs/api/*.rst): an
+    autosummary line of its own or a directive that documents it."""
+    api = os.path.join(ROOT, "docs", "api")
+    text = ""
+    for name in sorted(os.listdir(api)):
+        if name.endswith(".rst"):
+            with open(os.path.join(api, name)) as f:
+                text += f.read()
+    missing = [n for n in shmtree.__all__ if n != "__version__" and not re.search(
+        rf"^(   {n}|\.\. \w+:: (shmtree\.)?{n})$", text, re.M)]
+    assert not missing, f"not in docs/api/: {missing}"
+
+
+# ---- README.md ----
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_readme_examples_are_the_example_files():
+    blocks = re.findall(r"^```python\n(.*?)^```$", _readme(), re.M | re.S)
+    assert len(blocks) >= 3, "README shows the run, Pool and torch examples"
+    files = {}
+    for name in EXAMPLES:
+        with open(os.path.join(EXAMPLES_DIR, name)) as f:
+            files[f.read().strip()] = name
+    shown = [files.get(block.strip()) for block in blocks]
+    assert None not in shown, ("a README code block that is no examples/ file",
+                               [b[:80] for b, n in zip(blocks, shown) if n is None])
+    assert {"run_allreduce.py", "pool_tasks.py", "torch_ddp.py"} <= set(shown), shown
+
+
+def test_readme_set_up_commands():
+    text = _readme()
+    assert "pip install . && shmtree-bench" in text
+    assert 'pip install ".[test]" && python -m pytest' in text       # .ci/run runs this one
+    assert len(text.splitlines()) <= 250
 
 
 # ---- the Examples sections of the API's docstrings ----

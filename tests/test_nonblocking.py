@@ -1,4 +1,4 @@
-"""Nonblocking collectives (docs/design.md, "Nonblocking calls"; README, "Nonblocking calls").
+"""Nonblocking collectives (docs/design.md, "Nonblocking calls"; docs/guide/nonblocking.md).
 
 iallreduce, ibroadcast, ireduce, iallgather, ireduce_scatter and ibarrier return a
 shmtree.Request (a concurrent.futures.Future) that the communicator's progress thread completes
@@ -860,7 +860,7 @@ def test_ctrl_c_while_waiting_interrupts_the_wait_only(tmp_path):
 
 def ctrl_c_blocking_worker(comm, gate):
     """As above, but rank 0 is waiting in a blocking allreduce queued behind its request: the
-    interrupt leaves a call half-issued, so the group is aborted (README, "Nonblocking calls")."""
+    interrupt leaves a call half-issued, so the group is aborted (docs/guide/nonblocking.md)."""
     me = comm.rank
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rep = {}
