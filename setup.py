@@ -29,7 +29,7 @@ def ext(name):
 
 setup(
     ext_modules=cythonize(
-        [ext("_kernels"), ext("_engine"), ext("_moving"), ext("_p2p")],
+        [ext("_kernels"), ext("_engine"), ext("_moving"), ext("_p2p"), ext("_accum")],
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

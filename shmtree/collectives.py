@@ -24,7 +24,7 @@ import pickle
 
 import numpy as np
 
-from . import _engine, _kernels, _moving, calls
+from . import _engine, _kernels, _moving, calls, repro
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, EXSCAN, GATHER, REDUCE,
                     REDUCE_SCATTER, SCAN, SCATTER, CallSpec)
 from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER, KIND_COUNTS,
@@ -62,6 +62,8 @@ class Executors:
         if spec.error is not None:
             raise spec.error
         coll = spec.coll
+        if spec.reproducible and coll != SCAN and coll != EXSCAN:
+            return repro.prepared(self, spec)     # (deterministic=True, Accumulator: repro.py)
         if coll == ALLREDUCE or coll == REDUCE:
             return functools.partial(self._reducing, spec)
         if coll == BROADCAST:

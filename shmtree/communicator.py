@@ -20,12 +20,13 @@ import time
 
 import numpy as np
 
-from . import _engine, _kernels, plan as _plan, session
+from . import _engine, _kernels, plan as _plan, repro as _repro, session
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_GATHER, KIND_SCATTER, KIND_SCAN,
-                    KIND_EXSCAN, KIND_SCAN_BACK, KIND_COUNTS, ROOTED, ST_IDLE, ST_LEFT, kind_name,
+                    KIND_EXSCAN, KIND_SCAN_BACK, KIND_COUNTS, KIND_DETERMINISTIC, ROOTED, ST_IDLE,
+                    ST_LEFT, kind_name,
                     ranks_text, states_text)
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from . import calls
@@ -225,6 +226,8 @@ class Communicator(Messages, Front, Executors):
         outstanding, the engine declining the arrays.  None for the other calls."""
         coll = spec.coll
         a, out, timeout = spec.array, spec.out, spec.timeout
+        if spec.reproducible:
+            return _repro.bind(self, spec, slow)      # (deterministic=True, Accumulator)
         if coll == calls.GATHER:
             return self._bind_gather(spec, slow)
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
@@ -650,6 +653,8 @@ class Communicator(Messages, Front, Executors):
                 what = "a different call"
             elif base == KIND_BARRIER:
                 what = "barrier"
+            elif base == KIND_DETERMINISTIC:
+                what = _repro.described(kind, opc, dtc, shape, nbytes)
             elif dtc == _U1 and opc == OPS["bor"] and base not in _REDUCING_KINDS:
                 what = _moved_text(kind, shape, nbytes)   # bytes moved: shape, item size, dtype
             else:

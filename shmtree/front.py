@@ -40,7 +40,7 @@ import inspect
 
 import numpy as np
 
-from . import arrays as _arrays, calls
+from . import arrays as _arrays, calls, repro as _repro
 from .arrays import either_foreign as _foreign, numpy_args as _numpy_args
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE,
                     REDUCE_SCATTER, SCAN, SCATTER)
@@ -63,45 +63,65 @@ class Front:
 
     # ---- allreduce ----
 
-    def allreduce(self, array, op="sum", *, out=None, timeout=None):
+    def allreduce(self, array, op="sum", *, out=None, timeout=None, deterministic=False,
+                  reproducible=False):
         """Reduce `array` over all ranks with `op`; a new array, or `out` when given.
 
         A collective: every rank makes the call, with the same shape, dtype and op, and gets the
         same result.  Integer and bitwise results, ``min`` and ``max`` are exact; float and complex
         ``sum`` and ``prod`` are folded in the order of the group's tree or schedule, which may
         differ from numpy's in the last bits (the same bits on every rank, and run to run).  Arrays
-        from `empty` / `zeros` (input and `out`) run single-copy.
+        from `empty` / `zeros` (input and `out`) run single-copy.  ``deterministic=True`` folds in
+        rank order whatever the plan; ``reproducible=True`` (or an `Accumulator` for `array`)
+        sums exactly, the same bits for any number of ranks.
 
         Parameters
         ----------
         %(array)s
             Its dtype: bool, int8-64, uint8-64, float16/32/64, complex64/128 or bfloat16
-            (``ml_dtypes.bfloat16``, ``torch.bfloat16``).
+            (``ml_dtypes.bfloat16``, ``torch.bfloat16``).  Or an `Accumulator`: every rank's
+            is merged, and the result is the Accumulator of all their terms (`op` "sum", no
+            `out`).
         %(op)s
         out : ndarray or writable buffer, optional
             Where the result is written: an array of the input's shape and dtype (or a writable
             buffer of as many items).  May be `array` itself (in place) or overlap it.
         %(timeout)s
+        %(deterministic)s
+        reproducible : bool, default False
+            The exact sum of every rank's `array` (each rank's one term), rounded once to nearest
+            even: ``allreduce(Accumulator.of(array[None])).result()``.  The same bits for any
+            number of ranks, any order of them, any tree or machine.  `op` "sum"; float16,
+            bfloat16, float32, float64, complex64, complex128.
 
         Returns
         -------
-        ndarray
+        ndarray or Accumulator
             The reduction, of the input's shape and dtype: `out` when given, else a new array
-            (a torch tensor when the input is one).
+            (a torch tensor when the input is one); for an Accumulator, the merged Accumulator.
 
         Raises
         ------
         TypeError
             The dtype or the op/dtype pair has no reduction (objects, structured, a bitwise op of
-            floats), or `array` is a masked array.  %(local)s
+            floats), or `array` is a masked array; ``reproducible=True`` of a dtype other than
+            the floats.  %(local)s
         ValueError
-            An unknown `op`, an `out` of another shape or dtype or read-only, a negative `timeout`.
-            %(local)s
+            An unknown `op`, an `out` of another shape or dtype or read-only, a negative `timeout`;
+            `deterministic` or `reproducible` not a bool, both given, an op other than "sum"
+            with ``reproducible=True``.  %(local)s
+        OverflowError
+            ``reproducible=True``: a sum beyond the dtype's range; ValueError: +inf met -inf
+            (as `Accumulator.result` and ``math.fsum`` raise; on every rank).
         %(raises)s
 
         See Also
         --------
-        iallreduce, allreduce_init, reduce, reduce_scatter, scan
+        iallreduce, allreduce_init, reduce, reduce_scatter, scan, Accumulator
+
+        Notes
+        -----
+        %(deterministic_notes)s
 
         Examples
         --------
@@ -114,6 +134,18 @@ class Front:
         >>> shmtree.run(step, 2)
         [([0.0, 3.0, 6.0], [0.0, 2.0, 4.0]), ([0.0, 3.0, 6.0], [0.0, 2.0, 4.0])]
         """
+        if deterministic or reproducible:
+            if deterministic is True and reproducible is False:
+                got = _repro.quick(self, ALLREDUCE, array, op, out, 0, timeout)
+                if got is not DECLINED:
+                    return got
+            if _foreign(array, out):
+                return _arrays.call(self.allreduce, array, out, "allreduce", op,
+                                    timeout=timeout, deterministic=deterministic,
+                                    reproducible=reproducible)
+            return self._start(calls.allreduce(self, array, op, out, timeout,
+                                               deterministic=deterministic,
+                                               reproducible=reproducible))
         got = self._quick(ALLREDUCE, array, op, out, 0, timeout)
         if got is not DECLINED:
             return got
@@ -121,7 +153,8 @@ class Front:
             return _arrays.call(self.allreduce, array, out, "allreduce", op, timeout=timeout)
         return self._start(calls.allreduce(self, array, op, out, timeout))
 
-    def iallreduce(self, array, op="sum", *, out=None, timeout=None):
+    def iallreduce(self, array, op="sum", *, out=None, timeout=None, deterministic=False,
+                   reproducible=False):
         """allreduce, nonblocking: a Request
 
         Examples
@@ -134,7 +167,9 @@ class Front:
         [[2.0, 2.0], [2.0, 2.0]]
         """
         array, out = _numpy_args(array, out, "iallreduce")
-        return self._start(calls.allreduce(self, array, op, out, timeout, posted=True))
+        return self._start(calls.allreduce(self, array, op, out, timeout, posted=True,
+                                           deterministic=deterministic,
+                                           reproducible=reproducible))
 
     # ---- broadcast ----
 
@@ -209,7 +244,7 @@ class Front:
 
     # ---- reduce ----
 
-    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+    def reduce(self, array, op="sum", root=0, *, out=None, timeout=None, deterministic=False):
         """The root gets what allreduce would give (a new array, or `out`); the others get None.
 
         The dtypes, ops and numeric rule of `allreduce`.
@@ -222,6 +257,7 @@ class Front:
         out : ndarray or writable buffer, optional
             The root's output, as for `allreduce`; ignored on the other ranks.
         %(timeout)s
+        %(deterministic)s
 
         Returns
         -------
@@ -251,6 +287,16 @@ class Front:
         >>> shmtree.run(step, 2)
         [None, [3, 3]]
         """
+        if deterministic:
+            if deterministic is True:
+                got = _repro.quick(self, REDUCE, array, op, out, root, timeout)
+                if got is not DECLINED:
+                    return got
+            if _foreign(array, out):
+                return _arrays.call(self.reduce, array, out, "reduce", op, root,
+                                    timeout=timeout, deterministic=deterministic)
+            return self._start(calls.reduce(self, array, op, root, out, timeout,
+                                            deterministic=deterministic))
         got = self._quick(REDUCE, array, op, out, root, timeout)
         if got is not DECLINED:
             return got
@@ -258,7 +304,7 @@ class Front:
             return _arrays.call(self.reduce, array, out, "reduce", op, root, timeout=timeout)
         return self._start(calls.reduce(self, array, op, root, out, timeout))
 
-    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None):
+    def ireduce(self, array, op="sum", root=0, *, out=None, timeout=None, deterministic=False):
         """reduce, nonblocking: a Request (its result None on ranks other than the root).
 
         Examples
@@ -271,7 +317,8 @@ class Front:
         [[2.0, 2.0], None]
         """
         array, out = _numpy_args(array, out, "ireduce")
-        return self._start(calls.reduce(self, array, op, root, out, timeout, posted=True))
+        return self._start(calls.reduce(self, array, op, root, out, timeout, posted=True,
+                                        deterministic=deterministic))
 
     # ---- allgather ----
 
@@ -346,7 +393,7 @@ class Front:
 
     # ---- reduce_scatter ----
 
-    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+    def reduce_scatter(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """Rank r gets np.array_split(the full reduction, size, axis=0)[r].
 
         The full reduction is `allreduce`'s (its dtypes, ops and numeric rule); the blocks
@@ -360,6 +407,7 @@ class Front:
             Where this rank's block is written: a writable array of the block's shape and the
             input's dtype.
         %(timeout)s
+        %(deterministic)s
 
         Returns
         -------
@@ -386,6 +434,16 @@ class Front:
         >>> shmtree.run(step, 2)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
         """
+        if deterministic:
+            if deterministic is True:
+                got = _repro.quick(self, REDUCE_SCATTER, array, op, out, 0, timeout)
+                if got is not DECLINED:
+                    return got
+            if _foreign(array, out):
+                return _arrays.call(self.reduce_scatter, array, out, "reduce_scatter", op,
+                                    timeout=timeout, deterministic=deterministic)
+            return self._start(calls.reduce_scatter(self, array, op, out, timeout,
+                                                    deterministic=deterministic))
         got = self._quick(REDUCE_SCATTER, array, op, out, 0, timeout)
         if got is not DECLINED:
             return got
@@ -394,7 +452,8 @@ class Front:
                                 timeout=timeout)
         return self._start(calls.reduce_scatter(self, array, op, out, timeout))
 
-    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None):
+    def ireduce_scatter(self, array, op="sum", *, out=None, timeout=None,
+                        deterministic=False):
         """reduce_scatter, nonblocking: a Request
 
         Examples
@@ -406,7 +465,8 @@ class Front:
         [[0, 2], [4, 6]]
         """
         array, out = _numpy_args(array, out, "ireduce_scatter")
-        return self._start(calls.reduce_scatter(self, array, op, out, timeout, posted=True))
+        return self._start(calls.reduce_scatter(self, array, op, out, timeout, posted=True,
+                                                deterministic=deterministic))
 
     # ---- barrier ----
 
@@ -682,7 +742,7 @@ class Front:
 
     # ---- scan, exscan ----
 
-    def scan(self, array, op="sum", *, out=None, timeout=None):
+    def scan(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """Rank r gets the reduction of ranks 0..r's arrays, in rank order.
 
         Bit for bit ``ufunc.accumulate(np.stack(inputs), axis=0, dtype=input_dtype)[r]``: the
@@ -696,6 +756,10 @@ class Front:
         out : ndarray or writable buffer, optional
             Where the result is written, as for `allreduce`.
         %(timeout)s
+        deterministic : bool, default False
+            Accepted for symmetry with `allreduce`: a scan applies the op in rank order always
+            (the bits above); every rank passes the same (else `CollectiveMismatchError` on
+            every rank).
 
         Returns
         -------
@@ -722,6 +786,12 @@ class Front:
         >>> shmtree.run(step, 3)
         [[1], [3], [6]]
         """
+        if deterministic:               # (rank order always: the same call, said in its kind)
+            if _foreign(array, out):
+                return _arrays.call(self.scan, array, out, "scan", op, timeout=timeout,
+                                    deterministic=deterministic)
+            return self._start(calls.scan(self, array, op, out, timeout,
+                                            deterministic=deterministic))
         got = self._quick(SCAN, array, op, out, 0, timeout)
         if got is not DECLINED:
             return got
@@ -729,7 +799,7 @@ class Front:
             return _arrays.call(self.scan, array, out, "scan", op, timeout=timeout)
         return self._start(calls.scan(self, array, op, out, timeout))
 
-    def iscan(self, array, op="sum", *, out=None, timeout=None):
+    def iscan(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """scan, nonblocking: a Request
 
         Examples
@@ -741,9 +811,10 @@ class Front:
         [[1], [3]]
         """
         array, out = _numpy_args(array, out, "iscan")
-        return self._start(calls.scan(self, array, op, out, timeout, posted=True))
+        return self._start(calls.scan(self, array, op, out, timeout, posted=True,
+                                        deterministic=deterministic))
 
-    def exscan(self, array, op="sum", *, out=None, timeout=None):
+    def exscan(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """Rank r gets the reduction of ranks 0..r-1's arrays; rank 0 the op's identity.
 
         The exclusive form of `scan`.  Rank 0 gets the op's identity: sum 0, prod 1, min the
@@ -757,6 +828,10 @@ class Front:
         out : ndarray or writable buffer, optional
             Where the result is written, as for `allreduce`.
         %(timeout)s
+        deterministic : bool, default False
+            Accepted for symmetry with `allreduce`: a scan applies the op in rank order always
+            (the bits above); every rank passes the same (else `CollectiveMismatchError` on
+            every rank).
 
         Returns
         -------
@@ -783,6 +858,12 @@ class Front:
         >>> shmtree.run(step, 3)
         [[0], [1], [3]]
         """
+        if deterministic:               # (rank order always: the same call, said in its kind)
+            if _foreign(array, out):
+                return _arrays.call(self.exscan, array, out, "exscan", op, timeout=timeout,
+                                    deterministic=deterministic)
+            return self._start(calls.exscan(self, array, op, out, timeout,
+                                            deterministic=deterministic))
         got = self._quick(EXSCAN, array, op, out, 0, timeout)
         if got is not DECLINED:
             return got
@@ -790,7 +871,7 @@ class Front:
             return _arrays.call(self.exscan, array, out, "exscan", op, timeout=timeout)
         return self._start(calls.exscan(self, array, op, out, timeout))
 
-    def iexscan(self, array, op="sum", *, out=None, timeout=None):
+    def iexscan(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """exscan, nonblocking: a Request
 
         Examples
@@ -802,11 +883,13 @@ class Front:
         [[0], [1]]
         """
         array, out = _numpy_args(array, out, "iexscan")
-        return self._start(calls.exscan(self, array, op, out, timeout, posted=True))
+        return self._start(calls.exscan(self, array, op, out, timeout, posted=True,
+                                        deterministic=deterministic))
 
     # ---- persistent calls: checked and bound once (persistent.py) ----
 
-    def allreduce_init(self, array, op="sum", *, out=None, timeout=None):
+    def allreduce_init(self, array, op="sum", *, out=None, timeout=None, deterministic=False,
+                       reproducible=False):
         """allreduce, bound once: a Persistent (p() runs it, p.start() posts it).
 
         A plain ndarray call of p() is one engine call with its arguments bound: no parse, no
@@ -825,7 +908,7 @@ class Front:
         [[8.0, 8.0], [8.0, 8.0]]
         """
         return self._init("allreduce", array, out, lambda a, o: calls.allreduce(
-            self, a, op, o, timeout))
+            self, a, op, o, timeout, deterministic=deterministic, reproducible=reproducible))
 
     def broadcast_init(self, array, root=0, *, out=None, timeout=None):
         """broadcast, bound once: a Persistent.
@@ -846,7 +929,8 @@ class Front:
         return self._init("broadcast", array, out, lambda a, o: calls.broadcast(
             self, a, root, o, timeout))
 
-    def reduce_init(self, array, op="sum", root=0, *, out=None, timeout=None):
+    def reduce_init(self, array, op="sum", root=0, *, out=None, timeout=None,
+                    deterministic=False):
         """reduce, bound once: a Persistent (None away from the root).
 
         Examples
@@ -860,7 +944,7 @@ class Front:
         [[2.0, 2.0], None]
         """
         return self._init("reduce", array, out, lambda a, o: calls.reduce(
-            self, a, op, root, o, timeout))
+            self, a, op, root, o, timeout, deterministic=deterministic))
 
     def allgather_init(self, array, *, axis=None, out=None, timeout=None):
         """allgather, bound once: a Persistent.
@@ -878,7 +962,8 @@ class Front:
         return self._init("allgather", array, out, lambda a, o: calls.allgather(
             self, a, axis, o, timeout))
 
-    def reduce_scatter_init(self, array, op="sum", *, out=None, timeout=None):
+    def reduce_scatter_init(self, array, op="sum", *, out=None, timeout=None,
+                            deterministic=False):
         """reduce_scatter, bound once: a Persistent.
 
         Examples
@@ -891,7 +976,7 @@ class Front:
         [[0, 2], [4, 6]]
         """
         return self._init("reduce_scatter", array, out, lambda a, o: calls.reduce_scatter(
-            self, a, op, o, timeout))
+            self, a, op, o, timeout, deterministic=deterministic))
 
     def alltoall_init(self, array, *, counts=None, out=None, timeout=None):
         """alltoall, bound once: a Persistent.
@@ -938,7 +1023,7 @@ class Front:
         return self._init("scatter", array, out, lambda a, o: calls.scatter(
             self, a, root, axis, o, timeout))
 
-    def scan_init(self, array, op="sum", *, out=None, timeout=None):
+    def scan_init(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """scan, bound once: a Persistent.
 
         Examples
@@ -950,9 +1035,10 @@ class Front:
         >>> shmtree.run(step, 2)
         [([1], True), ([3], True)]
         """
-        return self._init("scan", array, out, lambda a, o: calls.scan(self, a, op, o, timeout))
+        return self._init("scan", array, out, lambda a, o: calls.scan(
+            self, a, op, o, timeout, deterministic=deterministic))
 
-    def exscan_init(self, array, op="sum", *, out=None, timeout=None):
+    def exscan_init(self, array, op="sum", *, out=None, timeout=None, deterministic=False):
         """exscan, bound once: a Persistent.
 
         Examples
@@ -964,7 +1050,7 @@ class Front:
         [[0], [1]]
         """
         return self._init("exscan", array, out, lambda a, o: calls.exscan(
-            self, a, op, o, timeout))
+            self, a, op, o, timeout, deterministic=deterministic))
 
     def barrier_init(self, timeout=None):
         """barrier, bound once: a Persistent (p() returns None).
@@ -1232,6 +1318,8 @@ def _output(comm, spec):
     a, out, coll = spec.array, spec.out, spec.coll
     if out is not None:
         return out
+    if a is not None and not isinstance(a, np.ndarray):
+        return None                   # (an Accumulator allreduce: its result is the first call's)
     if coll in (ALLREDUCE, SCAN, EXSCAN) or (coll == ALLTOALL and spec.counts is None):
         return np.empty(a.shape, a.dtype)
     if coll == REDUCE:
@@ -1331,6 +1419,28 @@ PeerLostError
 ShmtreeError
     This communicator is closed, or was inherited by a forked child.""",
     "local": "Raised locally, before any communication; the group stays usable.",
+    "deterministic": """\
+deterministic : bool, default False
+    Apply the op in rank order, ``x_0 op x_1 op ... op x_{size-1}`` for every element,
+    whatever the tree, schedule, message size or machine: the same bits for the same inputs
+    on the same number of ranks everywhere (`allreduce`'s Notes give the rule).  Every rank
+    passes the same: a rank passing True while another passes False raises
+    `CollectiveMismatchError` on every rank.""",
+    "deterministic_notes": """\
+With ``deterministic=True`` (`allreduce`, `reduce`, `reduce_scatter`) every element is one
+fold of the P contributions in rank order, by shmtree's kernels: bit for bit
+``ufunc.reduce(np.stack(inputs), axis=0, dtype=dtype)`` (numpy's row-by-row left fold) for
+integers, bool, bitwise ops and float32/float64/complex ``sum``, and float32/float64
+``prod``.  float16 and bfloat16 ``sum`` and ``prod`` are widened to float32, folded in rank
+order in float32 and rounded once: ``ufunc.reduce(np.stack(inputs).astype(np.float32),
+axis=0).astype(dtype)``, where numpy rounds after every step.  complex ``prod`` uses the
+textbook formula, ``(a*c - b*d) + (a*d + b*c)i``, where numpy's loops may fuse the
+multiply-adds: the last bit may differ.  ``min`` and ``max`` follow allreduce's rule (NaN
+propagates; -0.0 is below +0.0).  Where the plan's own schedule already folds so (a small
+message on one node of at most 8 ranks, a flat tree), the call is the plain one; else one
+allgather of every input and a local fold (small messages), or an exchange of blocks, each
+folded by one rank, then an allgather.  With ``reproducible=True`` (or an `Accumulator`) the
+sum is exact whatever the number of ranks: see `Accumulator`.""",
 }
 
 _NONBLOCKING = """\

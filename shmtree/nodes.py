@@ -32,7 +32,7 @@ import weakref
 
 import numpy as np
 
-from . import _engine, calls, session
+from . import _engine, calls, repro as _repro, session
 from .calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
                     SCATTER, split_bounds as _pieces)
 from .codes import (ABORT_FAILED, ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
@@ -151,6 +151,8 @@ class Spanning(SpanningMessages, Front, Pipelines):
 
     def _executor(self, spec):
         """The function that runs a parsed call across the nodes (its `call`: its name)."""
+        if spec.reproducible and spec.coll not in (SCAN, EXSCAN):
+            return _repro.spanning(self, spec)        # (deterministic=True, Accumulator)
         return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
                 BARRIER: self._exec_barrier, ALLTOALL: self._exec_alltoall,
                 GATHER: self._exec_gather, SCATTER: self._exec_scatter,
@@ -634,8 +636,7 @@ class Spanning(SpanningMessages, Front, Pipelines):
         which folds its rows in rank order; exchange 2 sends prefix row r back to rank r."""
         a, out, deadline, opc = spec.array, spec.out, spec.deadline, spec.opc
         exclusive = spec.coll == EXSCAN
-        kind = KIND_EXSCAN if exclusive else KIND_SCAN
-        row = _row(kind, -1, opc, a)
+        row = _row(spec.kind, -1, opc, a)     # (KIND_SCAN, KIND_EXSCAN, or deterministic's)
 
         def run():
             P, me = self.size, self.rank

@@ -1,0 +1,465 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Exact sums of floats as fixed-point integers: the kernels of shmtree.Accumulator.
+
+An element's exact sum is held as an integer of W limbs times a power of two:
+
+    value = sum(limbs[k] * 2**(q + 52*k) for k in range(W))
+
+q (int16) is the element's quantum: the lowest bit any of its terms has (a float's trailing
+zeros are not counted, so float32 terms give a coarser q than float64 ones).  The limbs are
+int64; in the normalised form every limb but the last holds 52 bits, 0 <= limb < 2**52, and the
+last is signed (two's complement: the value's sign), |last| < 2**51.  Every term of every
+element is taken exactly: no rounding happens before result(), which rounds the exact integer
+once, to nearest even.  Sums of integers are associative, so the value - and result()'s bits -
+cannot depend on the order of the terms, nor on how they were split between accumulators.
+
+Why 52-bit limbs: P normalised limb columns summed as uint64 (the engine's int64 sum wraps
+modulo 2**64) stay below P * 2**52 <= 2**64 for P <= 4096 (the most ranks a group has), so a
+sum of accumulators aligned to one q is exact limb by limb, and normalize() then carries.
+
+Non-finite terms and zeros are not limbs: flags per element say what was seen (FLAG_NAN,
+FLAG_PINF, FLAG_NINF, FLAG_NEGZ: a -0.0 term, FLAG_OTHER: a term that is not -0.0), merged by
+bitwise or.  An element with no finite nonzero term has q = QNONE and zero limbs.
+
+Every function takes C-contiguous arrays and releases the GIL.
+"""
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint64_t
+from libc.string cimport memset
+from libc.math cimport ldexp
+
+import numpy as np
+
+cdef extern from *:
+    """
+    typedef __int128 shmt_i128;
+    #define SHMT_BITS 52
+    #define SHMT_MASK ((1ULL << 52) - 1)
+    static inline int shmt_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
+    static inline int shmt_clz64(unsigned long long x) { return __builtin_clzll(x); }
+    """
+    ctypedef long long shmt_i128      # (Cython sees a 64-bit int; C compiles __int128)
+    const int BITS "SHMT_BITS"
+    const uint64_t MASK "SHMT_MASK"
+    int shmt_ctz64(unsigned long long x) nogil
+    int shmt_clz64(unsigned long long x) nogil
+
+QNONE = 32767
+LIMB_BITS = 52
+FLAG_NAN = 1
+FLAG_PINF = 2
+FLAG_NINF = 4
+FLAG_NEGZ = 8
+FLAG_OTHER = 16
+SPECIAL = FLAG_NAN | FLAG_PINF | FLAG_NINF | FLAG_NEGZ   # flags that a result depends on
+
+cdef enum:
+    C_QNONE = 32767
+    F_NAN = 1
+    F_PINF = 2
+    F_NINF = 4
+    F_NEGZ = 8
+    F_OTHER = 16
+
+ctypedef union dbits:
+    double f
+    uint64_t u
+
+
+cdef inline int _decode(double v, uint64_t *m, int *k, uint8_t *flag) noexcept nogil:
+    """v as sign * m * 2**k with m odd (returns the sign: 1 negative, 0 positive), or -1 for a
+    zero or a non-finite value (its flag in *flag)."""
+    cdef dbits b
+    b.f = v
+    cdef uint64_t u = b.u
+    cdef int neg = <int>(u >> 63)
+    cdef int ex = <int>((u >> 52) & 0x7ff)
+    cdef uint64_t man = u & MASK
+    cdef int tz
+    if ex == 0x7ff:
+        if man:
+            flag[0] = F_NAN
+        else:
+            flag[0] = F_NINF if neg else F_PINF
+        return -1
+    if ex == 0:
+        if man == 0:
+            flag[0] = F_NEGZ if neg else F_OTHER
+            return -1
+        k[0] = -1074
+    else:
+        man = man | (<uint64_t>1 << 52)
+        k[0] = ex - 1075
+    tz = shmt_ctz64(man)
+    m[0] = man >> tz
+    k[0] += tz
+    flag[0] = F_OTHER
+    return neg
+
+
+cdef inline int _bitlen(uint64_t x) noexcept nogil:
+    return 0 if x == 0 else 64 - shmt_clz64(x)
+
+
+cdef inline void _add_shifted(int64_t *row, int W, int64_t v, int off) noexcept nogil:
+    """row += v * 2**off (0 <= off < 52 * W bits; v signed, |v| < 2**63), unnormalised: the
+    pieces go into the limbs at off // 52 and above, each < 2**52 but the last row limb's,
+    which takes the signed rest (the caller's W holds the value)."""
+    cdef int li = off // BITS, sh = off % BITS
+    cdef shmt_i128 t = (<shmt_i128>v) << sh
+    if li == W - 1:
+        row[li] += <int64_t>t
+        return
+    row[li] += <int64_t>(t & MASK)
+    t = t >> BITS                       # (arithmetic: the sign carries up)
+    if li + 1 == W - 1:
+        row[li + 1] += <int64_t>t
+        return
+    row[li + 1] += <int64_t>(t & MASK)
+    t = t >> BITS
+    row[li + 2] += <int64_t>t
+
+
+cdef inline void _normalize_row(int64_t *row, int W) noexcept nogil:
+    """Carry: every limb but the last into [0, 2**52), read as unsigned (a column sum of up to
+    4096 normalised limbs), the last signed."""
+    cdef int k
+    cdef int64_t c
+    for k in range(W - 1):
+        c = row[k] >> BITS              # (floor: signed limbs of an unnormalised sum)
+        row[k] -= c << BITS
+        row[k + 1] += c
+
+
+cdef inline void _normalize_sum_row(int64_t *row, int W) noexcept nogil:
+    """As _normalize_row, for a column sum of normalised limbs: every limb but the last is a
+    non-negative uint64 (it may have wrapped past 2**63)."""
+    cdef int k
+    cdef uint64_t u
+    for k in range(W - 1):
+        u = <uint64_t>row[k]
+        row[k] = <int64_t>(u & MASK)
+        row[k + 1] += <int64_t>(u >> BITS)
+
+
+def from_terms(const double[:, ::1] x):
+    """The exact sums of the columns of x (m terms by n elements): (q int16[n], limbs
+    int64[n, W], flags uint8[n]), normalised, W the fewest limbs that hold every column."""
+    cdef Py_ssize_t m = x.shape[0], n = x.shape[1], i, e
+    q_a = np.full(n, C_QNONE, np.int16)
+    flags_a = np.zeros(n, np.uint8)
+    top_a = np.zeros(n, np.int32)
+    cdef int16_t[::1] q = q_a
+    cdef uint8_t[::1] flags = flags_a
+    cdef int32_t[::1] top = top_a
+    cdef uint64_t mm
+    cdef int k, neg, W = 1, need, extra = 0
+    cdef uint8_t flag
+    cdef int64_t *row
+    with nogil:
+        while (<Py_ssize_t>1 << extra) < m:
+            extra += 1
+        for i in range(m):
+            for e in range(n):
+                neg = _decode(x[i, e], &mm, &k, &flag)
+                flags[e] |= flag
+                if neg < 0:
+                    continue
+                if q[e] == C_QNONE:
+                    q[e] = <int16_t>k
+                    top[e] = k + _bitlen(mm)
+                else:
+                    if k < q[e]:
+                        q[e] = <int16_t>k
+                    if k + _bitlen(mm) > top[e]:
+                        top[e] = k + _bitlen(mm)
+        for e in range(n):
+            if q[e] != C_QNONE:
+                need = (top[e] - q[e] + extra + 2 + BITS - 1) // BITS
+                if need > W:
+                    W = need
+    limbs_a = np.zeros((n, W), np.int64)
+    cdef int64_t[:, ::1] limbs = limbs_a
+    with nogil:
+        for i in range(m):
+            for e in range(n):
+                neg = _decode(x[i, e], &mm, &k, &flag)
+                if neg < 0:
+                    continue
+                row = &limbs[e, 0]
+                _add_shifted(row, W, -<int64_t>mm if neg else <int64_t>mm, k - q[e])
+            if i % 1024 == 1023:
+                for e in range(n):
+                    _normalize_row(&limbs[e, 0], W)
+        for e in range(n):
+            _normalize_row(&limbs[e, 0], W)
+    return q_a, limbs_a, flags_a
+
+
+def from_values(const double[::1] x):
+    """from_terms of one term per element (x: n values), in one pass: W = 2."""
+    cdef Py_ssize_t n = x.shape[0], e
+    q_a = np.empty(n, np.int16)
+    flags_a = np.empty(n, np.uint8)
+    limbs_a = np.empty((n, 2), np.int64)
+    cdef int16_t[::1] q = q_a
+    cdef uint8_t[::1] flags = flags_a
+    cdef int64_t[:, ::1] limbs = limbs_a
+    cdef uint64_t mm
+    cdef int k, neg
+    cdef uint8_t flag
+    cdef int64_t lo, hi
+    with nogil:
+        for e in range(n):
+            neg = _decode(x[e], &mm, &k, &flag)
+            flags[e] = flag
+            if neg < 0:
+                q[e] = C_QNONE
+                limbs[e, 0] = 0
+                limbs[e, 1] = 0
+                continue
+            q[e] = <int16_t>k
+            lo = <int64_t>(mm & MASK)
+            hi = <int64_t>(mm >> BITS)
+            if neg:
+                if lo:
+                    lo = (<int64_t>1 << BITS) - lo
+                    hi = -hi - 1
+                else:
+                    hi = -hi
+            limbs[e, 0] = lo
+            limbs[e, 1] = hi
+    return q_a, limbs_a, flags_a
+
+
+cdef inline int _row_bits(const int64_t *row, int W) noexcept nogil:
+    """The bit length of |value| of a normalised row (0 for zero)."""
+    cdef int k = W - 1
+    cdef int64_t t = row[k]
+    cdef uint64_t a
+    if t < 0:
+        # |value| < 2**(52k + bitlen(-t)) + ...: bound it by the top limb's magnitude + 1
+        a = <uint64_t>(-t)
+        return BITS * k + _bitlen(a) + 1 if k or a else 0
+    while k > 0 and row[k] == 0:
+        k -= 1
+    return BITS * k + _bitlen(<uint64_t>row[k])
+
+
+def needed_limbs(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1] qg,
+                 int extra):
+    """The fewest limbs that hold every element's value at quantum qg[e] (<= q[e]) with
+    `extra` bits of headroom more (a sum of 2**extra such values) and the sign."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W = limbs.shape[1], need, best = 1
+    with nogil:
+        for e in range(n):
+            if q[e] == C_QNONE:
+                continue
+            need = (_row_bits(&limbs[e, 0], W) + (q[e] - qg[e]) + extra + 2 + BITS - 1) // BITS
+            if need > best:
+                best = need
+    return best
+
+
+def realign(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1] qg,
+            int64_t[:, ::1] out):
+    """out = every element's value at quantum qg[e] (<= q[e]), normalised, in out's W limbs
+    (which must hold it: needed_limbs)."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W1 = limbs.shape[1], W2 = out.shape[1], k, d
+    cdef int64_t *dst
+    with nogil:
+        for e in range(n):
+            dst = &out[e, 0]
+            memset(dst, 0, W2 * sizeof(int64_t))
+            if q[e] == C_QNONE:
+                continue
+            d = q[e] - qg[e]
+            for k in range(W1):
+                if limbs[e, k] and BITS * k + d < BITS * W2:
+                    _add_shifted(dst, W2, limbs[e, k], BITS * k + d)
+            _normalize_row(dst, W2)
+
+
+def normalize_sum(int64_t[:, ::1] limbs, int16_t[::1] q):
+    """After a column sum of aligned normalised rows (the engine's int64 sum): carry, in place;
+    an element whose sum is zero gets q = QNONE."""
+    cdef Py_ssize_t n = limbs.shape[0], e
+    cdef int W = limbs.shape[1], k
+    cdef bint zero
+    with nogil:
+        for e in range(n):
+            _normalize_sum_row(&limbs[e, 0], W)
+            zero = True
+            for k in range(W):
+                if limbs[e, k]:
+                    zero = False
+                    break
+            if zero:
+                q[e] = C_QNONE
+
+
+def combine(const int16_t[:, ::1] qs, const int64_t[:, :, ::1] limbs, const uint8_t[:, ::1] fl):
+    """The exact sum of P states per element (qs: P x n, limbs: P x n x W, flags P x n): (q,
+    limbs, flags) normalised, with the fewest limbs that hold every element."""
+    cdef Py_ssize_t P = qs.shape[0], n = qs.shape[1], e, r
+    cdef int W = limbs.shape[2], Wout = 1, need, k, extra = 0, d
+    q_a = np.full(n, C_QNONE, np.int16)
+    flags_a = np.zeros(n, np.uint8)
+    cdef int16_t[::1] q = q_a
+    cdef uint8_t[::1] flags = flags_a
+    cdef int16_t qm
+    cdef bint zero
+    with nogil:
+        while (<Py_ssize_t>1 << extra) < P:
+            extra += 1
+        for e in range(n):
+            qm = C_QNONE
+            for r in range(P):
+                flags[e] |= fl[r, e]
+                if qs[r, e] != C_QNONE and (qm == C_QNONE or qs[r, e] < qm):
+                    qm = qs[r, e]
+            q[e] = qm
+            if qm == C_QNONE:
+                continue
+            for r in range(P):
+                if qs[r, e] != C_QNONE:
+                    need = (_row_bits(&limbs[r, e, 0], W) + (qs[r, e] - qm) + extra + 2
+                            + BITS - 1) // BITS
+                    if need > Wout:
+                        Wout = need
+    out_a = np.zeros((n, Wout), np.int64)
+    cdef int64_t[:, ::1] out = out_a
+    cdef int64_t *dst
+    with nogil:
+        for e in range(n):
+            if q[e] == C_QNONE:
+                continue
+            dst = &out[e, 0]
+            for r in range(P):
+                if qs[r, e] == C_QNONE:
+                    continue
+                d = qs[r, e] - q[e]
+                for k in range(W):
+                    if limbs[r, e, k] and BITS * k + d < BITS * Wout:
+                        _add_shifted(dst, Wout, limbs[r, e, k], BITS * k + d)
+                _normalize_row(dst, Wout)
+            zero = True
+            for k in range(Wout):
+                if dst[k]:
+                    zero = False
+                    break
+            if zero:
+                q[e] = C_QNONE
+    return q_a, out_a, flags_a
+
+
+cdef inline uint64_t _bits_at(const int64_t *mag, int W, int start, int count) noexcept nogil:
+    """Bits [start, start + count) (count <= 60, start >= 0) of a non-negative normalised
+    magnitude (every limb in [0, 2**52) read as 52 bits; the last may hold more)."""
+    cdef uint64_t r = 0
+    cdef int got = 0, k, sh, take
+    while got < count:
+        k = (start + got) // BITS
+        if k >= W:
+            break
+        sh = (start + got) % BITS
+        take = BITS - sh
+        if k == W - 1:
+            take = 63 - sh              # (the last limb: all its bits)
+        if take > count - got:
+            take = count - got
+        r |= ((<uint64_t>mag[k] >> sh) & ((<uint64_t>1 << take) - 1)) << got
+        got += take
+    return r
+
+
+cdef inline bint _any_below(const int64_t *mag, int W, int end) noexcept nogil:
+    """Is any bit below `end` set?"""
+    cdef int k
+    cdef int full = end // BITS
+    if full > W:
+        full = W
+    for k in range(full):
+        if mag[k]:
+            return True
+    if full < W and end % BITS:
+        return (<uint64_t>mag[full] & ((<uint64_t>1 << (end % BITS)) - 1)) != 0
+    return False
+
+
+def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1] flags,
+            int p, int emin, int emax, double[::1] out):
+    """Every element's exact value rounded once to nearest even into a format of p bits of
+    precision and exponents emin..emax (float64: 53, -1022, 1023; subnormals below emin),
+    written as float64 (exactly: the rounded value).  Non-finite terms: a NaN, or both
+    infinities, give NaN; one infinity gives it; a zero sum is -0.0 when every term was -0.0,
+    else +0.0; a value beyond the format's range is an infinity of its sign.  Returns (number
+    of elements where +inf met -inf, number that overflowed)."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W = limbs.shape[1], k, nbits, lsb, neg
+    cdef int64_t mag[64]
+    cdef int64_t c
+    cdef uint64_t M, guard
+    cdef bint sticky, zero
+    cdef uint8_t f
+    cdef Py_ssize_t invalid = 0, overflow = 0
+    cdef double inf = float("inf"), nan = float("nan")
+    if W > 64:
+        raise ValueError(f"shmtree: an accumulator of {W} limbs (at most 64)")
+    with nogil:
+        for e in range(n):
+            f = flags[e]
+            if f & (F_NAN | F_PINF | F_NINF):
+                if f & F_NAN:
+                    out[e] = nan
+                elif (f & F_PINF) and (f & F_NINF):
+                    out[e] = nan
+                    invalid += 1
+                else:
+                    out[e] = inf if f & F_PINF else -inf
+                continue
+            zero = q[e] == C_QNONE
+            neg = 0
+            if not zero:
+                zero = True
+                for k in range(W):
+                    mag[k] = limbs[e, k]
+                    if mag[k]:
+                        zero = False
+                if not zero and mag[W - 1] < 0:           # |value|: negate the multiword
+                    neg = 1
+                    c = 1
+                    for k in range(W - 1):
+                        mag[k] = ((~mag[k]) & MASK) + c
+                        c = mag[k] >> BITS
+                        mag[k] &= MASK
+                    mag[W - 1] = (~mag[W - 1]) + c
+            if zero:
+                out[e] = -0.0 if (f & F_NEGZ) and not (f & F_OTHER) else 0.0
+                continue
+            k = W - 1
+            while mag[k] == 0:
+                k -= 1
+            nbits = BITS * k + _bitlen(<uint64_t>mag[k])     # the value is < 2**(q + nbits)
+            # the result's lowest bit: p bits below the top, or the format's subnormal quantum
+            lsb = nbits - p
+            if q[e] + lsb < emin - p + 1:
+                lsb = emin - p + 1 - q[e]
+            if lsb <= 0:
+                M = _bits_at(mag, W, 0, nbits)
+                out[e] = ldexp(<double>M, q[e])
+            else:
+                M = _bits_at(mag, W, lsb, nbits - lsb)
+                guard = _bits_at(mag, W, lsb - 1, 1)
+                sticky = _any_below(mag, W, lsb - 1)
+                if guard and (sticky or (M & 1)):
+                    M += 1
+                out[e] = ldexp(<double>M, q[e] + lsb)
+            if out[e] >= ldexp(1.0, emax + 1):
+                out[e] = inf
+                overflow += 1
+            if neg:
+                out[e] = -out[e]
+    return invalid, overflow

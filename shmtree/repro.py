@@ -1,0 +1,512 @@
+"""Reproducible sums (issue 37; docs/design.md, "Reproducible sums"): the executors of the
+calls whose CallSpec says so (calls.CallSpec.reproducible: descriptor kind KIND_DETERMINISTIC).
+
+* ``deterministic=True`` (allreduce, reduce, reduce_scatter): the op applied in rank order
+  0, 1, ..., P-1 to every element, as one multi-source kernel call (shmtree/_kernels.pyx,
+  reduce_into of the P contributions: the rule of a flat tree's root), whatever the plan:
+  - where the plan's own schedule already folds so (P = 1; a message that travels inline in
+    the latency round of a flat tree rooted at 0 with its children in rank order - one node,
+    P <= 8 -; a pipelined flat tree) - and for integer and bool dtypes, whose every op is exact
+    - the engine's call itself, with the deterministic descriptor kind;
+  - else small messages (P x the message at most GATHER_BYTES): one allgather of every input,
+    each rank folds the P rows (reduce: the root alone);
+  - else the transpose: an exchange sends block q (np.array_split of the items into P; a
+    reduce_scatter's blocks of rows) of every rank to rank q, which folds its P rows, then an
+    allgather of the folded blocks (reduce: an exchange to the root; reduce_scatter: none).
+  scan and exscan fold in rank order always (collectives.Executors._scan): with
+  deterministic=True they are the same call under the deterministic kind.
+* Accumulator allreduce (an Accumulator, or reproducible=True: each rank's array one term):
+  the exact sum of every rank's terms (shmtree/accumulator.py), as integers: every rank's
+  limbs aligned to the group's lowest bit of each element, summed by the engine (int64 sums of
+  52-bit limbs are exact in any order), carried.  Rounds: the lowest bits (a max of int16 per
+  element), the words the sum needs (a max of 3 int64), the flags when a rank has a NaN, an
+  infinity or a -0.0 (a bitwise or of uint8 per element), the limbs (a sum of int64).  Small
+  ones: one allgather of every rank's state (at most SMALL_WORDS limbs per element), folded
+  locally.
+
+Every round carries the call's descriptor kind (codes.det_kind), so that a rank making the
+plain call while another makes the reproducible one raises CollectiveMismatchError on every
+rank.  The communicator across nodes (Spanning) runs the same schemes in its own steps
+(spanning(): the agreement round, then exchanges and allgathers across nodes, or its
+pipelined allreduce for the Accumulator's rounds and exact dtypes).
+
+Layers: this module imports calls, accumulator and the engine's Python-free helpers, never
+the communicators (it calls their methods: Executors' _call, _exchange, _work; Spanning's
+_agree, _check, _exchange_nodes, _allgather_data, _reduce_pipeline).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import _accum, _engine, _kernels, calls, session
+from .accumulator import Accumulator, merged
+from .calls import ALLGATHER, ALLREDUCE, REDUCE, REDUCE_SCATTER, bytes_of, split_bounds
+from .codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_REDUCE, DET_REDUCE_SCATTER, DET_ROOTS,
+                    KIND_ROOT_STEP, det_kind, kind_name)
+from .ops import OP_NAMES, dtype_name
+from .persistent import DECLINED
+
+__all__ = ["prepared", "spanning", "quick", "bind", "described", "GATHER_BYTES"]
+
+GATHER_BYTES = 256 << 10    # a deterministic call of at most this many bytes in all (P x the
+                            # message, or small_bytes where that is more) is one allgather of
+                            # every input; larger ones the transpose (the rule of the scan:
+                            # collectives.scan_gathers)
+SMALL_WORDS = 3             # an Accumulator allreduce of at most SMALL_STATE bytes in all ...
+SMALL_STATE = 64 << 10      # ... is one allgather of states of 1 + SMALL_WORDS int64 each
+_EXACT = "biu"              # dtype kinds whose every op gives the same bits in any order
+_NOTHING = np.empty(0, np.uint8)
+_U1 = _kernels.DTYPE_CODES["u1"]
+_BOR = _kernels.OP_CODES["bor"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one machine (Communicator: Executors._prepared's hook)
+
+
+def prepared(comm, spec):
+    """The function that runs a reproducible call (spec.reproducible) on one machine."""
+    if spec.kind // KIND_ROOT_STEP == DET_ACCUMULATE:
+        return functools.partial(_accumulating, comm, spec)
+    if spec.coll == REDUCE_SCATTER:
+        return functools.partial(_reduce_scatter, comm, spec)
+    return functools.partial(_reducing, comm, spec)
+
+
+def ordered(comm, coll, nbytes):
+    """Does the engine's own call of `coll` over nbytes apply the op in rank order, as one
+    fold of the P inputs (a flat tree's root: x_0, x_1, ..., x_{P-1} in one kernel call)?"""
+    got = comm.__dict__.get("_repro_order")
+    if got is None:
+        plan = comm._plan
+        got = comm._repro_order = (comm.size, plan.small_bytes, _flat(plan.small_tree),
+                                   plan.large_schedule == "tree" and _flat(plan.large_tree))
+    P, small_bytes, small, large = got
+    if P == 1:
+        return True
+    if nbytes <= small_bytes:
+        return small
+    return large and coll == ALLREDUCE
+
+
+def _flat(tree):
+    """A flat tree rooted at 0 whose children are 1, 2, ..., P-1 in that order."""
+    return tree.root == 0 and tree.children[0] == tuple(range(1, tree.size))
+
+
+def _plain(a):
+    flags = a.flags
+    return a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
+
+
+def _dims(a, opc, root=None):
+    """The descriptor's shape of a deterministic call's rounds: the input's shape, the op,
+    the item size and the dtype (a reduce's root too when the kind cannot say it)."""
+    shape = list(a.shape) if a.ndim <= 28 else [a.size]
+    tail = [opc, a.dtype.itemsize, calls.dtype_digest(a.dtype)]
+    return shape + tail + ([root] if root is not None and root >= DET_ROOTS else [])
+
+
+def _gathers(nbytes, P, small_bytes):
+    whole = nbytes * P
+    return whole <= small_bytes or whole <= GATHER_BYTES
+
+
+def _reducing(comm, spec):
+    """allreduce / reduce, deterministic=True."""
+    a, root, P, me = spec.array, spec.root, comm.size, comm.rank
+    mine = root is None or root == me
+    result, dst, copy_back = calls.destination(a, spec.out if mine else None)
+    src = _plain(a)
+    if _engine.clash(src, dst):
+        src = src.copy()                      # (out overlaps the input without being it)
+    dst = dst.reshape(src.shape)
+    kind, deadline = spec.kind, spec.deadline
+    if src.dtype.kind in _EXACT or src.size == 0 or (
+            ordered(comm, spec.coll, src.nbytes) and (root or 0) < DET_ROOTS):
+        comm._call(spec.coll, src, dst if mine else None, (spec.opc, spec.dtc), root or 0,
+                   kind, deadline)
+    else:
+        _rank_fold(comm, src, dst if mine else None, root, spec.opc, kind, deadline)
+    if copy_back is not None and mine:
+        copy_back[...] = dst.reshape(copy_back.shape)
+    return result if mine else None
+
+
+def _rank_fold(comm, src, dst, root, opc, kind, deadline):
+    """The rank-order fold of every rank's src into dst (allreduce: every rank; reduce: the
+    root, dst None elsewhere): one allgather and a local fold, or the transpose."""
+    P, me, dt = comm.size, comm.rank, src.dtype
+    name = OP_NAMES[opc]
+    dims = _dims(src, opc, root)
+    n = src.size
+    if _gathers(src.nbytes, P, comm._plan.small_bytes):
+        stack = comm._work(0, (P, n), dt)
+        comm._call(ALLGATHER, bytes_of(src), bytes_of(stack), None, 0, kind, deadline, 0, dims,
+                   comm._even_positions(src.nbytes))
+        if dst is not None:
+            _kernels.reduce_into(dst.reshape(-1), tuple(stack), name)
+        return
+    b = split_bounds(n, P)
+    sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.uint64) * np.uint64(dt.itemsize)
+    m = b[me + 1] - b[me]
+    rows = comm._work(0, (P, m), dt)
+    comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, dims, deadline)
+    if root is None:                          # allreduce: fold into place, then allgather
+        flat = dst.reshape(-1)
+        _kernels.reduce_into(flat[b[me]:b[me + 1]], tuple(rows), name)
+        offsets = [b[q] * dt.itemsize for q in range(P + 1)]
+        view = bytes_of(flat)
+        comm._call(ALLGATHER, view[offsets[me]:offsets[me + 1]], view, None, 0, kind, deadline,
+                   0, dims, comm._by_position(offsets))
+        return
+    folded = comm._work(1, (m,), dt)
+    _kernels.reduce_into(folded, tuple(rows), name)
+    B = np.zeros(P * P, np.uint64)
+    B[root::P] = sizes                        # (rank p's block p goes to the root)
+    comm._exchange(folded, dst.reshape(-1) if dst is not None else _NOTHING, B, kind, dims,
+                   deadline)
+
+
+def _reduce_scatter(comm, spec):
+    """reduce_scatter, deterministic=True: rank q folds block q (np.array_split's rows) of
+    every rank, in rank order (one exchange), where the engine's own call would not."""
+    a, out, P, me = spec.array, spec.out, comm.size, comm.rank
+    lo, hi, shape = calls.scatter_shape(a, out, P, me)
+    result, copy_back = calls.out_for(out, shape, a.dtype, "reduce_scatter")
+    src = _plain(a)
+    if _engine.clash(src, result):
+        src = src.copy()
+    kind, deadline, dt = spec.kind, spec.deadline, a.dtype
+    if dt.kind in _EXACT or src.size == 0 or ordered(comm, REDUCE_SCATTER, src.nbytes):
+        comm._call(REDUCE_SCATTER, src, result, (spec.opc, spec.dtc), 0, kind, deadline)
+        return calls.finish(result, copy_back)
+    row = math.prod(a.shape[1:])
+    b = split_bounds(a.shape[0], P)
+    sizes = np.array([(b[q + 1] - b[q]) * row for q in range(P)], np.uint64) * \
+        np.uint64(dt.itemsize)
+    rows = comm._work(0, (P, (hi - lo) * row), dt)
+    comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, _dims(src, spec.opc),
+                   deadline)
+    _kernels.reduce_into(result.reshape(-1), tuple(rows), OP_NAMES[spec.opc])
+    return calls.finish(result, copy_back)
+
+
+def quick(comm, coll, array, op, out, root, timeout):
+    """Front's quick path of a deterministic call: where the engine's own call folds in rank
+    order (ordered; integer and bool dtypes), that one Engine.call under the deterministic
+    kind, as Communicator._quick makes a plain one; DECLINED otherwise (the call is parsed,
+    then run by prepared())."""
+    eng = getattr(comm, "_engine", None)
+    if eng is None or type(array) is not np.ndarray:
+        return DECLINED
+    if comm._gen != session._fork_gen or comm._closed or comm.group._closed:
+        return DECLINED
+    progress = comm._progress
+    if progress is not None and (progress.outstanding or progress.is_current_thread()):
+        return DECLINED
+    if array.dtype.kind not in _EXACT and not ordered(comm, coll, array.nbytes):
+        return DECLINED
+    if coll == REDUCE:
+        if type(root) is not int or not 0 <= root < min(comm.size, DET_ROOTS):
+            return DECLINED
+        kind = det_kind(DET_REDUCE, root)
+    else:
+        root = 0
+        kind = det_kind(DET_ALLREDUCE if coll == ALLREDUCE else DET_REDUCE_SCATTER)
+    return _engine_call(comm, eng, coll, array, out, op, root, kind, timeout)
+
+
+def _engine_call(comm, eng, coll, array, out, op, root, kind, timeout):
+    """One engine call of a quick path, driven to its end (Communicator._quick_call, with a
+    root): its result, or DECLINED."""
+    import time
+    try:
+        start = None if timeout is None else time.monotonic()
+        got = eng.call(coll, array, out, op, root, kind, timeout, 0)
+        if got is None:
+            return DECLINED
+        rc, result = got
+        if rc != _engine.DONE:
+            result = comm._finish(eng, rc, None if start is None else start + timeout, result)
+    except BaseException as exc:
+        comm._interrupted(eng, exc)
+        raise
+    return result
+
+
+def bind(comm, spec, slow):
+    """Communicator._bind of a reproducible call: the engine's own call bound (as a plain
+    one's) where it folds in rank order and no timeout is given; else None (p() runs the
+    bound spec through the dispatch: prepared())."""
+    if spec.kind // KIND_ROOT_STEP == DET_ACCUMULATE or \
+            spec.coll not in (ALLREDUCE, REDUCE, REDUCE_SCATTER):
+        return None
+    a, out, root = spec.array, spec.out, spec.root or 0
+    if type(a) is not np.ndarray or (out is not None and type(out) is not np.ndarray) or \
+            spec.timeout is not None or root >= DET_ROOTS:
+        return None
+    if a.dtype.kind not in _EXACT and not ordered(comm, spec.coll, a.nbytes):
+        return None
+    return comm._bound_run(spec.coll, a, out, (spec.opc, spec.dtc), root, spec.kind, 0, slow)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulator allreduce
+
+
+def _accumulating(comm, spec):
+    """An Accumulator allreduce on one machine."""
+    return _accumulate(_Local(comm, spec), spec)
+
+
+def _accumulate(rounds, spec):
+    """The merged Accumulator of every rank's (spec.array an Accumulator), or, for
+    reproducible=True, its result() into out= (or a new array)."""
+    given = spec.array
+    acc = given if type(given) is Accumulator else Accumulator.of(given[None], axis=0)
+    total = allreduce_accumulator(rounds, acc)
+    if type(given) is Accumulator:
+        return total
+    value = total.result()
+    result, dst, copy_back = calls.destination(given, spec.out)
+    dst.reshape(value.shape)[...] = value
+    if copy_back is not None:
+        copy_back[...] = dst.reshape(copy_back.shape)
+    return result
+
+
+def allreduce_accumulator(rounds, acc):
+    """The Accumulator of every rank's terms: every rank's state summed exactly (the module's
+    docstring; rounds: the communicator's rounds, _Local or _Across)."""
+    q, limbs, flags, nonempty = acc._state()
+    n, P = q.shape[0], rounds.size
+    digest = calls.dtype_digest(acc.dtype)
+    dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + [digest]
+    if P == 1:
+        return acc.copy()
+    if rounds.small and (n + 1) * (1 + SMALL_WORDS) * 8 * P <= SMALL_STATE:
+        got = _small(rounds, acc, dims)
+        if got is not None:
+            return got
+    # the group's lowest bit of every element: a max of -q (QNONE is the least)
+    neg = np.negative(q, dtype=np.int16)
+    rounds.allreduce(neg, "max", dims)
+    qg = np.negative(neg, dtype=np.int16)
+    extra = max(1, (P - 1).bit_length())
+    head = np.array([_accum.needed_limbs(q, limbs, qg, extra), int(bool(nonempty)),
+                     int(bool((flags & _accum.SPECIAL).any()))], np.int64)
+    rounds.allreduce(head, "max", dims)
+    words, any_terms, special = (int(v) for v in head)
+    if special:                               # (some rank has a NaN, an infinity, a -0.0)
+        got_flags = flags.copy()
+        rounds.allreduce(got_flags, "bor", dims)
+    else:                                     # (every term of every element is "other")
+        got_flags = np.full(n, _accum.FLAG_OTHER if any_terms else 0, np.uint8)
+    out = np.empty((n, words), np.int64)
+    _accum.realign(q, limbs, qg, out)
+    rounds.allreduce(out, "sum", dims)
+    _accum.normalize_sum(out, qg)
+    return acc._like(qg, out, got_flags, any_terms)
+
+
+def _small(rounds, acc, dims):
+    """One allgather of every rank's state (rows of 1 + SMALL_WORDS int64: q and flags, then
+    the limbs), merged here; None when some rank's state does not fit (every rank sees it in
+    the header row, and the caller runs the rounds instead)."""
+    q, limbs, flags, nonempty = acc._state()
+    n, P, W = q.shape[0], rounds.size, limbs.shape[1]
+    row = np.zeros((n + 1, 1 + SMALL_WORDS), np.int64)
+    fits = W <= SMALL_WORDS
+    if fits:
+        row[:n, 0] = (q.astype(np.int64) & 0xffff) | (flags.astype(np.int64) << 16)
+        if W == SMALL_WORDS:
+            row[:n, 1:] = limbs
+        else:                                 # (the same values in SMALL_WORDS limbs)
+            _widened(q, limbs, row[:n, 1:])
+    row[n, 0] = int(fits)
+    row[n, 1] = int(bool(nonempty))
+    rows = np.empty((P, n + 1, 1 + SMALL_WORDS), np.int64)
+    rounds.allgather(row, rows, dims + [-1])
+    if not rows[:, n, 0].all():
+        return None
+    meta = rows[:, :n, 0]
+    qs = (meta & 0xffff).astype(np.uint16).view(np.int16)
+    fl = ((meta >> 16) & 0xff).astype(np.uint8)
+    got = merged([(np.ascontiguousarray(qs[r]), np.ascontiguousarray(rows[r, :n, 1:]),
+                   np.ascontiguousarray(fl[r]), bool(rows[r, n, 1])) for r in range(P)])
+    return acc._like(*got)
+
+
+def _widened(q, limbs, out):
+    """limbs (normalised) in out's more limbs, the same values (the sign carried up)."""
+    contiguous = np.empty(out.shape, np.int64)
+    _accum.realign(q, limbs, q, contiguous)
+    out[...] = contiguous
+
+
+class _Local:
+    """The rounds of an Accumulator allreduce on one machine: engine calls under the call's
+    kind."""
+
+    small = True
+
+    def __init__(self, comm, spec):
+        self.comm, self.kind, self.deadline = comm, spec.kind, spec.deadline
+        self.size = comm.size
+
+    def allreduce(self, buf, op, dims):
+        self.comm._call(ALLREDUCE, buf, buf, op, 0, self.kind, self.deadline, 0, dims)
+
+    def allgather(self, row, rows, dims):
+        self.comm._call(ALLGATHER, bytes_of(row), bytes_of(rows), None, 0, self.kind,
+                        self.deadline, 0, dims, self.comm._even_positions(row.nbytes))
+
+
+class _Across:
+    """The rounds of an Accumulator allreduce across nodes: the Spanning's pipelined
+    allreduce (after the call's agreement round)."""
+
+    small = False
+
+    def __init__(self, comm, deadline):
+        self.comm, self.deadline, self.size = comm, deadline, comm.size
+
+    def allreduce(self, buf, op, dims):
+        flat = buf.reshape(-1)
+        self.comm._reduce_pipeline(flat, flat, op, True, self.deadline)
+
+
+# ---------------------------------------------------------------------------------------------
+# across nodes (Spanning._executor's hook)
+
+
+def spanning(comm, spec):
+    """The function that runs a reproducible call across nodes (a Spanning of several nodes):
+    its agreement round (a row of the deterministic kind: ranks that disagree raise
+    CollectiveMismatchError on every rank of every node), then the data."""
+    a, out, root, deadline, opc = spec.array, spec.out, spec.root, spec.deadline, spec.opc
+    det = spec.kind // KIND_ROOT_STEP
+    if type(a) is Accumulator:
+        row = _row(spec.kind, -1, opc, a.shape, a.dtype)
+    else:
+        row = _row(spec.kind, -1 if root is None else root, opc, a.shape, a.dtype)
+
+    def run():
+        table = comm._agree(row, deadline)
+        comm._check(table)
+        if det == DET_ACCUMULATE:
+            return _accumulate(_Across(comm, deadline), spec)
+        if spec.coll == REDUCE_SCATTER:
+            return _span_reduce_scatter(comm, spec)
+        return _span_reducing(comm, spec)
+    run.call = kind_name(spec.kind)
+    return run
+
+
+def _row(kind, root, opc, shape, dtype):
+    """A rank's description of its call, as the Spanning's agreement compares them (the
+    layout of nodes._row: kind, root, op, dtype digest, dtype number, bytes, ndim, first two
+    dimensions, shape digest, extra)."""
+    shape = tuple(shape)
+    d0 = shape[0] if len(shape) > 0 else 0
+    d1 = shape[1] if len(shape) > 1 else 0
+    nbytes = dtype.itemsize * math.prod(shape)
+    return [kind, root, opc, calls.dtype_digest(dtype), dtype.num, nbytes, len(shape), d0, d1,
+            hash(shape) & 0x7fffffffffffffff, -1]
+
+
+def _span_reducing(comm, spec):
+    """allreduce / reduce, deterministic=True, across nodes: integer and bool dtypes (exact)
+    through the Spanning's pipelined allreduce; floats: one allgather of every input (small)
+    or the transpose (exchanges across nodes), folded in global rank order."""
+    a, root, P, me = spec.array, spec.root, comm.size, comm.rank
+    deadline, opc = spec.deadline, spec.opc
+    mine = root is None or root == me
+    result, dst, copy_back = calls.destination(a, spec.out if mine else None)
+    src = np.ascontiguousarray(a).reshape(-1)
+    flat = dst.reshape(-1)
+    if _engine.clash(src, flat):
+        src = src.copy()
+    dt, n, name = a.dtype, a.size, OP_NAMES[opc]
+    if dt.kind in _EXACT:
+        deliver = root is None or comm._where[root][0] == comm.node
+        comm._reduce_pipeline(src, flat if mine else None, name, deliver, deadline)
+    elif a.nbytes * P <= _SPAN_GATHER_BYTES:
+        stack = np.empty((P, n), dt)
+        comm._allgather_data(src, None, [1] * P, a.nbytes, stack, deadline)
+        if mine:
+            _kernels.reduce_into(flat, tuple(stack), name)
+    else:
+        b = split_bounds(n, P)
+        sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.int64)
+        m = int(sizes[me])
+        rows = np.empty((P, m), dt)
+        comm._exchange_nodes(_apart(bytes_of(src), bytes_of(flat)), bytes_of(rows),
+                             np.tile(sizes * dt.itemsize, (P, 1)), deadline)
+        folded = np.empty(m, dt)
+        _kernels.reduce_into(folded, tuple(rows), name)
+        if root is None:
+            comm._allgather_data(folded, 0, [int(s) for s in sizes], dt.itemsize, flat,
+                                 deadline)
+        else:
+            B = np.zeros((P, P), np.int64)
+            B[:, root] = sizes * dt.itemsize
+            comm._exchange_nodes(bytes_of(folded), bytes_of(flat) if mine else _NOTHING, B,
+                                 deadline)
+    if copy_back is not None and mine:
+        copy_back[...] = dst.reshape(copy_back.shape)
+    return result if mine else None
+
+
+_SPAN_GATHER_BYTES = 64 << 10      # (the Spanning's scan rule: nodes.SCAN_GATHER_BYTES)
+
+
+def _span_reduce_scatter(comm, spec):
+    """reduce_scatter, deterministic=True, across nodes: the transpose's exchange of blocks of
+    rows, each folded by its rank (every dtype: one exchange is what the call needs)."""
+    a, out, P, me = spec.array, spec.out, comm.size, comm.rank
+    lo, hi, shape = calls.scatter_shape(a, out, P, me)
+    result, copy_back = calls.out_for(out, shape, a.dtype, "reduce_scatter")
+    src = np.ascontiguousarray(a).reshape(-1)
+    dt = a.dtype
+    row = math.prod(a.shape[1:])
+    b = split_bounds(a.shape[0], P)
+    sizes = np.array([(b[q + 1] - b[q]) * row for q in range(P)], np.int64) * dt.itemsize
+    rows = np.empty((P, (hi - lo) * row), dt)
+    comm._exchange_nodes(_apart(bytes_of(src), bytes_of(result)), bytes_of(rows),
+                         np.tile(sizes, (P, 1)), spec.deadline)
+    _kernels.reduce_into(result.reshape(-1), tuple(rows), OP_NAMES[spec.opc])
+    return calls.finish(result, copy_back)
+
+
+def _apart(src, dst):
+    return src.copy() if src.size and dst.size and np.may_share_memory(src, dst) else src
+
+
+# ---------------------------------------------------------------------------------------------
+# mismatch messages (Communicator._mismatch_message's hook)
+
+
+def described(kind, opc, dtc, shape, nbytes):
+    """A reproducible call's round as a mismatch message says it: its name (the kind) and
+    what its descriptor carries (the shape, dtype and op; an Accumulator's shape and dtype)."""
+    name = kind_name(kind)
+    dims = [d for d in shape if d is not Ellipsis]
+    if kind // KIND_ROOT_STEP == DET_ACCUMULATE:
+        if dims and dims[-1] == -1:           # (the small form's allgather)
+            dims = dims[:-1]
+        if dims:
+            return f"{name}(shape={tuple(dims[:-1])}, dtype {calls.dtype_text(dims[-1])})"
+        return name
+    if dtc == _U1 and opc == _BOR and len(dims) >= 3:     # an allgather or exchange round
+        if kind // KIND_ROOT_STEP == DET_REDUCE + DET_ROOTS and len(dims) >= 4:
+            name = f"deterministic reduce(root={dims[-1]})"     # (_dims: a root of its own)
+            dims = dims[:-1]
+        return (f"{name}(shape={tuple(dims[:-3])}, dtype {calls.dtype_text(dims[-1])}, "
+                f"op={OP_NAMES.get(dims[-3], dims[-3])!r})")
+    return (f"{name}(shape={tuple(dims)}, dtype={dtype_name(dtc)}, "
+            f"op={OP_NAMES.get(opc, opc)!r})")
