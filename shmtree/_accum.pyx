@@ -26,7 +26,7 @@ Every function takes C-contiguous arrays and releases the GIL.
 """
 from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.string cimport memset
-from libc.math cimport ldexp
+from libc.math cimport INFINITY, NAN, ldexp
 
 import numpy as np
 
@@ -102,14 +102,16 @@ cdef inline int _bitlen(uint64_t x) noexcept nogil:
 
 
 cdef inline void _add_shifted(int64_t *row, int W, int64_t v, int off) noexcept nogil:
-    """row += v * 2**off (0 <= off < 52 * W bits; v signed, |v| < 2**63), unnormalised: the
-    pieces go into the limbs at off // 52 and above, each < 2**52 but the last row limb's,
-    which takes the signed rest (the caller's W holds the value)."""
+    """row += v * 2**off (off >= 0 bits; v signed, |v| < 2**63), unnormalised: the pieces go
+    into the limbs at off // 52 and above, each < 2**52 but the last row limb's, which takes
+    the signed rest - also of a piece above it: the sign of a normalised row's top limb, whose
+    value the caller's W holds."""
     cdef int li = off // BITS, sh = off % BITS
-    cdef shmt_i128 t = (<shmt_i128>v) << sh
-    if li == W - 1:
-        row[li] += <int64_t>t
+    cdef shmt_i128 t
+    if li >= W - 1:                     # (a signed top piece: what it adds to the last limb)
+        row[W - 1] += <int64_t>((<shmt_i128>v) << (off - BITS * (W - 1)))
         return
+    t = (<shmt_i128>v) << sh
     row[li] += <int64_t>(t & MASK)
     t = t >> BITS                       # (arithmetic: the sign carries up)
     if li + 1 == W - 1:
@@ -140,6 +142,37 @@ cdef inline void _normalize_sum_row(int64_t *row, int W) noexcept nogil:
         u = <uint64_t>row[k]
         row[k] = <int64_t>(u & MASK)
         row[k + 1] += <int64_t>(u >> BITS)
+
+
+cdef inline shmt_i128 _load2(const int64_t *row, int W) noexcept nogil:
+    """A normalised row of at most 2 limbs as one 128-bit integer (|value| < 2**103)."""
+    if W == 1:
+        return <shmt_i128>row[0]
+    return ((<shmt_i128>row[1]) << BITS) + <shmt_i128>row[0]
+
+
+cdef inline int _bitlen128(shmt_i128 v) noexcept nogil:
+    """The bit length of |v| (|v| < 2**126)."""
+    cdef shmt_i128 a = -v if v < 0 else v
+    cdef uint64_t hi = <uint64_t>(a >> 64), lo = <uint64_t>a
+    if hi:
+        return 128 - shmt_clz64(hi)
+    return _bitlen(lo)
+
+
+cdef inline void _store128(int64_t *row, int W, shmt_i128 t) noexcept nogil:
+    """row = t, normalised in W limbs (W * 52 bits hold t and its sign)."""
+    cdef int k
+    cdef int64_t ext = -1 if t < 0 else 0
+    for k in range(W - 1):
+        if BITS * k < 127:
+            row[k] = <int64_t>((t >> (BITS * k)) & MASK)
+        else:
+            row[k] = ext & <int64_t>MASK
+    if BITS * (W - 1) < 127:
+        row[W - 1] = <int64_t>(t >> (BITS * (W - 1)))
+    else:
+        row[W - 1] = ext
 
 
 def from_terms(const double[:, ::1] x):
@@ -256,7 +289,12 @@ def needed_limbs(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_
         for e in range(n):
             if q[e] == C_QNONE:
                 continue
-            need = (_row_bits(&limbs[e, 0], W) + (q[e] - qg[e]) + extra + 2 + BITS - 1) // BITS
+            if W <= 2:
+                need = (_bitlen128(_load2(&limbs[e, 0], W)) + (q[e] - qg[e]) + extra + 2
+                        + BITS - 1) // BITS
+            else:
+                need = (_row_bits(&limbs[e, 0], W) + (q[e] - qg[e]) + extra + 2 + BITS - 1) \
+                    // BITS
             if need > best:
                 best = need
     return best
@@ -272,12 +310,16 @@ def realign(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
     with nogil:
         for e in range(n):
             dst = &out[e, 0]
-            memset(dst, 0, W2 * sizeof(int64_t))
             if q[e] == C_QNONE:
+                memset(dst, 0, W2 * sizeof(int64_t))
                 continue
             d = q[e] - qg[e]
+            if W1 <= 2 and d <= 22:               # (|value| < 2**103: shifted, still < 2**126)
+                _store128(dst, W2, _load2(&limbs[e, 0], W1) << d)
+                continue
+            memset(dst, 0, W2 * sizeof(int64_t))
             for k in range(W1):
-                if limbs[e, k] and BITS * k + d < BITS * W2:
+                if limbs[e, k]:
                     _add_shifted(dst, W2, limbs[e, k], BITS * k + d)
             _normalize_row(dst, W2)
 
@@ -332,17 +374,29 @@ def combine(const int16_t[:, ::1] qs, const int64_t[:, :, ::1] limbs, const uint
     out_a = np.zeros((n, Wout), np.int64)
     cdef int64_t[:, ::1] out = out_a
     cdef int64_t *dst
+    cdef shmt_i128 acc128
+    cdef bint small = W <= 2 and Wout <= 2
     with nogil:
         for e in range(n):
             if q[e] == C_QNONE:
                 continue
             dst = &out[e, 0]
+            if small:                     # (Wout <= 2: every aligned value < 2**103 / P)
+                acc128 = 0
+                for r in range(P):
+                    if qs[r, e] != C_QNONE:
+                        acc128 += _load2(&limbs[r, e, 0], W) << (qs[r, e] - q[e])
+                if acc128 == 0:
+                    q[e] = C_QNONE
+                else:
+                    _store128(dst, Wout, acc128)
+                continue
             for r in range(P):
                 if qs[r, e] == C_QNONE:
                     continue
                 d = qs[r, e] - q[e]
                 for k in range(W):
-                    if limbs[r, e, k] and BITS * k + d < BITS * Wout:
+                    if limbs[r, e, k]:
                         _add_shifted(dst, Wout, limbs[r, e, k], BITS * k + d)
                 _normalize_row(dst, Wout)
             zero = True
@@ -389,12 +443,45 @@ cdef inline bint _any_below(const int64_t *mag, int W, int end) noexcept nogil:
     return False
 
 
+cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
+                             Py_ssize_t *overflow) noexcept nogil:
+    """v * 2**q (v != 0, |v| < 2**126) rounded to nearest even into p bits, exponents down to
+    emin (subnormals below), below limit = 2**(emax + 1) (beyond: an infinity, counted)."""
+    cdef bint neg = v < 0
+    cdef shmt_i128 a = -v if neg else v
+    cdef int nbits = _bitlen128(a)
+    cdef int lsb = nbits - p
+    cdef uint64_t M
+    cdef shmt_i128 rest
+    cdef double r
+    if q + lsb < emin - p + 1:
+        lsb = emin - p + 1 - q
+    if lsb <= 0:
+        r = ldexp(<double>(<uint64_t>a), q)
+    else:
+        if lsb >= 127:
+            M = 0
+            rest = a
+        else:
+            M = <uint64_t>(a >> lsb)
+            rest = a - ((<shmt_i128>M) << lsb)
+        # round half even: rest against half of 2**lsb
+        if lsb <= 126 and (rest > ((<shmt_i128>1) << (lsb - 1)) or
+                           (rest == ((<shmt_i128>1) << (lsb - 1)) and (M & 1))):
+            M += 1
+        r = ldexp(<double>M, q + lsb)
+    if r >= limit:
+        r = INFINITY
+        overflow[0] += 1
+    return -r if neg else r
+
+
 def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1] flags,
             int p, int emin, int emax, double[::1] out):
     """Every element's exact value rounded once to nearest even into a format of p bits of
     precision and exponents emin..emax (float64: 53, -1022, 1023; subnormals below emin),
-    written as float64 (exactly: the rounded value).  Non-finite terms: a NaN, or both
-    infinities, give NaN; one infinity gives it; a zero sum is -0.0 when every term was -0.0,
+    written as float64 (exactly: the rounded value).  Non-finite terms: both infinities
+    (counted) or a NaN give NaN; one infinity gives it; a zero sum is -0.0 when every term was -0.0,
     else +0.0; a value beyond the format's range is an infinity of its sign.  Returns (number
     of elements where +inf met -inf, number that overflowed)."""
     cdef Py_ssize_t n = q.shape[0], e
@@ -405,23 +492,31 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
     cdef bint sticky, zero
     cdef uint8_t f
     cdef Py_ssize_t invalid = 0, overflow = 0
-    cdef double inf = float("inf"), nan = float("nan")
+    cdef double inf = INFINITY, nan = NAN
+    cdef shmt_i128 v128
+    cdef double limit = ldexp(1.0, emax + 1)
     if W > 64:
         raise ValueError(f"shmtree: an accumulator of {W} limbs (at most 64)")
     with nogil:
         for e in range(n):
             f = flags[e]
-            if f & (F_NAN | F_PINF | F_NINF):
-                if f & F_NAN:
-                    out[e] = nan
-                elif (f & F_PINF) and (f & F_NINF):
+            if f & (F_NAN | F_PINF | F_NINF):       # (math.fsum's order: both infinities
+                if (f & F_PINF) and (f & F_NINF):     # are an error even beside a NaN)
                     out[e] = nan
                     invalid += 1
+                elif f & F_NAN:
+                    out[e] = nan
                 else:
                     out[e] = inf if f & F_PINF else -inf
                 continue
             zero = q[e] == C_QNONE
             neg = 0
+            if not zero and W <= 2:               # (|value| < 2**103: in 128 bits)
+                v128 = _load2(&limbs[e, 0], W)
+                if v128 != 0:
+                    out[e] = _round128(v128, q[e], p, emin, limit, &overflow)
+                    continue
+                zero = True
             if not zero:
                 zero = True
                 for k in range(W):
@@ -457,7 +552,7 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
                 if guard and (sticky or (M & 1)):
                     M += 1
                 out[e] = ldexp(<double>M, q[e] + lsb)
-            if out[e] >= ldexp(1.0, emax + 1):
+            if out[e] >= limit:
                 out[e] = inf
                 overflow += 1
             if neg:

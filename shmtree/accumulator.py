@@ -160,7 +160,7 @@ class Accumulator:
         self._dtype = dt
         self._shape = tuple(shape)
         m = a.shape[axis]
-        real = _as_float64(np.moveaxis(a, axis, 0), dt).reshape(m, -1)
+        real = _as_float64(np.moveaxis(a, axis, 0), dt).reshape(m, _real_size(shape, dt))
         if m == 1:
             self._q, self._limbs, self._flags = _accum.from_values(real[0])
         else:

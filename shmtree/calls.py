@@ -97,12 +97,12 @@ def allreduce(comm, array, op="sum", out=None, timeout=None, posted=False,
               deterministic=False, reproducible=False):
     """allreduce; deterministic=True: the op in rank order (repro.py); reproducible=True, or
     an Accumulator for `array`: the exact sum (an Accumulator allreduce)."""
-    if reproducible or type(array) is Accumulator:
-        return _accumulating(comm, array, op, out, timeout, posted, deterministic,
-                             reproducible)
+    if (reproducible is not False and _flag(reproducible, "reproducible")) or \
+            type(array) is Accumulator:
+        return _accumulating(comm, array, op, out, timeout, posted, deterministic)
     kind = KIND_ALLREDUCE
-    if deterministic:
-        kind = det_kind(DET_ALLREDUCE) if _flag(deterministic, "deterministic") else kind
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_ALLREDUCE)
     return _reducing(comm, "allreduce", ALLREDUCE, kind, array, op, out, timeout, None, posted)
 
 
@@ -112,7 +112,7 @@ def reduce(comm, array, op="sum", root=0, out=None, timeout=None, posted=False,
     if comm.rank != root:
         out = None                    # (ignored away from the root, which alone gets a result)
     kind = KIND_REDUCE + KIND_ROOT_STEP * root
-    if deterministic and _flag(deterministic, "deterministic"):
+    if deterministic is not False and _flag(deterministic, "deterministic"):
         kind = det_kind(DET_REDUCE, root)
     return _reducing(comm, "reduce", REDUCE, kind, array, op, out, timeout, root, posted)
 
@@ -125,7 +125,7 @@ def reduce_scatter(comm, array, op="sum", out=None, timeout=None, posted=False,
     scatter_shape(a, out, comm.size, comm.rank)          # (checks out)
     opc, dtc = reduction_codes(op, a.dtype)
     kind = KIND_REDUCE_SCATTER
-    if deterministic and _flag(deterministic, "deterministic"):
+    if deterministic is not False and _flag(deterministic, "deterministic"):
         kind = det_kind(DET_REDUCE_SCATTER)
     return CallSpec("reduce_scatter", REDUCE_SCATTER, kind, a, out, op, opc, dtc,
                     timeout=timeout, deadline=deadline_of(timeout), posted=posted)
@@ -138,12 +138,10 @@ def _flag(value, name):
     raise ValueError(f"shmtree: {name} must be True or False, got {value!r}")
 
 
-def _accumulating(comm, array, op, out, timeout, posted, deterministic, reproducible):
+def _accumulating(comm, array, op, out, timeout, posted, deterministic):
     """An Accumulator allreduce: of an Accumulator (the Accumulator of every rank's terms is
     the result; out= has no place), or reproducible=True (each rank's array one term; the
     exact sum rounded once, into out= when given)."""
-    if reproducible is not False:
-        _flag(reproducible, "reproducible")
     if deterministic is not False and _flag(deterministic, "deterministic"):
         raise ValueError("shmtree: allreduce: deterministic=True and reproducible=True (or an "
                          "Accumulator) are two ways to make a sum reproducible: pass one")
@@ -334,7 +332,7 @@ def scan(comm, array, op="sum", out=None, timeout=None, posted=False, determinis
     allreduce).  deterministic=True: the same call (a scan folds in rank order always), said
     in its kind, so that every rank must pass it."""
     kind = KIND_SCAN
-    if deterministic and _flag(deterministic, "deterministic"):
+    if deterministic is not False and _flag(deterministic, "deterministic"):
         kind = det_kind(DET_SCAN)
     return _scanning(comm, "scan", SCAN, kind, array, op, out, timeout, posted)
 
@@ -342,7 +340,7 @@ def scan(comm, array, op="sum", out=None, timeout=None, posted=False, determinis
 def exscan(comm, array, op="sum", out=None, timeout=None, posted=False, deterministic=False):
     """exscan: rank r gets the reduction of ranks 0..r-1; rank 0 the op's identity."""
     kind = KIND_EXSCAN
-    if deterministic and _flag(deterministic, "deterministic"):
+    if deterministic is not False and _flag(deterministic, "deterministic"):
         kind = det_kind(DET_EXSCAN)
     return _scanning(comm, "exscan", EXSCAN, kind, array, op, out, timeout, posted)
 

@@ -134,7 +134,7 @@ class Front:
         >>> shmtree.run(step, 2)
         [([0.0, 3.0, 6.0], [0.0, 2.0, 4.0]), ([0.0, 3.0, 6.0], [0.0, 2.0, 4.0])]
         """
-        if deterministic or reproducible:
+        if deterministic is not False or reproducible is not False:
             if deterministic is True and reproducible is False:
                 got = _repro.quick(self, ALLREDUCE, array, op, out, 0, timeout)
                 if got is not DECLINED:
@@ -287,7 +287,7 @@ class Front:
         >>> shmtree.run(step, 2)
         [None, [3, 3]]
         """
-        if deterministic:
+        if deterministic is not False:
             if deterministic is True:
                 got = _repro.quick(self, REDUCE, array, op, out, root, timeout)
                 if got is not DECLINED:
@@ -434,7 +434,7 @@ class Front:
         >>> shmtree.run(step, 2)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
         """
-        if deterministic:
+        if deterministic is not False:
             if deterministic is True:
                 got = _repro.quick(self, REDUCE_SCATTER, array, op, out, 0, timeout)
                 if got is not DECLINED:
@@ -786,7 +786,7 @@ class Front:
         >>> shmtree.run(step, 3)
         [[1], [3], [6]]
         """
-        if deterministic:               # (rank order always: the same call, said in its kind)
+        if deterministic is not False:   # (rank order always: the same call, said in its kind)
             if _foreign(array, out):
                 return _arrays.call(self.scan, array, out, "scan", op, timeout=timeout,
                                     deterministic=deterministic)
@@ -858,7 +858,7 @@ class Front:
         >>> shmtree.run(step, 3)
         [[0], [1], [3]]
         """
-        if deterministic:               # (rank order always: the same call, said in its kind)
+        if deterministic is not False:   # (rank order always: the same call, said in its kind)
             if _foreign(array, out):
                 return _arrays.call(self.exscan, array, out, "exscan", op, timeout=timeout,
                                     deterministic=deterministic)
