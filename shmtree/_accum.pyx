@@ -24,7 +24,7 @@ bitwise or.  An element with no finite nonzero term has q = QNONE and zero limbs
 
 Every function takes C-contiguous arrays and releases the GIL.
 """
-from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
 from libc.math cimport INFINITY, NAN, ldexp
 
@@ -324,22 +324,109 @@ def realign(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
             _normalize_row(dst, W2)
 
 
+def aligned(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1] qg,
+            int extra, int64_t[:, ::1] out):
+    """needed_limbs and realign in one pass: every element whose value at quantum qg[e], with
+    `extra` bits of headroom, fits out's W limbs is written there; returns the fewest limbs
+    that hold every element (when that is more than out's, out is not all written: realign
+    into as many)."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W1 = limbs.shape[1], W2 = out.shape[1], k, d, need, best = 1
+    cdef int64_t *dst
+    cdef shmt_i128 t, top
+    cdef int room = 2 * BITS - 2 - extra
+    with nogil:
+        if W1 == 2 and W2 == 2:                   # (the common case, without loops)
+            for e in range(n):
+                if q[e] == C_QNONE:
+                    out[e, 0] = 0
+                    out[e, 1] = 0
+                    continue
+                d = q[e] - qg[e]
+                if d <= 22:
+                    t = (((<shmt_i128>limbs[e, 1]) << BITS) + limbs[e, 0]) << d
+                    top = t >> room                     # (0 or -1: it fits 2 limbs)
+                    if top == 0 or top == -1:
+                        out[e, 0] = <int64_t>(t & MASK)
+                        out[e, 1] = <int64_t>(t >> BITS)
+                        top = t >> (room - BITS)        # (0 or -1: 1 limb would do)
+                        need = 1 if top == 0 or top == -1 else 2
+                    else:
+                        need = (_bitlen128(t) + extra + 2 + BITS - 1) // BITS
+                else:
+                    need = (_row_bits(&limbs[e, 0], W1) + d + extra + 2 + BITS - 1) // BITS
+                    if need <= 2:
+                        out[e, 0] = 0
+                        out[e, 1] = 0
+                        for k in range(2):
+                            if limbs[e, k]:
+                                _add_shifted(&out[e, 0], 2, limbs[e, k], BITS * k + d)
+                        _normalize_row(&out[e, 0], 2)
+                if need > best:
+                    best = need
+        else:
+            _aligned_rows(q, limbs, qg, extra, out, &best)
+    return best
+
+
+cdef void _aligned_rows(const int16_t[::1] q, const int64_t[:, ::1] limbs,
+                        const int16_t[::1] qg, int extra, int64_t[:, ::1] out,
+                        int *bestp) noexcept nogil:
+    """aligned's general case (any W)."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W1 = limbs.shape[1], W2 = out.shape[1], k, d, need, best = bestp[0]
+    cdef int64_t *dst
+    cdef shmt_i128 t
+    if True:
+        for e in range(n):
+            dst = &out[e, 0]
+            if q[e] == C_QNONE:
+                memset(dst, 0, W2 * sizeof(int64_t))
+                continue
+            d = q[e] - qg[e]
+            if W1 <= 2 and d <= 22:               # (|value| < 2**103: shifted, < 2**126)
+                t = _load2(&limbs[e, 0], W1) << d
+                need = (_bitlen128(t) + extra + 2 + BITS - 1) // BITS
+                if need <= W2:
+                    _store128(dst, W2, t)
+            else:
+                need = (_row_bits(&limbs[e, 0], W1) + d + extra + 2 + BITS - 1) // BITS
+                if need <= W2:
+                    memset(dst, 0, W2 * sizeof(int64_t))
+                    for k in range(W1):
+                        if limbs[e, k]:
+                            _add_shifted(dst, W2, limbs[e, k], BITS * k + d)
+                    _normalize_row(dst, W2)
+            if need > best:
+                best = need
+    bestp[0] = best
+
+
 def normalize_sum(int64_t[:, ::1] limbs, int16_t[::1] q):
     """After a column sum of aligned normalised rows (the engine's int64 sum): carry, in place;
     an element whose sum is zero gets q = QNONE."""
     cdef Py_ssize_t n = limbs.shape[0], e
     cdef int W = limbs.shape[1], k
     cdef bint zero
+    cdef uint64_t u
     with nogil:
-        for e in range(n):
-            _normalize_sum_row(&limbs[e, 0], W)
-            zero = True
-            for k in range(W):
-                if limbs[e, k]:
-                    zero = False
-                    break
-            if zero:
-                q[e] = C_QNONE
+        if W == 2:
+            for e in range(n):
+                u = <uint64_t>limbs[e, 0]
+                limbs[e, 0] = <int64_t>(u & MASK)
+                limbs[e, 1] += <int64_t>(u >> BITS)
+                if limbs[e, 0] == 0 and limbs[e, 1] == 0:
+                    q[e] = C_QNONE
+        else:
+            for e in range(n):
+                _normalize_sum_row(&limbs[e, 0], W)
+                zero = True
+                for k in range(W):
+                    if limbs[e, k]:
+                        zero = False
+                        break
+                if zero:
+                    q[e] = C_QNONE
 
 
 def combine(const int16_t[:, ::1] qs, const int64_t[:, :, ::1] limbs, const uint8_t[:, ::1] fl):
@@ -454,10 +541,13 @@ cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
     cdef uint64_t M
     cdef shmt_i128 rest
     cdef double r
+    cdef dbits b
+    cdef int ex
     if q + lsb < emin - p + 1:
         lsb = emin - p + 1 - q
     if lsb <= 0:
-        r = ldexp(<double>(<uint64_t>a), q)
+        M = <uint64_t>a
+        lsb = 0
     else:
         if lsb >= 127:
             M = 0
@@ -469,6 +559,18 @@ cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
         if lsb <= 126 and (rest > ((<shmt_i128>1) << (lsb - 1)) or
                            (rest == ((<shmt_i128>1) << (lsb - 1)) and (M & 1))):
             M += 1
+    if M >> 53:                           # (rounded up to 2**53: the same value)
+        M >>= 1
+        lsb += 1
+    # M * 2**(q + lsb) as a double: its bits when it is a normal double, else ldexp
+    nbits = _bitlen(M)
+    ex = q + lsb + nbits - 1
+    if M == 0:
+        r = 0.0
+    elif -1022 <= ex <= 1023:
+        b.u = ((<uint64_t>(ex + 1023)) << 52) | ((M << (53 - nbits)) & MASK)
+        r = b.f
+    else:
         r = ldexp(<double>M, q + lsb)
     if r >= limit:
         r = INFINITY
@@ -558,3 +660,67 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
             if neg:
                 out[e] = -out[e]
     return invalid, overflow
+
+
+def small_rows(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1] flags,
+               bint nonempty, int words):
+    """An accumulator's state as rows of 1 + words int64 (q and flags, then its limbs in words
+    limbs), a last row saying (fits, nonempty): the small allreduce's allgather."""
+    cdef Py_ssize_t n = q.shape[0], e
+    cdef int W = limbs.shape[1], k
+    rows_a = np.zeros((n + 1, 1 + words), np.int64)
+    cdef int64_t[:, ::1] rows = rows_a
+    cdef bint fits = W <= words
+    with nogil:
+        if fits:
+            for e in range(n):
+                rows[e, 0] = (<int64_t>(<uint16_t>q[e])) | ((<int64_t>flags[e]) << 16)
+                if q[e] == C_QNONE:
+                    continue
+                if W == words:
+                    for k in range(W):
+                        rows[e, 1 + k] = limbs[e, k]
+                else:
+                    _store_row(&rows[e, 1], words, &limbs[e, 0], W)
+        rows[n, 0] = fits
+        rows[n, 1] = nonempty
+    return rows_a
+
+
+cdef inline void _store_row(int64_t *dst, int W2, const int64_t *src, int W1) noexcept nogil:
+    """A normalised row of W1 limbs in W2 > W1 limbs: the same value (its sign carried up)."""
+    cdef int k
+    cdef int64_t ext = -1 if src[W1 - 1] < 0 else 0
+    for k in range(W1 - 1):
+        dst[k] = src[k]
+    dst[W1 - 1] = src[W1 - 1] & <int64_t>MASK if W2 > W1 else src[W1 - 1]
+    for k in range(W1, W2 - 1):
+        dst[k] = ext & <int64_t>MASK
+    dst[W2 - 1] = ext if W2 > W1 else dst[W2 - 1]
+
+
+def merge_rows(const int64_t[:, :, ::1] rows):
+    """The exact sum of P ranks' small_rows (P x (n + 1) x (1 + words)): (q, limbs, flags,
+    nonempty), or None when some rank's state did not fit."""
+    cdef Py_ssize_t P = rows.shape[0], n = rows.shape[1] - 1, e, r
+    cdef int words = rows.shape[2] - 1, k
+    cdef bint nonempty = False
+    for r in range(P):
+        if not rows[r, n, 0]:
+            return None
+        nonempty = nonempty or rows[r, n, 1] != 0
+    qs_a = np.empty((P, n), np.int16)
+    fl_a = np.empty((P, n), np.uint8)
+    limbs_a = np.empty((P, n, words), np.int64)
+    cdef int16_t[:, ::1] qs = qs_a
+    cdef uint8_t[:, ::1] fl = fl_a
+    cdef int64_t[:, :, ::1] limbs = limbs_a
+    with nogil:
+        for r in range(P):
+            for e in range(n):
+                qs[r, e] = <int16_t>(<uint16_t>(rows[r, e, 0] & 0xffff))
+                fl[r, e] = <uint8_t>((rows[r, e, 0] >> 16) & 0xff)
+                for k in range(words):
+                    limbs[r, e, k] = rows[r, e, 1 + k]
+    q, out, flags = combine(qs_a, limbs_a, fl_a)
+    return q, out, flags, nonempty

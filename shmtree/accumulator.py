@@ -168,6 +168,20 @@ class Accumulator:
         self._nonempty = m > 0
         return self
 
+    @classmethod
+    def _of_one(cls, values):
+        """of(values[None]): every item one term (reproducible=True), the fast way for a
+        float64 array."""
+        if type(values) is not np.ndarray or values.dtype != np.float64:
+            return cls.of(values[None], axis=0)
+        self = cls.__new__(cls)
+        self._dtype = values.dtype
+        self._shape = values.shape
+        self._q, self._limbs, self._flags = _accum.from_values(
+            np.ascontiguousarray(values).reshape(-1))
+        self._nonempty = True
+        return self
+
     def add(self, values, axis=0) -> "Accumulator":
         """Add terms (in place): `values` along `axis`, or another Accumulator's sums.
 

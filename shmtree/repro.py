@@ -267,7 +267,7 @@ def _accumulate(rounds, spec):
     """The merged Accumulator of every rank's (spec.array an Accumulator), or, for
     reproducible=True, its result() into out= (or a new array)."""
     given = spec.array
-    acc = given if type(given) is Accumulator else Accumulator.of(given[None], axis=0)
+    acc = given if type(given) is Accumulator else Accumulator._of_one(given)
     total = allreduce_accumulator(rounds, acc)
     if type(given) is Accumulator:
         return total
@@ -284,20 +284,24 @@ def allreduce_accumulator(rounds, acc):
     docstring; rounds: the communicator's rounds, _Local or _Across)."""
     q, limbs, flags, nonempty = acc._state()
     n, P = q.shape[0], rounds.size
-    digest = calls.dtype_digest(acc.dtype)
-    dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + [digest]
+    dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + \
+        [calls.dtype_digest(acc.dtype)]
     if P == 1:
         return acc.copy()
     if rounds.small and (n + 1) * (1 + SMALL_WORDS) * 8 * P <= SMALL_STATE:
-        got = _small(rounds, acc, dims)
+        rows = np.empty((P, n + 1, 1 + SMALL_WORDS), np.int64)
+        rounds.allgather(_accum.small_rows(q, limbs, flags, nonempty, SMALL_WORDS), rows,
+                         dims + [-1])
+        got = _accum.merge_rows(rows)
         if got is not None:
-            return got
+            return acc._like(*got)
     # the group's lowest bit of every element: a max of -q (QNONE is the least)
     neg = np.negative(q, dtype=np.int16)
     rounds.allreduce(neg, "max", dims)
     qg = np.negative(neg, dtype=np.int16)
     extra = max(1, (P - 1).bit_length())
-    head = np.array([_accum.needed_limbs(q, limbs, qg, extra), int(bool(nonempty)),
+    out = np.empty((n, max(2, limbs.shape[1])), np.int64)
+    head = np.array([_accum.aligned(q, limbs, qg, extra, out), int(bool(nonempty)),
                      int(bool((flags & _accum.SPECIAL).any()))], np.int64)
     rounds.allreduce(head, "max", dims)
     words, any_terms, special = (int(v) for v in head)
@@ -306,46 +310,12 @@ def allreduce_accumulator(rounds, acc):
         rounds.allreduce(got_flags, "bor", dims)
     else:                                     # (every term of every element is "other")
         got_flags = np.full(n, _accum.FLAG_OTHER if any_terms else 0, np.uint8)
-    out = np.empty((n, words), np.int64)
-    _accum.realign(q, limbs, qg, out)
+    if words != out.shape[1]:
+        out = np.empty((n, words), np.int64)
+        _accum.realign(q, limbs, qg, out)
     rounds.allreduce(out, "sum", dims)
     _accum.normalize_sum(out, qg)
     return acc._like(qg, out, got_flags, any_terms)
-
-
-def _small(rounds, acc, dims):
-    """One allgather of every rank's state (rows of 1 + SMALL_WORDS int64: q and flags, then
-    the limbs), merged here; None when some rank's state does not fit (every rank sees it in
-    the header row, and the caller runs the rounds instead)."""
-    q, limbs, flags, nonempty = acc._state()
-    n, P, W = q.shape[0], rounds.size, limbs.shape[1]
-    row = np.zeros((n + 1, 1 + SMALL_WORDS), np.int64)
-    fits = W <= SMALL_WORDS
-    if fits:
-        row[:n, 0] = (q.astype(np.int64) & 0xffff) | (flags.astype(np.int64) << 16)
-        if W == SMALL_WORDS:
-            row[:n, 1:] = limbs
-        else:                                 # (the same values in SMALL_WORDS limbs)
-            _widened(q, limbs, row[:n, 1:])
-    row[n, 0] = int(fits)
-    row[n, 1] = int(bool(nonempty))
-    rows = np.empty((P, n + 1, 1 + SMALL_WORDS), np.int64)
-    rounds.allgather(row, rows, dims + [-1])
-    if not rows[:, n, 0].all():
-        return None
-    meta = rows[:, :n, 0]
-    qs = (meta & 0xffff).astype(np.uint16).view(np.int16)
-    fl = ((meta >> 16) & 0xff).astype(np.uint8)
-    got = merged([(np.ascontiguousarray(qs[r]), np.ascontiguousarray(rows[r, :n, 1:]),
-                   np.ascontiguousarray(fl[r]), bool(rows[r, n, 1])) for r in range(P)])
-    return acc._like(*got)
-
-
-def _widened(q, limbs, out):
-    """limbs (normalised) in out's more limbs, the same values (the sign carried up)."""
-    contiguous = np.empty(out.shape, np.int64)
-    _accum.realign(q, limbs, q, contiguous)
-    out[...] = contiguous
 
 
 class _Local:
