@@ -52,6 +52,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import datetime
+import os
 import queue
 import threading
 import warnings
@@ -64,6 +65,7 @@ import torch._C._distributed_c10d as _c10d
 from torch.futures import Future
 
 from . import calls
+from .accumulator import Accumulator
 from .arrays import as_numpy
 from .codes import KIND_ALLTOALL
 from .errors import CollectiveMismatchError
@@ -81,6 +83,11 @@ SUPPORTED = ("all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor,
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+# reproducible reductions (issue 37): the mode of a process group, read from the environment
+# when it is made (every rank must have the same), or set afterwards with set_reduction()
+REDUCTION_ENV = "SHMTREE_TORCH_REDUCTION"
+REDUCTIONS = ("default", "deterministic", "reproducible")
 
 # the options classes, looked up once (the hot path compares types)
 _AllreduceOptions = dist.AllreduceOptions
@@ -738,6 +745,8 @@ class ProcessGroupShmtree(dist.ProcessGroup):
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
+        self._reduction = _reduction_mode(os.environ.get(REDUCTION_ENV) or "default",
+                                          REDUCTION_ENV)
         self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
             else None
         if rank == 0:
@@ -876,6 +885,38 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             source.set_result(value)
         return complete
 
+    def _reproducibly(self, op):
+        """The keywords of a reduction's call in this group's mode: deterministic=True in
+        "deterministic" and "reproducible" (for what an Accumulator does not sum), else none."""
+        return {} if self._reduction == "default" else {"deterministic": True}
+
+    def _exact(self, op, a):
+        """Does this all_reduce sum exactly (mode "reproducible": SUM and AVG of floats)?"""
+        return (self._reduction == "reproducible" and op in ("sum", "avg")
+                and (a.dtype.kind in "fc" or a.dtype.name == "bfloat16"))
+
+    def _summed(self, a, secs, finish):
+        """all_reduce of a (a numpy view of the tensor) as the exact sum of every rank's a
+        (comm.allreduce of Accumulator._of_one(a)), written back into a, then finish(): its
+        NaNs and infinities as IEEE arithmetic gives them (result(strict=False)), not raised
+        (a gradient that overflowed stays inf, as it would with the plain sum)."""
+        comm, got = self._comm, []
+
+        def call(now):
+            spec = calls.allreduce(comm, Accumulator._of_one(a), "sum", None, secs,
+                                   posted=not now)
+
+            def step():
+                got.append(comm._start(spec))
+                return got[-1]
+            return step
+
+        def done():
+            merged = got[0] if isinstance(got[0], Accumulator) else got[0].result()
+            a[...] = merged.result(strict=False).reshape(a.shape)
+            return finish()
+        return self._work([call], a.nbytes, done)
+
     def _divide(self, tensors, op, mine=True):
         """AVG: the sum, divided by the size (where the result is)."""
         if op == "avg" and mine:
@@ -897,8 +938,11 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         if len(tensors) == 1 and tensors[0].layout == _STRIDED:
             _check_avg(red, tensors, "all_reduce")
             a = _strided_view(tensors[0])
+            if self._exact(red, a):
+                return self._summed(a, secs, lambda: self._divide(tensors, red))
             return self._work([_call(calls.allreduce, self._comm, a,
-                                     "sum" if red == "avg" else red, out=a, timeout=secs)],
+                                     "sum" if red == "avg" else red, out=a, timeout=secs,
+                                     **self._reproducibly(red))],
                               a.nbytes, lambda: self._divide(tensors, red))
         if not tensors:
             raise _invalid("allreduce", "requires non-empty tensor list")
@@ -927,8 +971,11 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             for t in tensors:
                 t.detach().copy_(acc)
             return tensors
+        if self._exact(red, a):
+            return self._summed(a, secs, finish)
         return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
-                                 out=a, timeout=secs)], a.nbytes, finish)
+                                 out=a, timeout=secs, **self._reproducibly(red))], a.nbytes,
+                          finish)
 
     def _sparse_allreduce(self, tensors, secs):
         """Sparse COO allreduce, as gloo's: the list summed locally and coalesced; every rank's
@@ -1037,7 +1084,8 @@ class ProcessGroupShmtree(dist.ProcessGroup):
         _check_avg(red, tensors, "reduce")
         a = _view(tensors[0])
         return self._work([_call(calls.reduce, comm, a, "sum" if red == "avg" else red, root,
-                                 out=a if comm.rank == root else None, timeout=secs)],
+                                 out=a if comm.rank == root else None, timeout=secs,
+                                 **self._reproducibly(red))],
                           a.nbytes, lambda: self._divide(tensors, red, comm.rank == root))
 
     def allgather(self, output_tensors, input_tensors, opts=None, *args, **kwargs):
@@ -1217,8 +1265,8 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             if put is not None:
                 put()
             return self._divide(output_tensors, red)
-        return self._work([_call(calls.reduce_scatter, comm, w, base, out=o, timeout=secs)],
-                          w.nbytes, finish)
+        return self._work([_call(calls.reduce_scatter, comm, w, base, out=o, timeout=secs,
+                                 **self._reproducibly(red))], w.nbytes, finish)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         """reduce_scatter_tensor: input holds size blocks of output's size, dim 0 rank-major."""
@@ -1242,8 +1290,8 @@ class ProcessGroupShmtree(dist.ProcessGroup):
                 put()
             return self._divide([output], red)
         return self._work([_call(calls.reduce_scatter, comm, a, "sum" if red == "avg" else red,
-                                 out=out, timeout=_seconds(opts.timeout, self._timeout))],
-                          a.nbytes, finish)
+                                 out=out, timeout=_seconds(opts.timeout, self._timeout),
+                                 **self._reproducibly(red))], a.nbytes, finish)
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base
@@ -1300,9 +1348,12 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.detach().copy_(piece.view(t.shape))
             return tensors
+        secs = _seconds(opts.timeout, self._timeout)
+        if self._exact(red, a):
+            return self._summed(a, secs, finish)
         return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
-                                 out=a, timeout=_seconds(opts.timeout, self._timeout))],
-                          a.nbytes, finish)
+                                 out=a, timeout=secs, **self._reproducibly(red))], a.nbytes,
+                          finish)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][j] gets rank r's input_list[j]: one allgather of their bytes."""
@@ -1389,7 +1440,7 @@ class ProcessGroupShmtree(dist.ProcessGroup):
             w = _view(whole)
             nbytes += w.nbytes
             made.append(_call(calls.reduce_scatter, comm, w, "sum" if red == "avg" else red,
-                              out=_view(block), timeout=secs))
+                              out=_view(block), timeout=secs, **self._reproducibly(red)))
 
         def finish():
             for which, block in blocks:
@@ -1743,6 +1794,62 @@ def _call(parse, comm, *args, **kwargs):
         spec = parse(comm, *args, posted=not now, **kwargs)
         return lambda: comm._start(spec)
     return call
+
+
+def _reduction_mode(mode, what):
+    if mode not in REDUCTIONS:
+        raise ValueError(f"shmtree: {what}: the reduction mode must be one of "
+                         f"{', '.join(map(repr, REDUCTIONS))}, got {mode!r}")
+    return mode
+
+
+def _backend(group):
+    """The ProcessGroupShmtree of a torch process group (None: the default group)."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if isinstance(pg, ProcessGroupShmtree):
+        return pg
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, ProcessGroupShmtree):
+        raise ValueError(f"shmtree: the process group's backend is "
+                         f"{type(backend).__name__}, not shmtree's")
+    return backend
+
+
+def set_reduction(mode, group=None):
+    """Set the reduction mode of a process group of backend "shmtree" (None: the default
+    group), on every rank alike, between operations.
+
+    Parameters
+    ----------
+    mode : {"default", "deterministic", "reproducible"}
+        "default": the plain calls.  "deterministic": all_reduce, reduce, reduce_scatter
+        (and DDP's gradient all_reduce) with ``deterministic=True``: the op in rank order, the
+        same bits for the same world size on any machine.  "reproducible": all_reduce of
+        floats with ``ReduceOp.SUM`` or ``AVG`` (DDP's) as an exact sum
+        (`shmtree.Accumulator`: the same bits whatever the order of the ranks; its NaNs and
+        infinities as IEEE arithmetic gives them), every other reduction deterministic.  The
+        initial mode is the environment variable ``SHMTREE_TORCH_REDUCTION``'s (default
+        "default"), read when the group is made.
+    group : ProcessGroup, optional
+
+    Raises
+    ------
+    ValueError
+        An unknown mode, or a group of another backend.
+    """
+    _backend(group)._reduction = _reduction_mode(mode, "set_reduction")
+
+
+def reduction(group=None) -> str:
+    """The reduction mode of a process group of backend "shmtree" (`set_reduction`)."""
+    return _backend(group)._reduction
+
+
+def communicator(group=None):
+    """The shmtree Communicator under a process group of backend "shmtree" (None: the default
+    group): its ranks are the group's, and its calls (an Accumulator's allreduce, say) may be
+    mixed with the group's operations, in the same order on every rank."""
+    return _backend(group)._comm
 
 
 def _create(store, rank, size, timeout):

@@ -773,3 +773,85 @@ def test_across_nodes(nprocs, node_size, monkeypatch):
                                                  "mpi_repro_prog.py"))
     rc, out, _ = tm._launch(nprocs, "repro", node_size, timeout=200)
     assert rc == 0 and "OK repro" in out, out[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch: the backend's reduction mode (SHMTREE_TORCH_REDUCTION, set_reduction)
+
+
+def torch_mode_worker(rank, size, store_path, outdir):
+    import torch
+    import torch.distributed as dist
+
+    import shmtree.torch
+
+    dist.init_process_group("shmtree", store=dist.FileStore(store_path, size), rank=rank,
+                            world_size=size)
+    got = {"mode": shmtree.torch.reduction(),
+           "comm": type(shmtree.torch.communicator()).__name__}
+    terms = [1e16, 1.0, -1e16]                   # exact sum 1; rank-order fold 0
+    t = torch.tensor([terms[rank], 2.0 ** -30 * rank], dtype=torch.float64)
+    dist.all_reduce(t)
+    got["sum"] = t.tolist()
+    t = torch.tensor([terms[rank]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    got["avg"] = t.tolist()
+    t = torch.tensor([terms[rank]] * 70001, dtype=torch.float32)     # posted (large)
+    dist.all_reduce(t)
+    got["big"] = (float(t[0]), float(t[-1]))
+    t = torch.tensor([terms[rank]], dtype=torch.float64)
+    dist.reduce(t, dst=0)
+    got["reduce"] = t.tolist() if rank == 0 else None
+    t = torch.tensor([rank + 1, 2], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.PRODUCT)
+    got["prod"] = t.tolist()
+    shmtree.torch.set_reduction("deterministic")
+    t = torch.tensor([terms[rank]], dtype=torch.float64)
+    dist.all_reduce(t)
+    got["deterministic"] = t.tolist()
+    out = torch.empty(1, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, torch.tensor([terms[rank]] * size, dtype=torch.float64))
+    got["reduce_scatter"] = out.tolist()
+    # a rank in another mode: every rank's operation fails (ranks disagree on the call)
+    shmtree.torch.set_reduction("default" if rank == 1 else "deterministic")
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.float64))
+        got["mismatch"] = None
+    except RuntimeError as exc:
+        got["mismatch"] = "disagree" in str(exc)
+    shmtree.torch.set_reduction("default")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    got["after"] = t.tolist()
+    try:
+        shmtree.torch.set_reduction("exact")
+    except ValueError:
+        got["bad_mode"] = True
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(got, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_torch_backend_reduction_modes(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    monkeypatch.setenv("SHMTREE_TORCH_REDUCTION", "reproducible")
+    size = 3
+    mp.spawn(torch_mode_worker, args=(size, str(tmp_path / "store"), str(tmp_path)),
+             nprocs=size, join=True)
+    got = []
+    for r in range(size):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            got.append(pickle.load(f))
+    exact_tail = math.fsum(2.0 ** -30 * r for r in range(size))
+    for r, g in enumerate(got):
+        assert g["mode"] == "reproducible" and g["comm"] == "Communicator"
+        assert g["sum"] == [1.0, exact_tail]                  # exact: not the fold's 0.0
+        assert g["avg"] == [1.0 / 3]
+        assert g["big"] == (1.0, 1.0)
+        assert g["reduce"] == ([0.0] if r == 0 else None)     # (deterministic: the fold)
+        assert g["prod"] == [6, 8]
+        assert g["deterministic"] == [0.0] and g["reduce_scatter"] == [0.0]
+        assert g["mismatch"] is True, g
+        assert g["after"] == [3.0, 3.0] and g["bad_mode"]
