@@ -295,27 +295,41 @@ def allreduce_accumulator(rounds, acc):
         got = _accum.merge_rows(rows)
         if got is not None:
             return acc._like(*got)
-    # the group's lowest bit of every element: a max of -q (QNONE is the least)
-    neg = np.negative(q, dtype=np.int16)
+    # the group's lowest bit of every element: a max of -q (QNONE is the least), and (the
+    # last entry) whether any rank has terms
+    neg = np.empty(n + 1, np.int16)
+    np.negative(q, out=neg[:n])
+    neg[n] = int(bool(nonempty))
     rounds.allreduce(neg, "max", dims)
-    qg = np.negative(neg, dtype=np.int16)
+    any_terms = bool(neg[n])
+    qg = np.negative(neg[:n])
+    # the limbs at the group's q, in 2 words when every element fits (the last row: how many
+    # elements did not, how many flags a result depends on: summed with the limbs)
     extra = max(1, (P - 1).bit_length())
-    out = np.empty((n, max(2, limbs.shape[1])), np.int64)
-    head = np.array([_accum.aligned(q, limbs, qg, extra, out), int(bool(nonempty)),
-                     int(bool((flags & _accum.SPECIAL).any()))], np.int64)
-    rounds.allreduce(head, "max", dims)
-    words, any_terms, special = (int(v) for v in head)
+    words = 2                                 # (the same on every rank: the round's shape)
+    out = np.empty((n + 1, words), np.int64)
+    need = _accum.aligned(q, limbs, qg, extra, out[:n])
+    mine = int(bool((flags & _accum.SPECIAL).any()))
+    out[n, 0] = int(need > words)
+    out[n, 1] = mine
+    rounds.allreduce(out, "sum", dims)
+    if out[n, 0]:                             # (some rank's did not fit: as many as any needs)
+        head = np.array([need], np.int64)
+        rounds.allreduce(head, "max", dims)
+        out = np.empty((n + 1, int(head[0])), np.int64)
+        _accum.realign(q, limbs, qg, out[:n])
+        out[n] = 0
+        out[n, 1] = mine
+        rounds.allreduce(out, "sum", dims)
+    special = bool(out[n, 1])
     if special:                               # (some rank has a NaN, an infinity, a -0.0)
         got_flags = flags.copy()
         rounds.allreduce(got_flags, "bor", dims)
     else:                                     # (every term of every element is "other")
         got_flags = np.full(n, _accum.FLAG_OTHER if any_terms else 0, np.uint8)
-    if words != out.shape[1]:
-        out = np.empty((n, words), np.int64)
-        _accum.realign(q, limbs, qg, out)
-    rounds.allreduce(out, "sum", dims)
-    _accum.normalize_sum(out, qg)
-    return acc._like(qg, out, got_flags, any_terms)
+    limbs_out = out[:n]
+    _accum.normalize_sum(limbs_out, qg)
+    return acc._like(qg, limbs_out, got_flags, any_terms)
 
 
 class _Local:
