@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import numpy as np
 
@@ -195,35 +196,39 @@ def _reduce_scatter(comm, spec):
     return calls.finish(result, copy_back)
 
 
+_QUICK_KINDS = {ALLREDUCE: det_kind(DET_ALLREDUCE), REDUCE_SCATTER: det_kind(DET_REDUCE_SCATTER)}
+
+
 def quick(comm, coll, array, op, out, root, timeout):
     """Front's quick path of a deterministic call: where the engine's own call folds in rank
     order (ordered; integer and bool dtypes), that one Engine.call under the deterministic
     kind, as Communicator._quick makes a plain one; DECLINED otherwise (the call is parsed,
     then run by prepared())."""
-    eng = getattr(comm, "_engine", None)
-    if eng is None or type(array) is not np.ndarray:
-        return DECLINED
-    if comm._gen != session._fork_gen or comm._closed or comm.group._closed:
+    order = comm.__dict__.get("_repro_order")
+    if order is None:
+        if getattr(comm, "_engine", None) is None:    # (not one machine's communicator)
+            return DECLINED
+        ordered(comm, coll, 0)
+        order = comm._repro_order
+    if type(array) is not np.ndarray or comm._closed or comm._gen != session._fork_gen \
+            or comm.group._closed:
         return DECLINED
     progress = comm._progress
     if progress is not None and (progress.outstanding or progress.is_current_thread()):
         return DECLINED
-    if array.dtype.kind not in _EXACT and not ordered(comm, coll, array.nbytes):
-        return DECLINED
+    if array.dtype.kind not in _EXACT:
+        P, small_bytes, small, large = order
+        nbytes = array.nbytes
+        if not (P == 1 or (small if nbytes <= small_bytes else large and coll == ALLREDUCE)):
+            return DECLINED
     if coll == REDUCE:
         if type(root) is not int or not 0 <= root < min(comm.size, DET_ROOTS):
             return DECLINED
         kind = det_kind(DET_REDUCE, root)
     else:
         root = 0
-        kind = det_kind(DET_ALLREDUCE if coll == ALLREDUCE else DET_REDUCE_SCATTER)
-    return _engine_call(comm, eng, coll, array, out, op, root, kind, timeout)
-
-
-def _engine_call(comm, eng, coll, array, out, op, root, kind, timeout):
-    """One engine call of a quick path, driven to its end (Communicator._quick_call, with a
-    root): its result, or DECLINED."""
-    import time
+        kind = _QUICK_KINDS[coll]
+    eng = comm._engine
     try:
         start = None if timeout is None else time.monotonic()
         got = eng.call(coll, array, out, op, root, kind, timeout, 0)
