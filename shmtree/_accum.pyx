@@ -241,7 +241,7 @@ def from_values(const double[::1] x):
     cdef uint64_t mm
     cdef int k, neg
     cdef uint8_t flag
-    cdef int64_t lo, hi
+    cdef int64_t lo, sv
     with nogil:
         for e in range(n):
             neg = _decode(x[e], &mm, &k, &flag)
@@ -252,16 +252,10 @@ def from_values(const double[::1] x):
                 limbs[e, 1] = 0
                 continue
             q[e] = <int16_t>k
-            lo = <int64_t>(mm & MASK)
-            hi = <int64_t>(mm >> BITS)
-            if neg:
-                if lo:
-                    lo = (<int64_t>1 << BITS) - lo
-                    hi = -hi - 1
-                else:
-                    hi = -hi
-            limbs[e, 0] = lo
-            limbs[e, 1] = hi
+            sv = -(<int64_t>neg)                     # (0 or -1: the sign, branch-free)
+            lo = ((<int64_t>mm) ^ sv) - sv           # (+-mm: |mm| < 2**53)
+            limbs[e, 0] = lo & <int64_t>MASK
+            limbs[e, 1] = lo >> BITS                 # (floor: the normalised top limb)
     return q_a, limbs_a, flags_a
 
 
@@ -530,12 +524,54 @@ cdef inline bint _any_below(const int64_t *mag, int W, int end) noexcept nogil:
     return False
 
 
+cdef inline double _round64(int64_t v, int q, int p, int emin, double limit,
+                            Py_ssize_t *overflow) noexcept nogil:
+    """_round128 of a v that fits 63 bits, in 64-bit arithmetic."""
+    cdef int64_t sgn = v >> 63
+    cdef uint64_t a = <uint64_t>((v ^ sgn) - sgn)
+    cdef int nbits = 64 - shmt_clz64(a)
+    cdef int lsb = nbits - p
+    cdef uint64_t M, rest, half
+    cdef dbits b
+    cdef int ex
+    if q + lsb < emin - p + 1:
+        lsb = emin - p + 1 - q
+    if lsb <= 0:
+        M = a
+        lsb = 0
+    elif lsb >= 64:
+        M = 0
+    else:
+        M = a >> lsb
+        rest = a - (M << lsb)
+        half = (<uint64_t>1) << (lsb - 1)
+        M += <uint64_t>((rest > half) | ((rest == half) & <int>(M & 1)))
+    if M >> 53:
+        M >>= 1
+        lsb += 1
+    if M == 0:
+        b.f = 0.0
+    else:
+        nbits = 64 - shmt_clz64(M)
+        ex = q + lsb + nbits - 1
+        if -1022 <= ex <= 1023:
+            b.u = ((<uint64_t>(ex + 1023)) << 52) | ((M << (53 - nbits)) & MASK)
+        else:
+            b.f = ldexp(<double>M, q + lsb)
+        if b.f >= limit:
+            b.f = INFINITY
+            overflow[0] += 1
+    b.u |= (<uint64_t>(sgn & 1)) << 63
+    return b.f
+
+
 cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
                              Py_ssize_t *overflow) noexcept nogil:
     """v * 2**q (v != 0, |v| < 2**126) rounded to nearest even into p bits, exponents down to
     emin (subnormals below), below limit = 2**(emax + 1) (beyond: an infinity, counted)."""
-    cdef bint neg = v < 0
-    cdef shmt_i128 a = -v if neg else v
+    cdef shmt_i128 sgn = v >> 127                 # (0 or -1: branch-free |v|)
+    cdef shmt_i128 a = (v ^ sgn) - sgn
+    cdef uint64_t neg = <uint64_t>(sgn & 1)
     cdef int nbits = _bitlen128(a)
     cdef int lsb = nbits - p
     cdef uint64_t M
@@ -543,22 +579,18 @@ cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
     cdef double r
     cdef dbits b
     cdef int ex
+    cdef shmt_i128 half
     if q + lsb < emin - p + 1:
         lsb = emin - p + 1 - q
-    if lsb <= 0:
-        M = <uint64_t>a
-        lsb = 0
-    else:
-        if lsb >= 127:
-            M = 0
-            rest = a
-        else:
-            M = <uint64_t>(a >> lsb)
-            rest = a - ((<shmt_i128>M) << lsb)
-        # round half even: rest against half of 2**lsb
-        if lsb <= 126 and (rest > ((<shmt_i128>1) << (lsb - 1)) or
-                           (rest == ((<shmt_i128>1) << (lsb - 1)) and (M & 1))):
-            M += 1
+    if lsb < 0:
+        lsb = 0                           # (exact: every bit kept)
+    if lsb >= 127:                        # (below half the least subnormal: zero)
+        M = 0
+    else:                                 # (branch-free: lsb 0 keeps every bit, rest 0)
+        M = <uint64_t>(a >> lsb)
+        rest = a - ((<shmt_i128>M) << lsb)
+        half = ((<shmt_i128>1) << lsb) >> 1
+        M += <uint64_t>(((rest > half) | ((rest == half) & <int>(M & 1))) & (lsb > 0))
     if M >> 53:                           # (rounded up to 2**53: the same value)
         M >>= 1
         lsb += 1
@@ -575,7 +607,9 @@ cdef inline double _round128(shmt_i128 v, int q, int p, int emin, double limit,
     if r >= limit:
         r = INFINITY
         overflow[0] += 1
-    return -r if neg else r
+    b.f = r
+    b.u |= neg << 63                              # (the sign, branch-free)
+    return b.f
 
 
 def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1] flags,
@@ -615,7 +649,11 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
             neg = 0
             if not zero and W <= 2:               # (|value| < 2**103: in 128 bits)
                 v128 = _load2(&limbs[e, 0], W)
-                if v128 != 0:
+                if (v128 >> 62) == 0 or (v128 >> 62) == -1:        # (it fits 63 bits)
+                    if v128 != 0:
+                        out[e] = _round64(<int64_t>v128, q[e], p, emin, limit, &overflow)
+                        continue
+                elif v128 != 0:
                     out[e] = _round128(v128, q[e], p, emin, limit, &overflow)
                     continue
                 zero = True
