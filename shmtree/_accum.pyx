@@ -27,6 +27,12 @@ Every function takes C-contiguous arrays and releases the GIL.
 from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
 from libc.math cimport INFINITY, NAN, ldexp
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+
+from shmtree._kernels cimport get_kernel, reduce_fn
+cimport numpy as cnp
+
+cnp.import_array()
 
 import numpy as np
 
@@ -762,3 +768,45 @@ def merge_rows(const int64_t[:, :, ::1] rows):
                     limbs[r, e, k] = rows[r, e, 1 + k]
     q, out, flags = combine(qs_a, limbs_a, fl_a)
     return q, out, flags, nonempty
+
+
+# ---- the rank-order fold of deterministic=True (repro.py) ----
+
+
+
+def fold_rows(cnp.ndarray dst, cnp.ndarray rows, int opc, int dtc):
+    """dst[...] = rows[0] op rows[1] op ... op rows[P-1], in one kernel call (shmtree's
+    reduction kernels: the rule of a flat tree's root), with the GIL released.  rows: a
+    C-contiguous array of P rows of dst's items (any shape whose first axis is the rows); dst:
+    C-contiguous, writable, clear of rows; (opc, dtc) the parse's codes (a kernel exists)."""
+    cdef reduce_fn fn = get_kernel(opc, dtc)
+    cdef Py_ssize_t P, n = cnp.PyArray_SIZE(dst), stride, j
+    cdef const void *small[16]
+    cdef const void **ptrs = small
+    cdef char *base
+    if fn == NULL:
+        raise TypeError("shmtree: fold_rows: no kernel for this op and dtype")
+    if not (cnp.PyArray_IS_C_CONTIGUOUS(dst) and cnp.PyArray_IS_C_CONTIGUOUS(rows)) or \
+            cnp.PyArray_NDIM(rows) < 1:
+        raise ValueError("shmtree: fold_rows: C-contiguous arrays only")
+    P = cnp.PyArray_DIMS(rows)[0]
+    if P == 0 or cnp.PyArray_SIZE(rows) != P * n or \
+            cnp.PyArray_ITEMSIZE(rows) != cnp.PyArray_ITEMSIZE(dst):
+        raise ValueError("shmtree: fold_rows: rows do not hold P rows of dst's items")
+    if n == 0:
+        return dst
+    stride = n * cnp.PyArray_ITEMSIZE(rows)
+    base = <char *>cnp.PyArray_DATA(rows)
+    if P > 16:
+        ptrs = <const void **>PyMem_Malloc(P * sizeof(void *))
+        if ptrs == NULL:
+            raise MemoryError()
+    try:
+        for j in range(P):
+            ptrs[j] = <const void *>(base + j * stride)
+        with nogil:
+            fn(cnp.PyArray_DATA(dst), ptrs, <int>P, n)
+    finally:
+        if ptrs != small:
+            PyMem_Free(ptrs)
+    return dst

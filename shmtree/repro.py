@@ -44,10 +44,11 @@ import numpy as np
 
 from . import _accum, _engine, _kernels, calls, session
 from .accumulator import Accumulator, merged
-from .calls import ALLGATHER, ALLREDUCE, REDUCE, REDUCE_SCATTER, bytes_of, split_bounds
+from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, bytes_of,
+                    split_bounds)
 from .codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_REDUCE, DET_REDUCE_SCATTER, DET_ROOTS,
                     KIND_ROOT_STEP, det_kind, kind_name)
-from .ops import OP_NAMES, dtype_name
+from .ops import OP_NAMES, dtype_name, reduction_codes
 from .persistent import DECLINED
 
 __all__ = ["prepared", "spanning", "quick", "bind", "described", "GATHER_BYTES"]
@@ -91,6 +92,26 @@ def ordered(comm, coll, nbytes):
     if nbytes <= small_bytes:
         return small
     return large and coll == ALLREDUCE
+
+
+def _chained(comm, dt, nbytes, root):
+    """Is the engine's reduce to rank P-1 the rank-order fold here?  Its chain runs along the
+    ring order from position 0 to the root's, each rank folding the partial it receives (the
+    left operand) with its own input: on a ring order 0, 1, ..., P-1 (one node) that is
+    ((x_0 op x_1) op x_2) ... op x_{P-1}, one rounding per step - so not for float16 and
+    bfloat16, whose fold rounds once.  For a message the chain carries (above small_bytes);
+    a reduce to another root is not."""
+    got = comm.__dict__.get("_repro_chain")
+    if got is None:
+        plan = comm._plan
+        got = comm._repro_chain = (
+            plan.large_tree.ring == tuple(range(comm.size))
+            and plan.algorithm("reduce", plan.small_bytes + 1) == "chain", plan.small_bytes)
+    return got[0] and nbytes > got[1] and dt.name not in _HALF and \
+        (root is None or root == comm.size - 1)
+
+
+_HALF = ("float16", "bfloat16")
 
 
 def _flat(tree):
@@ -141,7 +162,7 @@ def _rank_fold(comm, src, dst, root, opc, kind, deadline):
     """The rank-order fold of every rank's src into dst (allreduce: every rank; reduce: the
     root, dst None elsewhere): one allgather and a local fold, or the transpose."""
     P, me, dt = comm.size, comm.rank, src.dtype
-    name = OP_NAMES[opc]
+    dtc = _kernels.dtype_code(dt)
     dims = _dims(src, opc, root)
     n = src.size
     if _gathers(src.nbytes, P, comm._plan.small_bytes):
@@ -149,7 +170,15 @@ def _rank_fold(comm, src, dst, root, opc, kind, deadline):
         comm._call(ALLGATHER, bytes_of(src), bytes_of(stack), None, 0, kind, deadline, 0, dims,
                    comm._even_positions(src.nbytes))
         if dst is not None:
-            _kernels.reduce_into(dst.reshape(-1), tuple(stack), name)
+            _accum.fold_rows(dst, stack, opc, dtc)
+        return
+    if _chained(comm, dt, src.nbytes, root):     # (the engine's reduce to P-1, a broadcast)
+        last = P - 1
+        comm._call(REDUCE, src, dst if me == last else None, (opc, dtc), last, kind, deadline)
+        if root is None:
+            comm._broadcast(calls.CallSpec("broadcast", BROADCAST, kind,
+                                           dst if me == last else None, dst, root=last,
+                                           deadline=deadline))
         return
     b = split_bounds(n, P)
     sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.uint64) * np.uint64(dt.itemsize)
@@ -158,14 +187,14 @@ def _rank_fold(comm, src, dst, root, opc, kind, deadline):
     comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, dims, deadline)
     if root is None:                          # allreduce: fold into place, then allgather
         flat = dst.reshape(-1)
-        _kernels.reduce_into(flat[b[me]:b[me + 1]], tuple(rows), name)
+        _accum.fold_rows(flat[b[me]:b[me + 1]], rows, opc, dtc)
         offsets = [b[q] * dt.itemsize for q in range(P + 1)]
         view = bytes_of(flat)
         comm._call(ALLGATHER, view[offsets[me]:offsets[me + 1]], view, None, 0, kind, deadline,
                    0, dims, comm._by_position(offsets))
         return
     folded = comm._work(1, (m,), dt)
-    _kernels.reduce_into(folded, tuple(rows), name)
+    _accum.fold_rows(folded, rows, opc, dtc)
     B = np.zeros(P * P, np.uint64)
     B[root::P] = sizes                        # (rank p's block p goes to the root)
     comm._exchange(folded, dst.reshape(-1) if dst is not None else _NOTHING, B, kind, dims,
@@ -192,7 +221,7 @@ def _reduce_scatter(comm, spec):
     rows = comm._work(0, (P, (hi - lo) * row), dt)
     comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, _dims(src, spec.opc),
                    deadline)
-    _kernels.reduce_into(result.reshape(-1), tuple(rows), OP_NAMES[spec.opc])
+    _accum.fold_rows(result, rows, spec.opc, spec.dtc)
     return calls.finish(result, copy_back)
 
 
@@ -200,10 +229,12 @@ _QUICK_KINDS = {ALLREDUCE: det_kind(DET_ALLREDUCE), REDUCE_SCATTER: det_kind(DET
 
 
 def quick(comm, coll, array, op, out, root, timeout):
-    """Front's quick path of a deterministic call: where the engine's own call folds in rank
-    order (ordered; integer and bool dtypes), that one Engine.call under the deterministic
-    kind, as Communicator._quick makes a plain one; DECLINED otherwise (the call is parsed,
-    then run by prepared())."""
+    """Front's quick path of a deterministic call of a plain ndarray (no parse: the engine's
+    C twin parses it): where the engine's own call folds in rank order (ordered; integer and
+    bool dtypes), that one Engine.call under the deterministic kind, as Communicator._quick
+    makes a plain one; an allreduce or reduce that the chain (_chained) or one allgather
+    (_gathers) does, those engine calls; DECLINED otherwise, or for anything the parse must
+    look at first (nothing has run then: the call is parsed, then run by prepared())."""
     order = comm.__dict__.get("_repro_order")
     if order is None:
         if getattr(comm, "_engine", None) is None:    # (not one machine's communicator)
@@ -216,22 +247,31 @@ def quick(comm, coll, array, op, out, root, timeout):
     progress = comm._progress
     if progress is not None and (progress.outstanding or progress.is_current_thread()):
         return DECLINED
-    if array.dtype.kind not in _EXACT:
-        P, small_bytes, small, large = order
-        nbytes = array.nbytes
-        if not (P == 1 or (small if nbytes <= small_bytes else large and coll == ALLREDUCE)):
-            return DECLINED
     if coll == REDUCE:
         if type(root) is not int or not 0 <= root < min(comm.size, DET_ROOTS):
             return DECLINED
         kind = det_kind(DET_REDUCE, root)
     else:
-        root = 0
+        root = 0 if coll != ALLREDUCE else None
         kind = _QUICK_KINDS[coll]
+    if array.dtype.kind not in _EXACT:
+        P, small_bytes, small, large = order
+        nbytes = array.nbytes
+        if not (P == 1 or (small if nbytes <= small_bytes else large and coll == ALLREDUCE)):
+            if coll == REDUCE_SCATTER:
+                return DECLINED
+            return _quick_fold(comm, array, op, out, root, kind, timeout)
     eng = comm._engine
+    start = None if timeout is None else time.monotonic()
+    return _one_call(comm, eng, coll, array, out, op, root or 0, kind, timeout, start)
+
+
+def _one_call(comm, eng, coll, array, out, op, root, kind, timeout, start, dims=None,
+              offs=None):
+    """One engine call of a quick path, driven to its end: its result, or DECLINED (the
+    engine declined: nothing ran)."""
     try:
-        start = None if timeout is None else time.monotonic()
-        got = eng.call(coll, array, out, op, root, kind, timeout, 0)
+        got = eng.call(coll, array, out, op, root, kind, timeout, 0, dims, offs)
         if got is None:
             return DECLINED
         rc, result = got
@@ -241,6 +281,69 @@ def quick(comm, coll, array, op, out, root, timeout):
         comm._interrupted(eng, exc)
         raise
     return result
+
+
+def _quick_fold(comm, array, op, out, root, kind, timeout):
+    """quick's allreduce / reduce where the plan does not fold in rank order: the chain (the
+    engine's reduce to rank P-1, then its broadcast from there) or one allgather and a local
+    fold, as _rank_fold runs them, for a C-contiguous input and out= None or a plain array
+    of its shape and dtype (in place, or clear of it)."""
+    P, me, dt = comm.size, comm.rank, array.dtype
+    if not (array.flags.c_contiguous and array.flags.aligned) or array.ndim > 28:
+        return DECLINED
+    if out is not None and (type(out) is not np.ndarray or out.dtype != dt or
+                            out.shape != array.shape or not out.flags.c_contiguous or
+                            not out.flags.aligned or not out.flags.writeable or
+                            (out is not array and np.may_share_memory(out, array))):
+        return DECLINED
+    codes = _CODES.get((op, dt))
+    if codes is None:
+        try:
+            codes = reduction_codes(op, dt)
+            hash(op)
+        except Exception:                     # (the parse says what is wrong)
+            return DECLINED
+        if len(_CODES) < 64:
+            _CODES[(op, dt)] = codes
+    mine = root is None or root == me
+    nbytes = array.nbytes
+    eng = comm._engine
+    start = None if timeout is None else time.monotonic()
+    if _gathers(nbytes, P, comm._plan.small_bytes):
+        stack = comm._work(0, (P, array.size), dt)
+        got = _one_call(comm, eng, ALLGATHER, bytes_of(array), bytes_of(stack), None, 0, kind,
+                        timeout, start, _dims(array, codes[0], root),
+                        comm._even_positions(nbytes))
+        if got is DECLINED or not mine:
+            return got if got is DECLINED else None
+        dst = np.empty(array.shape, dt) if out is None else out
+        _accum.fold_rows(dst, stack, codes[0], codes[1])
+        return dst
+    if _chained(comm, dt, nbytes, root):
+        last = P - 1
+        dst = (np.empty(array.shape, dt) if out is None else out) if mine else None
+        got = _one_call(comm, eng, REDUCE, array, dst if me == last else None, codes, last,
+                        kind, timeout, start)
+        if got is DECLINED or root is not None:
+            return got if got is DECLINED or me == root else None
+        now = None if timeout is None else time.monotonic()
+        left = None if timeout is None else max(0.0, start + timeout - now)
+        claim = dst
+        got = _one_call(comm, eng, BROADCAST, dst if me == last else None, dst, None, last,
+                        kind, left, now)
+        if got is DECLINED:                   # (mid-call: the executor's broadcast then)
+            return comm._broadcast(calls.CallSpec("broadcast", BROADCAST, kind,
+                                                  dst if me == last else None, dst,
+                                                  root=last, deadline=None if start is None
+                                                  else start + timeout))
+        if type(got) is tuple:                # (a broadcast whose data did not come yet)
+            got = comm._broadcast_rest(got, claim, last, dst, kind,
+                                       None if start is None else start + timeout)
+        return dst
+    return DECLINED
+
+
+_CODES = {}                 # (op, dtype) -> the reduction's codes, of the quick folds
 
 
 def bind(comm, spec, slow):
@@ -428,7 +531,7 @@ def _span_reducing(comm, spec):
         stack = np.empty((P, n), dt)
         comm._allgather_data(src, None, [1] * P, a.nbytes, stack, deadline)
         if mine:
-            _kernels.reduce_into(flat, tuple(stack), name)
+            _accum.fold_rows(flat, stack, opc, _kernels.dtype_code(dt))
     else:
         b = split_bounds(n, P)
         sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.int64)
@@ -437,7 +540,7 @@ def _span_reducing(comm, spec):
         comm._exchange_nodes(_apart(bytes_of(src), bytes_of(flat)), bytes_of(rows),
                              np.tile(sizes * dt.itemsize, (P, 1)), deadline)
         folded = np.empty(m, dt)
-        _kernels.reduce_into(folded, tuple(rows), name)
+        _accum.fold_rows(folded, rows, opc, _kernels.dtype_code(dt))
         if root is None:
             comm._allgather_data(folded, 0, [int(s) for s in sizes], dt.itemsize, flat,
                                  deadline)
@@ -468,7 +571,7 @@ def _span_reduce_scatter(comm, spec):
     rows = np.empty((P, (hi - lo) * row), dt)
     comm._exchange_nodes(_apart(bytes_of(src), bytes_of(result)), bytes_of(rows),
                          np.tile(sizes, (P, 1)), spec.deadline)
-    _kernels.reduce_into(result.reshape(-1), tuple(rows), OP_NAMES[spec.opc])
+    _accum.fold_rows(result, rows, spec.opc, spec.dtc)
     return calls.finish(result, copy_back)
 
 
