@@ -10,6 +10,9 @@ calls whose CallSpec says so (calls.CallSpec.reproducible: descriptor kind KIND_
     - the engine's call itself, with the deterministic descriptor kind;
   - else small messages (P x the message at most GATHER_BYTES): one allgather of every input,
     each rank folds the P rows (reduce: the root alone);
+  - else, on a ring order 0..P-1 (one node), for float32/float64/complex: the engine's own
+    pipelined reduce to rank P-1, whose chain from rank 0 is the left fold in rank order (each
+    rank folds the partial it receives with its own input), then its broadcast (_chained);
   - else the transpose: an exchange sends block q (np.array_split of the items into P; a
     reduce_scatter's blocks of rows) of every rank to rank q, which folds its P rows, then an
     allgather of the folded blocks (reduce: an exchange to the root; reduce_scatter: none).
