@@ -159,7 +159,8 @@ cdef inline shmt_i128 _load2(const int64_t *row, int W) noexcept nogil:
 
 cdef inline int _bitlen128(shmt_i128 v) noexcept nogil:
     """The bit length of |v| (|v| < 2**126)."""
-    cdef shmt_i128 a = -v if v < 0 else v
+    cdef shmt_i128 sgn = v >> 127                 # (branch-free |v|: random signs)
+    cdef shmt_i128 a = (v ^ sgn) - sgn
     cdef uint64_t hi = <uint64_t>(a >> 64), lo = <uint64_t>a
     if hi:
         return 128 - shmt_clz64(hi)
@@ -333,8 +334,7 @@ def aligned(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
     cdef Py_ssize_t n = q.shape[0], e
     cdef int W1 = limbs.shape[1], W2 = out.shape[1], k, d, need, best = 1
     cdef int64_t *dst
-    cdef shmt_i128 t, top
-    cdef int room = 2 * BITS - 2 - extra
+    cdef shmt_i128 t
     with nogil:
         if W1 == 2 and W2 == 2:                   # (the common case, without loops)
             for e in range(n):
@@ -343,25 +343,13 @@ def aligned(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
                     out[e, 1] = 0
                     continue
                 d = q[e] - qg[e]
-                if d <= 22:
-                    t = (((<shmt_i128>limbs[e, 1]) << BITS) + limbs[e, 0]) << d
-                    top = t >> room                     # (0 or -1: it fits 2 limbs)
-                    if top == 0 or top == -1:
-                        out[e, 0] = <int64_t>(t & MASK)
-                        out[e, 1] = <int64_t>(t >> BITS)
-                        top = t >> (room - BITS)        # (0 or -1: 1 limb would do)
-                        need = 1 if top == 0 or top == -1 else 2
-                    else:
-                        need = (_bitlen128(t) + extra + 2 + BITS - 1) // BITS
-                else:
-                    need = (_row_bits(&limbs[e, 0], W1) + d + extra + 2 + BITS - 1) // BITS
-                    if need <= 2:
-                        out[e, 0] = 0
-                        out[e, 1] = 0
-                        for k in range(2):
-                            if limbs[e, k]:
-                                _add_shifted(&out[e, 0], 2, limbs[e, k], BITS * k + d)
-                        _normalize_row(&out[e, 0], 2)
+                t = ((<shmt_i128>limbs[e, 1]) << BITS) + limbs[e, 0]
+                k = _bitlen128(t)
+                need = (k + d + extra + 2 + BITS - 1) // BITS
+                if need <= 2:                     # (then k + d < 104: the shift fits 128 bits)
+                    t = t << d
+                    out[e, 0] = <int64_t>(t & MASK)
+                    out[e, 1] = <int64_t>(t >> BITS)
                 if need > best:
                     best = need
         else:
