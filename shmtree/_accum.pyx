@@ -26,7 +26,7 @@ Every function takes C-contiguous arrays and releases the GIL.
 """
 from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memset
-from libc.math cimport INFINITY, NAN, ldexp
+from libc.math cimport INFINITY, NAN, fabs, ldexp
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from shmtree._kernels cimport get_kernel, reduce_fn
@@ -236,12 +236,14 @@ def from_terms(const double[:, ::1] x):
     return q_a, limbs_a, flags_a
 
 
-def from_values(const double[::1] x):
-    """from_terms of one term per element (x: n values), in one pass: W = 2."""
+def from_values(const double[::1] x, q_a=None, limbs_a=None, flags_a=None):
+    """from_terms of one term per element (x: n values), in one pass: W = 2 (into the arrays
+    given: int16[n], int64[n, 2], uint8[n])."""
     cdef Py_ssize_t n = x.shape[0], e
-    q_a = np.empty(n, np.int16)
-    flags_a = np.empty(n, np.uint8)
-    limbs_a = np.empty((n, 2), np.int64)
+    if q_a is None:
+        q_a = np.empty(n, np.int16)
+        flags_a = np.empty(n, np.uint8)
+        limbs_a = np.empty((n, 2), np.int64)
     cdef int16_t[::1] q = q_a
     cdef uint8_t[::1] flags = flags_a
     cdef int64_t[:, ::1] limbs = limbs_a
@@ -624,7 +626,8 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
     cdef Py_ssize_t invalid = 0, overflow = 0
     cdef double inf = INFINITY, nan = NAN
     cdef shmt_i128 v128
-    cdef double limit = ldexp(1.0, emax + 1)
+    cdef double limit = ldexp(1.0, emax + 1), v, r
+    cdef dbits sc
     if W > 64:
         raise ValueError(f"shmtree: an accumulator of {W} limbs (at most 64)")
     with nogil:
@@ -641,6 +644,20 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
                 continue
             zero = q[e] == C_QNONE
             neg = 0
+            if not zero and W <= 2 and p == 53 and -1022 <= q[e] <= 1023:
+                # float64: the value's two limbs are exact doubles, and their sum, one IEEE
+                # addition, is the value rounded to 53 bits (to nearest even); times 2**q it
+                # is the result, exactly, when that is a normal double (else: below)
+                v = <double>limbs[e, 0]
+                if W == 2:
+                    v = <double>limbs[e, 1] * 4503599627370496.0 + v      # (2**52)
+                sc.u = (<uint64_t>(q[e] + 1023)) << 52
+                r = v * sc.f
+                if 2.2250738585072014e-308 <= fabs(r) < INFINITY:
+                    out[e] = r
+                    continue
+                if v == 0.0:
+                    zero = True
             if not zero and W <= 2:               # (|value| < 2**103: in 128 bits)
                 v128 = _load2(&limbs[e, 0], W)
                 if (v128 >> 62) == 0 or (v128 >> 62) == -1:        # (it fits 63 bits)

@@ -240,9 +240,14 @@ class Accumulator:
         ValueError, OverflowError
             With ``strict=True``, as above.
         """
+        return self._result_into(None, None, strict)
+
+    def _result_into(self, flat, dst, strict=True):
+        """result(), written into dst (an ndarray of this shape and dtype) when given, through
+        flat (dst's float64 items as one C-contiguous row, or None) without a copy."""
         real = _real_dtype(self._dtype)
         p, emin, emax = _FORMATS[real.name]
-        out = np.empty(self._q.shape[0], np.float64)
+        out = flat if flat is not None else np.empty(self._q.shape[0], np.float64)
         invalid, overflow = _accum.rounded(self._q, self._limbs, self._flags, p, emin, emax,
                                            out)
         if strict and invalid:
@@ -253,10 +258,16 @@ class Accumulator:
             raise OverflowError(f"shmtree: Accumulator.result: {overflow} sum"
                                 f"{'s' if overflow > 1 else ''} beyond the range of {real} "
                                 f"(as math.fsum raises; result(strict=False) gives inf)")
-        got = out.astype(real)
+        if flat is not None:
+            return dst
+        got = out.astype(real, copy=False)
         if self._dtype.kind == "c":
             got = got.view(self._dtype)
-        return got.reshape(self._shape)
+        got = got.reshape(self._shape)
+        if dst is not None:
+            dst.reshape(self._shape)[...] = got
+            return dst
+        return got
 
     # ---- what it is ----
 

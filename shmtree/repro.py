@@ -378,21 +378,47 @@ def _accumulate(rounds, spec):
     """The merged Accumulator of every rank's (spec.array an Accumulator), or, for
     reproducible=True, its result() into out= (or a new array)."""
     given = spec.array
-    acc = given if type(given) is Accumulator else Accumulator._of_one(given)
-    total = allreduce_accumulator(rounds, acc)
     if type(given) is Accumulator:
-        return total
-    value = total.result()
+        return allreduce_accumulator(rounds, given)
+    comm = rounds.comm
+    if given.dtype == np.float64:             # (every state a scratch array of the call's)
+        n = given.size
+        x = np.ascontiguousarray(given).reshape(-1)
+        state = _accum.from_values(x, _scratch(comm, "q", (n,), np.int16),
+                                   _scratch(comm, "limbs", (n, 2), np.int64),
+                                   _scratch(comm, "flags", (n,), np.uint8))
+        acc = Accumulator._made(given.shape, given.dtype, *state, True)
+    else:
+        acc = Accumulator._of_one(given)
+    total = allreduce_accumulator(rounds, acc, comm)
     result, dst, copy_back = calls.destination(given, spec.out)
-    dst.reshape(value.shape)[...] = value
+    total._result_into(dst.reshape(-1) if dst.dtype == np.float64 else None, dst)
     if copy_back is not None:
         copy_back[...] = dst.reshape(copy_back.shape)
     return result
 
 
-def allreduce_accumulator(rounds, acc):
+def _scratch(comm, name, shape, dtype):
+    """A scratch array of a reproducible=True call (its states, which it does not return):
+    kept on the communicator, grown as needed (calls of one communicator run one at a
+    time), so that a large call does not pay a page fault per 4 KiB every time."""
+    store = comm.__dict__.setdefault("_repro_scratch", {})
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > _SCRATCH_BYTES:
+        return np.empty(shape, dtype)
+    buf = store.get(name)
+    if buf is None or buf.nbytes < nbytes:
+        buf = store[name] = np.empty(max(nbytes, 64), np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
+
+
+_SCRATCH_BYTES = 64 << 20
+
+
+def allreduce_accumulator(rounds, acc, scratch=None):
     """The Accumulator of every rank's terms: every rank's state summed exactly (the module's
-    docstring; rounds: the communicator's rounds, _Local or _Across)."""
+    docstring; rounds: the communicator's rounds, _Local or _Across; scratch: the communicator
+    whose scratch arrays hold the merged state, when the caller does not keep it)."""
     q, limbs, flags, nonempty = acc._state()
     n, P = q.shape[0], rounds.size
     dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + \
@@ -408,17 +434,20 @@ def allreduce_accumulator(rounds, acc):
             return acc._like(*got)
     # the group's lowest bit of every element: a max of -q (QNONE is the least), and (the
     # last entry) whether any rank has terms
-    neg = np.empty(n + 1, np.int16)
+    neg = np.empty(n + 1, np.int16) if scratch is None else \
+        _scratch(scratch, "neg", (n + 1,), np.int16)
     np.negative(q, out=neg[:n])
     neg[n] = int(bool(nonempty))
     rounds.allreduce(neg, "max", dims)
     any_terms = bool(neg[n])
-    qg = np.negative(neg[:n])
+    qg = np.negative(neg[:n]) if scratch is None else \
+        np.negative(neg[:n], out=_scratch(scratch, "qg", (n,), np.int16))
     # the limbs at the group's q, in 2 words when every element fits (the last row: how many
     # elements did not, how many flags a result depends on: summed with the limbs)
     extra = max(1, (P - 1).bit_length())
     words = 2                                 # (the same on every rank: the round's shape)
-    out = np.empty((n + 1, words), np.int64)
+    out = np.empty((n + 1, words), np.int64) if scratch is None else \
+        _scratch(scratch, "out", (n + 1, words), np.int64)
     need = _accum.aligned(q, limbs, qg, extra, out[:n])
     mine = int(bool((flags & _accum.SPECIAL).any()))
     out[n, 0] = int(need > words)
