@@ -20,7 +20,9 @@ import time
 
 import numpy as np
 
-from . import _engine, _kernels, plan as _plan, session
+from . import _engine, _kernels
+from .groups import session
+from .machine import plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
@@ -34,11 +36,11 @@ from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SC
 from .collectives import Executors, error_words, gather_gathers, prefix_of, scan_gathers
 from .calls import bytes_of as _bytes_of
 from .front import DECLINED, Front, Persistent
-from .group import Group
+from .groups.group import Group
 from .ops import OP_NAMES, OPS, dtype_name, reduction_codes as _reduction_codes
 from .requests import Progress, Request, wait_all
-from .shared import SharedArrays
-from .messages import Messages                       # point-to-point (issue 24)
+from .groups.shared import SharedArrays
+from .p2p.methods import Messages  # point-to-point (issue 24)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -709,7 +711,7 @@ _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on t
                "communicator; collectives of one rank must not overlap")
 
 # this process's communicator lives in shmtree.session (a leaf: the membership state)
-from .session import current  # noqa: E402
+from .groups.session import current  # noqa: E402
 
 # allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
 from .front import module_functions as _module_functions  # noqa: E402

@@ -219,7 +219,7 @@ def build_parser():
                    help="timed calls per size at 8 MiB and above (more below; default 5)")
     p.add_argument("--segment", type=_arg(_positive_size),
                    help="bytes per pipelined segment across the node boundary (default: "
-                        "shmtree.nodes.SEGMENT_BYTES)")
+                        "shmtree.internode.nodes.SEGMENT_BYTES)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _scaling_parser(sub)
     p2p.add_parser(sub, _arg, _positive)             # point-to-point (issue 24)

@@ -291,7 +291,7 @@ def cmd_topology(args):
     options = options_of(args)
     try:
         import shmtree
-        from shmtree.plan import plan_group
+        from shmtree.machine.plan import plan_group
         topo = shmtree.Topology.resolve(args.topology)
         nprocs = args.nprocs or (topo.ncpus if args.topology else usable())
         group_plan = plan_group(nprocs, **options)

@@ -15,15 +15,15 @@ with its place in the hierarchy machine > socket > NUMA node > L3 group > core >
 - `smt` is the thread's index within its core, counting only the CPUs the topology holds.
 
 A topology comes from four places: `Topology.detect()` reads sysfs (honouring the CPUs this
-process may run on; the reading itself is `shmtree.sysfs`'s, as is the cgroup CPU quota),
+process may run on; the reading itself is `shmtree.machine.sysfs`'s, as is the cgroup CPU quota),
 `Topology.from_spec("2x2x4:2")` builds a synthetic one, `Topology.load()` reads the JSON that
 `dump()` writes, and `Topology.fixture(name)` loads one of the checked-in machines under
-shmtree/fixtures/. `Topology.resolve()` accepts any of these (the API's `topology=` argument).
+shmtree/machine/fixtures/. `Topology.resolve()` accepts any of these (the API's `topology=` argument).
 
 `placement(nranks, policy)` maps ranks to slots: one rank per physical core before any SMT
 sibling is used; "compact" fills socket 0 first, "spread" deals ranks round-robin across
 sockets, then NUMA nodes, then L3 groups; more ranks than CPUs wrap around (ranks then share
-CPUs). The tree builders in `shmtree.schedule` group ranks by the slots they land on.
+CPUs). The tree builders in `shmtree.machine.schedule` group ranks by the slots they land on.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-# the reading of sysfs and of the cgroups is shmtree.sysfs's; these names stay importable from
+# the reading of sysfs and of the cgroups is shmtree.machine.sysfs's; these names stay importable from
 # here (transport.py walks the memory cgroups with _proc_cgroups and _cgroup_dirs)
 from .sysfs import (_cgroup_dirs, _dense, _detect_slots, _is_live_sysfs,  # noqa: F401
                     _proc_cgroups, cpu_quota, parse_cpulist)
@@ -221,7 +221,7 @@ class Topology:
 
     @classmethod
     def fixtures(cls) -> List[str]:
-        """Names of the machine fixtures shipped in shmtree/fixtures/."""
+        """Names of the machine fixtures shipped in shmtree/machine/fixtures/."""
         return sorted(p.stem for p in FIXTURE_DIR.glob("*.json"))
 
     @classmethod

@@ -34,10 +34,11 @@ import weakref
 
 import numpy as np
 
-from . import _engine, _moving, transport
-from .codes import grouped, ranks_text
-from .errors import CollectiveMismatchError, ShmtreeError
-from .ops import dtype_words
+from .. import _engine, _moving
+from . import transport
+from ..codes import grouped, ranks_text
+from ..errors import CollectiveMismatchError, ShmtreeError
+from ..ops import dtype_words
 
 
 class SharedArrays:

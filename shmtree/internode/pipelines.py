@@ -1,7 +1,7 @@
 """The data steps of a call across nodes (Spanning's, nodes.py): the pipelines that cut a
 message into segments and overlap a node's own step (a parsed call run on the node's
 communicator: Communicator.run) with the step between the nodes (on a Link's thread,
-shmtree.inter), and the steps inside a node they are made of.
+shmtree.internode.inter), and the steps inside a node they are made of.
 
   * _reduce_pipeline: reduce to the leader in the node, the leaders' allreduce, broadcast in
     the node; the leader's main thread works on segment i+1 while its link carries segment i;
@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from . import calls
-from .calls import split_bounds as _pieces
+from .. import calls
+from ..calls import split_bounds as _pieces
 from .inter import Link
 
 __all__ = ["Pipelines"]

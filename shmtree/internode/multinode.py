@@ -4,9 +4,9 @@ and Pool with inter=: NodeGroup, start_proxy, spanning_member).
 
 from_mpi: the processes of an MPI job that share a node form a shmtree group of their own (one
 creates the segment, the others attach through a rendezvous token: same user only), local rank
-0 of each node is its leader and owns the inter-node Link (shmtree.inter), and the communicator
+0 of each node is its leader and owns the inter-node Link (shmtree.internode.inter), and the communicator
 returned spans every node.  With a launcher per node, the leader's link is a ProxyLink to its
-launcher (shmtree.mailbox) instead of MPI in the leader itself.
+launcher (shmtree.internode.mailbox) instead of MPI in the leader itself.
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import os
 
 import numpy as np
 
-from . import nodes as _nodes, plan as _plan, session
-from .errors import ShmtreeError
-from .group import Group
+from . import nodes as _nodes
+from ..groups import session
+from ..machine import plan as _plan
+from ..errors import ShmtreeError
+from ..groups.group import Group
 from .inter import Link
 from .remote import message_comm
 
@@ -27,7 +29,7 @@ __all__ = ["from_mpi", "NodeGroup", "start_proxy", "refuse_proxy", "spanning_mem
 class NodeGroup(Group, across_nodes=True):
     """What Group(size, inter=mpi_comm, segment_bytes=None, ...) makes (group.py dispatches to
     it): the group of one node of several, in that node's launcher, which is the node's proxy
-    between the nodes (shmtree.mailbox).  Collective over `inter` (the launchers' mpi4py
+    between the nodes (shmtree.internode.mailbox).  Collective over `inter` (the launchers' mpi4py
     communicator): the launchers agree that every one of them could start before any step, so
     one that cannot (a bad option, no memory) raises its error and the others a ShmtreeError
     naming its node (start_proxy, refuse_proxy).  Its members (workers it hands the group to)
@@ -84,7 +86,7 @@ def start_proxy(group, inter, segment_bytes):
     if len(info) == 1:
         return None, None
     proxy = Proxy(group, inter, segment, box)
-    from .remote import Relay              # (messages between nodes: the launcher relays them)
+    from .relay import Relay  # (messages between nodes: the launcher relays them)
     starts = np.concatenate([[0], np.cumsum([s for s, _, _ in info])]).tolist()
     proxy.relay = Relay(group, inter.Dup(), [range(starts[n], starts[n + 1])
                                              for n in range(len(info))])
@@ -110,7 +112,8 @@ def spanning_member(group, comm):
     """Joining a group of a node of several (joining.join): the communicator across nodes
     around the node's own (`comm`); local rank 0 reaches the other nodes through its
     launcher."""
-    from .mailbox import Mailbox, ProxyLink
+    from .mailbox import Mailbox
+    from .proxylink import ProxyLink
     node, sizes, segment, box_fd = group._span
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     members = [list(range(starts[n], starts[n + 1])) for n in range(len(sizes))]

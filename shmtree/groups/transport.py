@@ -37,11 +37,11 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ShmtreeError
-from .topology import _cgroup_dirs, _proc_cgroups
+from ..errors import ShmtreeError
+from ..machine.topology import _cgroup_dirs, _proc_cgroups
 
 # the layout constants are the engine's (one definition: _csrc/layout.h, exported by _engine)
-from ._engine import (HEADER_BYTES as HDR_BYTES, LINE_BYTES as LINE, PAGE_BYTES as PAGE,
+from .._engine import (HEADER_BYTES as HDR_BYTES, LINE_BYTES as LINE, PAGE_BYTES as PAGE,
                       RANK_BLOCK_BYTES as RANK_BLOCK, SLOT_HDR_BYTES as SLOT_HDR)
 
 
@@ -58,7 +58,7 @@ def ring_header_bytes(ntails: int) -> int:
 class ChannelPlan:
     """One channel: a tree and the geometry of its rings."""
 
-    tree: object          # shmtree.schedule.Tree
+    tree: object          # shmtree.machine.schedule.Tree
     nslots: int
     payload: int          # chunk payload bytes per slot
     ring: bool = False    # True: the ring schedule around tree.ring (one ring per rank, to its

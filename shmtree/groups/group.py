@@ -8,7 +8,7 @@ NUMA placement of the rings this rank produces), the liveness of members, aborti
 why, and this process's mapping (close, drop).
 
 Group.join admits a member (the header checked, the rank marked joined, pinned, its rings
-placed) and hands it to the function that makes its communicator (shmtree.joining.join, the one
+placed) and hands it to the function that makes its communicator (shmtree.launching.joining.join, the one
 place communicators are made); Group(size, inter=mpi_comm) makes a multinode.NodeGroup.  Both
 modules sit above this one and register themselves when they are imported (shmtree's __init__
 imports them): this module imports nothing above it.
@@ -20,13 +20,15 @@ import json
 import os
 from multiprocessing import reduction
 
-from . import _engine, plan as _plan
-from .codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
+from .. import _engine
+from ..machine import plan as _plan
+from ..codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
                     ABORT_TIMEOUT, NOTED, ST_BUSY)
-from .errors import PeerLostError, ShmtreeError
-from .liveness import Watch, how_gone, identity
-from .plan import SMALL_SLOTS, Plan, plan_group
+from ..errors import PeerLostError, ShmtreeError
+from ..machine.liveness import Watch, how_gone, identity
+from ..machine.plan import SMALL_SLOTS, Plan, plan_group
 from .transport import ChannelPlan, Layout, create_memfd, new_nonce
+from .token import _TOKEN_FORMAT, _TOKEN_VERSION, _parse_token, _plan_to_data
 
 __all__ = ["Group"]
 
@@ -46,7 +48,7 @@ class Group:
     `group.join(rank)` once.  `close()` (or leaving the `with` block) frees this process's
     mapping and descriptor; in the creator it also marks the group closed.
 
-    Options (see shmtree.plan): topology (Topology, spec string like "2x4", JSON path, or None to
+    Options (see shmtree.machine.plan): topology (Topology, spec string like "2x4", JSON path, or None to
     detect), tree ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes
     (bytes per pipelined chunk), pin (pin each rank to its core while it is a member; None: when
     ranks fit the usable cores of a detected topology), slots (ring slots per edge), placement
@@ -70,7 +72,7 @@ class Group:
     def __new__(cls, *args, inter=None, **options):
         if inter is not None and cls is Group:
             if Group._across_nodes is None:         # (shmtree's __init__ imports multinode)
-                raise ShmtreeError("shmtree: inter= needs shmtree.multinode (import shmtree)")
+                raise ShmtreeError("shmtree: inter= needs shmtree.internode.multinode (import shmtree)")
             cls = Group._across_nodes
         return super().__new__(cls)
 
@@ -231,7 +233,7 @@ class Group:
         if reason:
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
         if _joining is None:                        # (shmtree's __init__ imports joining)
-            raise ShmtreeError("shmtree: Group.join needs shmtree.joining (import shmtree)")
+            raise ShmtreeError("shmtree: Group.join needs shmtree.launching.joining (import shmtree)")
         pid, ctime = identity()
         if not self._seg.mark_joined(rank, pid, ctime):
             raise ShmtreeError(f"shmtree: rank {rank} has already joined this group")
@@ -422,7 +424,7 @@ class Group:
 Group.__signature__ = inspect.signature(Group.__init__).replace(
     parameters=list(inspect.signature(Group.__init__).parameters.values())[1:])
 
-# the function that makes the communicator of a rank Group.join admitted: shmtree.joining.join,
+# the function that makes the communicator of a rank Group.join admitted: shmtree.launching.joining.join,
 # registered by that module when it is imported (_made_by)
 _joining = None
 
@@ -452,136 +454,6 @@ class _Detached:
 
     def detach(self):
         return self._fd
-
-
-# ---- the rendezvous token: plain data, parsed and checked (never unpickled) ----
-
-_TOKEN_FORMAT = "shmtree-rendezvous"
-_TOKEN_VERSION = 1
-_TOKEN_MAX_BYTES = 64 << 20             # (a plan of MAX_RANKS ranks on a large machine: < 2 MiB)
-
-
-def _plan_to_data(plan):
-    """A Plan as JSON-ready data (the inverse of _plan_from_data)."""
-    def tree(t):
-        return {"kind": t.kind, "size": t.size, "root": t.root, "parent": list(t.parent),
-                "children": [list(c) for c in t.children]}
-    return {"size": plan.size, "topology": plan.topology.to_dict(), "tree_kind": plan.tree_kind,
-            "placement": plan.placement, "ncpus": plan.ncpus, "small_tree": tree(plan.small_tree),
-            "large_tree": tree(plan.large_tree), "large_schedule": plan.large_schedule,
-            "chunk_bytes": plan.chunk_bytes, "slots": plan.slots,
-            "small_bytes": plan.small_bytes, "nt_bytes": plan.nt_bytes, "spin_ns": plan.spin_ns,
-            "pin": plan.pin, "cpu_of": list(plan.cpu_of), "node_of": list(plan.node_of),
-            "numa": plan.numa, "stall_timeout": plan.stall_timeout}
-
-
-class _BadToken(ValueError):
-    pass
-
-
-def _field(data, key, check, what):
-    if not isinstance(data, dict) or key not in data:
-        raise _BadToken(f"no {key!r}")
-    value = data[key]
-    if not check(value):
-        raise _BadToken(f"{key!r} must be {what}, got {value!r:.80}")
-    return value
-
-
-def _is_int(v, low=0, high=None):
-    return type(v) is int and v >= low and (high is None or v <= high)
-
-
-def _ints(v, n, low=-1, none=False):
-    return (type(v) is list and len(v) == n
-            and all((none and x is None) or _is_int(x, low, _plan.MAX_RANKS << 8) for x in v))
-
-
-def _plan_from_data(data):
-    """The Plan of a token's data, every field checked for its type and range (the trees are
-    validated, the topology goes through Topology.from_dict; the header's plan digest is
-    compared later, in _attach)."""
-    from .schedule import Tree, parse_tree_kind
-    from .topology import Topology
-    size = _field(data, "size", lambda v: _is_int(v, 1, _plan.MAX_RANKS),
-                  f"an int in 1..{_plan.MAX_RANKS}")
-
-    def tree(key):
-        t = _field(data, key, lambda v: isinstance(v, dict), "a tree")
-        try:
-            made = Tree(_field(t, "kind", lambda v: isinstance(v, str) and 0 < len(v) < 64,
-                               "a name"),
-                        _field(t, "size", lambda v: v == size, f"the group's size {size}"),
-                        _field(t, "root", lambda v: _is_int(v, 0, size - 1), "a rank"),
-                        _field(t, "parent", lambda v: _ints(v, size), "a list of ranks"),
-                        _field(t, "children", lambda v: type(v) is list and len(v) == size
-                               and all(type(c) is list and _ints(c, len(c), 0) for c in v),
-                               "lists of ranks"))
-            return made.validate()
-        except AssertionError as exc:
-            raise _BadToken(f"{key}: {exc}") from None
-
-    def kind(v):
-        try:
-            return type(v) in (str, int) and parse_tree_kind(v) == v
-        except ValueError:
-            return False
-    topo = _field(data, "topology", lambda v: isinstance(v, dict), "a topology")
-    try:
-        topology = Topology.from_dict(topo)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise _BadToken(f"topology: {exc}") from None
-    return Plan(
-        size=size, topology=topology,
-        tree_kind=_field(data, "tree_kind", kind, "a tree kind"),
-        placement=_field(data, "placement", lambda v: v in ("compact", "spread"), "a placement"),
-        ncpus=_field(data, "ncpus", lambda v: _is_int(v, 1), "an int >= 1"),
-        small_tree=tree("small_tree"), large_tree=tree("large_tree"),
-        large_schedule=_field(data, "large_schedule", lambda v: v in ("tree", "ring"),
-                              "'tree' or 'ring'"),
-        chunk_bytes=_field(data, "chunk_bytes", lambda v: _is_int(v, 64, 1 << 40), "bytes"),
-        slots=_field(data, "slots", lambda v: _is_int(v, 1, 1 << 16), "an int >= 1"),
-        small_bytes=_field(data, "small_bytes", lambda v: _is_int(v, 0, 1 << 40), "bytes"),
-        nt_bytes=_field(data, "nt_bytes", lambda v: _is_int(v, 0), "bytes"),
-        spin_ns=_field(data, "spin_ns", lambda v: _is_int(v, 0), "an int >= 0"),
-        pin=_field(data, "pin", lambda v: type(v) is bool, "a bool"),
-        cpu_of=tuple(_field(data, "cpu_of", lambda v: _ints(v, size, 0, none=True),
-                            "a core (or null) per rank")),
-        node_of=tuple(_field(data, "node_of", lambda v: _ints(v, size, 0), "a node per rank")),
-        numa=_field(data, "numa", lambda v: v in (None, "consumer", "producer", "interleave"),
-                    "a NUMA policy or null"),
-        stall_timeout=_field(data, "stall_timeout",
-                             lambda v: v is None or (type(v) is float and v > 0),
-                             "null or seconds > 0"))
-
-
-def _parse_token(token):
-    """(plan, pid, fd, nonce, total) of a rendezvous token, or ShmtreeError naming what is
-    wrong with it."""
-    try:
-        if not isinstance(token, (bytes, bytearray, memoryview, str)):
-            raise _BadToken(f"a token is bytes, got {type(token).__name__}")
-        if len(token) > _TOKEN_MAX_BYTES:
-            raise _BadToken(f"{len(token)} bytes is too large for one")
-        try:
-            data = json.loads(bytes(token) if not isinstance(token, str) else token)
-        except (ValueError, RecursionError):
-            raise _BadToken("it is not JSON") from None
-        _field(data, "format", lambda v: v == _TOKEN_FORMAT, repr(_TOKEN_FORMAT))
-        _field(data, "version", lambda v: v == _TOKEN_VERSION,
-               f"{_TOKEN_VERSION} (this shmtree's; the creator's shmtree differs)")
-        pid = _field(data, "pid", lambda v: _is_int(v, 1), "a process id")
-        fd = _field(data, "fd", lambda v: _is_int(v, 0), "a descriptor number")
-        nonce = bytes.fromhex(_field(data, "nonce", lambda v: isinstance(v, str)
-                                     and len(v) == 32 and all(c in "0123456789abcdef"
-                                                              for c in v), "32 hex digits"))
-        total = _field(data, "total", lambda v: _is_int(v, 1), "a size in bytes")
-        plan = _plan_from_data(_field(data, "plan", lambda v: isinstance(v, dict), "a plan"))
-    except _BadToken as exc:
-        raise ShmtreeError(f"shmtree: not a valid rendezvous token ({exc}); pass what "
-                           "Group.rendezvous_token() of the same shmtree version returned") \
-            from None
-    return plan, pid, fd, nonce, total
 
 
 def _rebuild_group(plan, dupfd, nonce, total, span=None):

@@ -19,7 +19,7 @@ import os
 import warnings
 import weakref
 
-from .errors import PeerLostError, ShmtreeError
+from ..errors import PeerLostError, ShmtreeError
 
 __all__ = ["current"]
 

@@ -3,7 +3,7 @@
 run(fn, nprocs) creates the Group, starts one process per rank (fork, spawn or forkserver), each
 joins and calls fn(comm, ...), and gathers their results by rank.  A worker that raises or dies
 aborts the group; the others are stopped and WorkerError names the root cause.  Workers die with
-the process that called run (shmtree.liveness).
+the process that called run (shmtree.machine.liveness).
 
 The start-method and pickling checks here (`_context`, `_check_picklable`) serve Pool as well.
 """
@@ -17,12 +17,12 @@ import time
 import traceback
 from multiprocessing import reduction
 
-from .codes import ABORT_FAILED
-from .errors import PeerLostError, WorkerError
-from .group import Group
-from .liveness import die_with_parent, identity, start_parent_watch
-from .multinode import refuse_proxy
-from .plan import OPTIONS as _PLAN_OPTIONS
+from ..codes import ABORT_FAILED
+from ..errors import PeerLostError, WorkerError
+from ..groups.group import Group
+from ..machine.liveness import die_with_parent, identity, start_parent_watch
+from ..internode.multinode import refuse_proxy
+from ..machine.plan import OPTIONS as _PLAN_OPTIONS
 
 __all__ = ["run"]
 

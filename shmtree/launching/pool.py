@@ -19,15 +19,16 @@ import time
 import traceback
 import weakref
 
-from . import plan as _plan, session
-from .codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_NAMES, ST_BUSY,
+from ..machine import plan as _plan
+from ..groups import session
+from ..codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_NAMES, ST_BUSY,
                     ST_IDLE, ranks_text)
-from .errors import PeerLostError, ShmtreeError, WorkerError
-from .group import Group
+from ..errors import PeerLostError, ShmtreeError, WorkerError
+from ..groups.group import Group
 from .launch import (GROUP_OPTIONS, _check_args, _check_options, _check_picklable,
                      _context, _refuse_inter, no_mpi_init)
-from .liveness import identity, start_parent_watch
-from .plan import usable_count
+from ..machine.liveness import identity, start_parent_watch
+from ..machine.plan import usable_count
 
 __all__ = ["Pool"]
 

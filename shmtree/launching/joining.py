@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import weakref
 
-from . import group as _group, session
-from .communicator import Communicator
-from .multinode import spanning_member
+from ..groups import group as _group, session
+from ..communicator import Communicator
+from ..internode.multinode import spanning_member
 
 __all__ = ["join"]
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 
-from . import _engine, plan as _plan
-from .errors import ShmtreeError
+from .. import _engine
+from ..machine import plan as _plan
+from ..errors import ShmtreeError
 from .group import MPOL_INTERLEAVE as _MPOL_INTERLEAVE, MPOL_PREFERRED as _MPOL_PREFERRED
 from .group import Group
-from .plan import Plan
-from .topology import Topology
+from ..machine.plan import Plan
+from ..machine.topology import Topology
 from .transport import create_memfd, new_nonce
 
 __all__ = ["sub_plan", "SubGroup"]

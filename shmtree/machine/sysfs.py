@@ -1,11 +1,11 @@
 """What Linux says about this machine's CPUs: sysfs (CPUs, NUMA nodes, cores, L3 caches) and
-the cgroup CPU quota, read into plain data for `shmtree.topology` (which builds its `Topology`
-model from it) and `shmtree.transport` (the memory cgroups, through the same cgroup walk).
+the cgroup CPU quota, read into plain data for `shmtree.machine.topology` (which builds its `Topology`
+model from it) and `shmtree.groups.transport` (the memory cgroups, through the same cgroup walk).
 
 - `parse_cpulist` reads a kernel cpulist ("0-3,8").
 - `_detect_slots(root, allowed)` reads sysfs under `root` (a fake tree in tests) into one
   record per CPU, `(cpu, socket, numa, l3, core, smt)` in the field order of
-  `shmtree.topology.Slot`, with `core` and `l3` numbered densely; missing files degrade (see
+  `shmtree.machine.topology.Slot`, with `core` and `l3` numbered densely; missing files degrade (see
   `Topology.detect`).
 - `cpu_quota()` is the CPU time the process's cgroups allow, in CPUs (`_proc_cgroups` and
   `_cgroup_dirs` are the walk over /proc/self/cgroup and the hierarchy).

@@ -1,0 +1,455 @@
+"""The executors of Spanning (nodes.py), one per collective across nodes: each runs a parsed call
+on the node's communicator and the leaders' Link (the pipelines: pipelines.py) - allreduce,
+reduce, reduce_scatter, broadcast, allgather, alltoall, gather, scatter, scan, exscan, barrier -
+and the rows of the agreement table that every rank fills before a call (_row: what it was
+called with, compared on every rank by Spanning._check)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _engine, calls
+from ..calls import EXSCAN, REDUCE_SCATTER, split_bounds as _pieces
+from ..codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST,
+                     KIND_EXSCAN, KIND_GATHER, KIND_NAMES, KIND_REDUCE, KIND_REDUCE_SCATTER,
+                     KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER)
+from ..collectives import _fold, _identity
+from ..errors import CollectiveMismatchError
+from ..ops import OP_NAMES
+
+
+ROW = 11                       # int64 per rank in the agreement table (_row)
+NONE, LOCAL_ERROR = -1, -3     # a row's byte count: passed None (broadcast, scatter away from
+                               # the root); a local error said in the round (_local_error)
+SCAN_GATHER_BYTES = 64 << 10   # scan / exscan of at most this much (times the ranks): every
+                               # input gathered everywhere, each rank folds its prefix
+LANES_BYTES = 4 << 20          # from_mpi, nodes of one size: reductions from this size are
+                               # cut among the lanes (_reduce_lanes), smaller ones run whole on
+                               # every lane after the node's allreduce (_reduce_small_lanes)
+
+
+def _row(kind, root, opc, a, free=False, extra=-1):
+    """A rank's description of its call: kind, root, op (or a mode: alltoall's counts=,
+    gather's and scatter's axis=0), dtype digest, dtype number, byte count, ndim, first two
+    dimensions, shape digest (of the dimensions after the first when `free`: lengths along
+    axis 0 may differ), and an extra number (gather(axis=0)'s root: the rows of its out=)."""
+    return _row_of(kind, root, opc, a.shape, a.dtype, free, extra)
+
+
+def _row_of(kind, root, opc, shape, dtype, free=False, extra=-1):
+    shape = tuple(shape)
+    d0 = shape[0] if len(shape) > 0 else 0
+    d1 = shape[1] if len(shape) > 1 else 0
+    free = free or (kind == KIND_ALLGATHER and root == 0)
+    digest = hash(shape[1:] if free else shape) & 0x7fffffffffffffff
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    return [kind, root, opc, calls.dtype_digest(dtype), dtype.num, nbytes, len(shape),
+            d0, d1, digest, extra]
+
+
+def _bare(kind, root, opc, nbytes):
+    """A row without an array (barrier; None; a local error)."""
+    return [kind, root, opc, 0, 0, nbytes, 0, 0, 0, 0, -1]
+
+
+def _free_key(r):
+    """Rows of calls whose lengths along axis 0 may differ: all but the byte count, the first
+    dimension and the extra number."""
+    return (tuple(r[:5]), r[6], r[8], r[9])
+
+
+def _no_extra(r):
+    return tuple(r[:10])
+
+
+def _row_bytes(a):
+    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _apart(src, dst):
+    """src, or a copy of it when it shares memory with dst (an exchange reads every input
+    while it writes every output)."""
+    return src.copy() if src.size and dst.size and np.may_share_memory(src, dst) else src
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+def _shape_text(r):
+    """A row's shape in words: its first two dimensions, '...' for more."""
+    ndim = int(r[6])
+    dims = [str(int(r[7])), str(int(r[8]))][:ndim] + (["..."] if ndim > 2 else [])
+    return "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+
+
+def _describe(r):
+    kind, root, opc = int(r[0]), int(r[1]), int(r[2])
+    name = KIND_NAMES.get(kind, "collective")
+    if kind == KIND_BARRIER:
+        return "barrier"
+    if r[5] == NONE:
+        return f"{name}(root={root}, None)"
+    if r[5] == LOCAL_ERROR:
+        return (f"{name}(root={root})" if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
+                                                    KIND_SCATTER) else name) + \
+            " with an argument it cannot take (its own error raised there)"
+    shape = _shape_text(r)
+    parts = [f"root={root}"] if kind in (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER,
+                                         KIND_SCATTER) else []
+    if kind == KIND_ALLTOALL and opc:
+        parts.append("counts=...")
+    parts.append(f"shape={shape}")
+    parts.append(f"dtype={calls.dtype_text(int(r[3]))}")
+    if kind in (KIND_ALLREDUCE, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SCAN, KIND_EXSCAN):
+        parts.append(f"op={OP_NAMES.get(opc, opc)!r}")
+    if kind == KIND_ALLGATHER:
+        parts.append("axis=None" if root == -1 else "axis=0")
+    if kind in (KIND_GATHER, KIND_SCATTER):
+        parts.append("axis=0" if opc else "axis=None")
+    return f"{name}({', '.join(parts)})"
+
+
+class _Executors:
+    """Spanning's executors (see the module's docstring)."""
+
+    # ---- allreduce, reduce, reduce_scatter ----
+
+    def _exec_reducing(self, spec):
+        """allreduce, reduce or reduce_scatter of a parsed call (out= as calls.destination
+        takes it: an array of the input's shape, or a writable buffer of its size)."""
+        a, op, out, root, deadline = spec.array, spec.op, spec.out, spec.root, spec.deadline
+        scatter = spec.coll == REDUCE_SCATTER
+        if scatter:
+            b = _pieces(a.shape[0], self.size)
+            lo, hi = b[self.rank], b[self.rank + 1]
+        row = _row(spec.kind % KIND_ROOT_STEP, -1 if root is None else root, spec.opc, a)
+
+        def run():
+            table = self._agree(row, deadline)
+            self._check(table)
+            src = np.ascontiguousarray(a).reshape(-1)
+            deliver = root is None or self._where[root][0] == self.node
+            fold = self._reduce_lanes if self._lane is not None and \
+                src.nbytes >= LANES_BYTES else self._reduce_pipeline
+            if scatter:
+                full = np.empty(a.shape, a.dtype)
+                fold(src, full.reshape(-1), op, True, deadline)
+                block = full[lo:hi]
+                if out is None:
+                    return block
+                out[...] = block
+                return out
+            if root is not None and self.rank != root:
+                fold(src, None, op, deliver, deadline)
+                return None
+            result, dst, copy_back = calls.destination(a, out)
+            flat = dst.reshape(-1)
+            if _engine.clash(src, flat):
+                src = src.copy()          # out overlaps the input without being it
+            fold(src, flat, op, deliver, deadline)
+            if copy_back is not None:
+                copy_back[...] = dst.reshape(copy_back.shape)
+            return result
+        run.call = spec.name + (f"(root={root})" if root is not None else "")
+        return run
+
+    # ---- broadcast ----
+
+    def _exec_broadcast(self, spec):
+        """broadcast of a parsed call.  spec.array is None on a rank that passed None and no
+        out= (it agrees with any shape and dtype of the root's); one that passed only out=
+        claims out's shape and dtype (calls.broadcast)."""
+        a, root, out, deadline = spec.array, spec.root, spec.out, spec.deadline
+        row = _row(KIND_BROADCAST, root, 0, a) if a is not None else \
+            _bare(KIND_BROADCAST, root, 0, NONE)
+
+        def run():
+            table = self._agree(row, deadline)
+            rootrow = tuple(table[root])
+
+            def key(r):          # non-roots that passed None agree with any shape and dtype
+                t = tuple(r)
+                return rootrow if t[:2] == rootrow[:2] and (r[5] == -1 or t == rootrow) else t
+            self._check(table, key)
+            rnode, rlocal = self._where[root]
+            src = np.ascontiguousarray(a) if self.rank == root else None
+            if any(r[5] == -1 for r in table):      # someone passed None: describe the array
+                dtype, shape = self._meta(src, rnode, rlocal, deadline)
+            else:
+                dtype, shape = a.dtype, a.shape
+            result, copy_back = calls.out_for(out, shape, dtype, "broadcast")
+            view = result.reshape(-1).view(np.uint8) if result.size else \
+                np.empty(0, np.uint8)
+            if self.rank == root and result.size:
+                raw = src.reshape(-1).view(np.uint8)
+                # the same bytes: nothing to move; any other overlap: numpy's assignment
+                # copies through a temporary (the root's data, not a half-moved mix)
+                if not (raw.__array_interface__["data"][0] ==
+                        view.__array_interface__["data"][0] and raw.size == view.size):
+                    view[...] = raw
+            self._bcast_pipeline(view, rnode, rlocal, deadline)
+            return calls.finish(result, copy_back)
+        run.call = f"broadcast(root={root})"
+        return run
+
+    def _meta(self, a, rnode, rlocal, deadline):
+        """(dtype, shape) of the root's array, for ranks that passed None: a small broadcast
+        of its pickled description through the same steps as the data."""
+        import pickle
+        blob = np.zeros(1024, np.uint8)
+        if a is not None:
+            raw = pickle.dumps((a.dtype, a.shape), protocol=4)
+            if len(raw) > blob.size - 4:
+                raise ValueError("shmtree: broadcast: the root's dtype is too complex to "
+                                 "describe to ranks that passed None; pass arrays of its "
+                                 "shape and dtype on every rank")
+            blob[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
+            blob[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        self._bcast_pipeline(blob, rnode, rlocal, deadline)
+        length = int.from_bytes(blob[:4].tobytes(), "little")
+        return pickle.loads(blob[4:4 + length].tobytes())
+
+    # ---- allgather ----
+
+    def _exec_allgather(self, spec):
+        """allgather of a parsed call (axis None: stacked; 0: concatenated)."""
+        a, axis, out, deadline = spec.array, spec.axis, spec.out, spec.deadline
+        row = _row(KIND_ALLGATHER, -1 if axis is None else 0, 0, a)
+
+        def run():
+            table = self._agree(row, deadline)
+            if axis is None:
+                self._check(table)
+                lengths = [1] * self.size
+                shape = (self.size,) + a.shape
+            else:      # lengths along axis 0 may differ: compare the rest
+                self._check(table, lambda r: (tuple(r[:5]), tuple(r[6:7]), tuple(r[8:])))
+                lengths = [int(table[g, 7]) for g in range(self.size)]
+                shape = (sum(lengths),) + a.shape[1:]
+            rowbytes = a.dtype.itemsize * (int(np.prod(a.shape, dtype=np.int64)) if axis is None
+                                           else int(np.prod(a.shape[1:], dtype=np.int64)))
+            result, copy_back = calls.out_for(out, shape, a.dtype, "allgather")
+            self._allgather_data(a, axis, lengths, rowbytes, result, deadline)
+            return calls.finish(result, copy_back)
+        run.call = "allgather"
+        return run
+
+    def _allgather_data(self, a, axis, lengths, rowbytes, result, deadline):
+        """allgather's data (after its agreement): every rank's `a` into `result` (C-contiguous),
+        in global rank order: in the node, between the leaders, broadcast in the node."""
+        mine = np.ascontiguousarray(a)
+        # this node's blocks, by local rank, on every member
+        if self.node_size > 1:
+            node_blocks = self.local.run(calls.allgather(self.local, mine, axis, None,
+                                                         self._remaining(deadline)))
+        else:
+            node_blocks = mine if axis == 0 else mine[None]
+            if np.may_share_memory(node_blocks, result):
+                node_blocks = node_blocks.copy()    # (the input overlaps out)
+        sizes = [sum(lengths[g] for g in m) * rowbytes for m in self._members]
+        total = sum(sizes)
+        flat = result.reshape(-1).view(np.uint8) if total else np.empty(0, np.uint8)
+        link = self._link
+        if link is not None:
+            gathered = flat if self._in_order else np.empty(total, np.uint8)
+            mine_raw = np.ascontiguousarray(node_blocks).reshape(-1).view(np.uint8)
+            self._leaders_allgatherv(mine_raw, gathered, sizes, deadline)
+            if not self._in_order:
+                self._place(gathered, flat, lengths, rowbytes)
+        if self.node_size > 1 and total:
+            self._intra_bcast(flat if self.node_rank == 0 else None, flat, deadline)
+
+    # ---- alltoall, gather, scatter, scan, exscan: exchanges across nodes ----
+    #
+    # Each is: the agreement (plus, for alltoall(counts=), a second round of every rank's
+    # counts), the byte matrix B of who sends what to whom (from the table: the same on every
+    # rank), and one exchange across nodes (pipelines._exchange_nodes); scan and exscan two.
+
+    def _exec_alltoall(self, spec):
+        """alltoall of a parsed call: equal blocks (counts None), or counts= rows to each rank."""
+        a, out, deadline, counts = spec.array, spec.out, spec.deadline, spec.counts
+        counted = counts is not None
+        row = _row(KIND_ALLTOALL, -1, int(counted), a, free=counted)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table, _free_key if counted else tuple)
+            rowbytes = _row_bytes(a)
+            if counted:      # every rank's counts, and the rows of its out= (-1: none)
+                mine = list(counts) + [-1 if out is None else out.shape[0]]
+                C = self._agree(mine, deadline)
+                got = C[:, :P].sum(axis=0)
+                wrong = [g for g in range(P) if C[g, P] not in (-1, got[g])]
+                if wrong:
+                    raise CollectiveMismatchError(
+                        "shmtree: ranks disagree on the collective call across nodes: "
+                        "alltoall(counts): " + "; ".join(
+                            f"rank {g} (node {self._where[g][0]}) passed out= of {C[g, P]} "
+                            f"rows and receives {got[g]}" for g in wrong))
+                B = C[:, :P] * rowbytes
+                shape = (int(got[me]),) + a.shape[1:]
+            else:
+                B = np.full((P, P), a.nbytes // P if P else 0, np.int64)
+                shape = a.shape
+            result, copy_back = calls.out_for(out, shape, a.dtype, "alltoall")
+            dst = calls.bytes_of(result)
+            self._exchange_nodes(_apart(calls.bytes_of(a), dst), dst, B, deadline)
+            return calls.finish(result, copy_back)
+        run.call = "alltoall(counts)" if counted else "alltoall"
+        return run
+
+    def _exec_gather(self, spec):
+        """gather of a parsed call: to the root's node leader across nodes, in the nodes on
+        either side (the byte count of each rank's block is in its row)."""
+        a, out, deadline, root, axis = spec.array, spec.out, spec.deadline, spec.root, spec.axis
+        free = axis == 0
+        mine = self.rank == root
+        row = _row(KIND_GATHER, root, int(free), a, free=free,
+                   extra=out.shape[0] if mine and free and out is not None else -1)
+
+        def run():
+            P = self.size
+            table = self._agree(row, deadline)
+            self._check(table, _free_key if free else _no_extra)
+            nb = table[:, 5].astype(np.int64)
+            if free:
+                n = int(table[:, 7].sum())
+                want = int(table[root, 10])
+                if want not in (-1, n):
+                    raise CollectiveMismatchError(
+                        f"shmtree: ranks disagree on the collective call across nodes: "
+                        f"gather(root={root}): the root passed out= of {want} rows, the ranks "
+                        f"send {n}")
+                shape = (n,) + a.shape[1:]
+            else:
+                shape = (P,) + a.shape
+            B = np.zeros((P, P), np.int64)
+            B[:, root] = nb
+            if mine:
+                result, copy_back = calls.out_for(out, shape, a.dtype, "gather")
+                dst = calls.bytes_of(result)
+            else:
+                result, copy_back, dst = None, None, _NOTHING
+            self._exchange_nodes(_apart(calls.bytes_of(a), dst), dst, B, deadline)
+            return calls.finish(result, copy_back) if mine else None
+        run.call = f"gather(root={root})"
+        return run
+
+    def _exec_scatter(self, spec):
+        """scatter of a parsed call: from the root's node leader across nodes, in the nodes on
+        either side.  The root's dtype and shape reach every rank first (as a broadcast's do
+        for ranks that passed None); an out= elsewhere claims its block (checked then, on every
+        rank alike)."""
+        a, out, deadline, root, axis = spec.array, spec.out, spec.deadline, spec.root, spec.axis
+        mode = int(axis == 0)
+        if a is not None:
+            row = _row(KIND_SCATTER, root, mode, a)
+        elif out is not None:
+            row = _row(KIND_SCATTER, root, mode, out)
+        else:
+            row = _bare(KIND_SCATTER, root, mode, NONE)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table, lambda r: tuple(r[:3]))
+            rnode, rlocal = self._where[root]
+            src = np.ascontiguousarray(a) if me == root else None
+            dtype, shape = self._meta(src, rnode, rlocal, deadline)
+            if axis is None:
+                blocks = [tuple(shape[1:])] * P
+            else:
+                b = _pieces(shape[0], P)
+                blocks = [(b[g + 1] - b[g],) + tuple(shape[1:]) for g in range(P)]
+            wrong = [g for g in range(P) if g != root and table[g, 5] != NONE and
+                     list(table[g]) != _row_of(KIND_SCATTER, root, mode, blocks[g], dtype)]
+            if wrong:
+                raise CollectiveMismatchError(
+                    f"shmtree: ranks disagree on the collective call across nodes: "
+                    f"scatter(root={root}): the root passed shape {tuple(shape)} and dtype "
+                    f"{calls.dtype_text(calls.dtype_digest(dtype))}; " + "; ".join(
+                        f"rank {g} (node {self._where[g][0]}) passed out= of shape "
+                        f"{_shape_text(table[g])} and dtype {calls.dtype_text(table[g, 3])}, "
+                        f"its block has shape {blocks[g]}" for g in wrong))
+            result, copy_back = calls.out_for(out, blocks[me], dtype, "scatter")
+            nb = [dtype.itemsize * int(np.prod(blk, dtype=np.int64)) for blk in blocks]
+            B = np.zeros((P, P), np.int64)
+            B[root] = nb
+            dst = calls.bytes_of(result)
+            self._exchange_nodes(_apart(calls.bytes_of(src), dst) if src is not None
+                                 else _NOTHING, dst, B, deadline)
+            return calls.finish(result, copy_back)
+        run.call = f"scatter(root={root})"
+        return run
+
+    def _exec_scan(self, spec):
+        """scan / exscan of a parsed call, bit for bit numpy's accumulate in global rank order
+        whatever the placement of ranks on nodes: every number is folded by one rank, in rank
+        order (docs/algorithms.md, "Across nodes").  Small: every input gathered everywhere
+        (the allgather's steps), each rank folds its own prefix.  Else the transpose: exchange
+        1 sends block q (np.array_split of the items into size pieces) of every rank to rank q,
+        which folds its rows in rank order; exchange 2 sends prefix row r back to rank r."""
+        a, out, deadline, opc = spec.array, spec.out, spec.deadline, spec.opc
+        exclusive = spec.coll == EXSCAN
+        kind = KIND_EXSCAN if exclusive else KIND_SCAN
+        row = _row(kind, -1, opc, a)
+
+        def run():
+            P, me = self.size, self.rank
+            table = self._agree(row, deadline)
+            self._check(table)
+            dt = a.dtype
+            result, dst, copy_back = calls.destination(a, out)
+            src = np.ascontiguousarray(a)
+            if a.nbytes * P <= SCAN_GATHER_BYTES:
+                stack = np.empty((P,) + a.shape, dt)
+                self._allgather_data(src, None, [1] * P, a.nbytes, stack, deadline)
+                upto = me if exclusive else me + 1
+                dst[...] = _identity(opc, dt, a.shape) if upto == 0 else \
+                    _fold(stack[:upto], opc)[-1]
+            else:
+                n = a.size
+                b = _pieces(n, P)
+                sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.int64)
+                m = int(sizes[me])
+                rows = np.empty((P, m), dt)
+                flat = dst.reshape(-1)
+                self._exchange_nodes(_apart(calls.bytes_of(src), calls.bytes_of(flat)),
+                                     calls.bytes_of(rows),
+                                     np.tile(sizes * dt.itemsize, (P, 1)), deadline)
+                if exclusive:
+                    prefix = np.empty((P, m), dt)
+                    prefix[0] = _identity(opc, dt, (m,))
+                    if P > 1:
+                        prefix[1:] = _fold(rows[:P - 1], opc)
+                else:
+                    prefix = _fold(rows, opc)
+                self._exchange_nodes(calls.bytes_of(prefix), calls.bytes_of(flat),
+                                     np.tile((sizes * dt.itemsize)[:, None], (1, P)), deadline)
+            if copy_back is not None:
+                copy_back[...] = dst.reshape(copy_back.shape)
+            return result
+        run.call = "exscan" if exclusive else "scan"
+        return run
+
+    def _place(self, gathered, flat, lengths, rowbytes):
+        """Blocks gathered in node order, moved to global rank order."""
+        starts = np.concatenate([[0], np.cumsum([n * rowbytes for n in lengths])]).tolist()
+        at = 0
+        for g in self._order:
+            nb = lengths[g] * rowbytes
+            flat[starts[g]:starts[g] + nb] = gathered[at:at + nb]
+            at += nb
+
+
+    # ---- barrier ----
+
+    def _exec_barrier(self, spec):
+        deadline = spec.deadline
+        row = _bare(KIND_BARRIER, -1, 0, 0)
+
+        def run():
+            table = self._agree(row, deadline)      # (every rank arrived: that is the barrier)
+            self._check(table)
+        run.call = "barrier"
+        return run
