@@ -38,7 +38,7 @@ MOVED = {
     "shmtree.pipelines": ("shmtree.internode.pipelines",),
     "shmtree.remote": ("shmtree.internode.remote", "shmtree.internode.relay"),
     "shmtree.mailbox": ("shmtree.internode.mailbox", "shmtree.internode.proxylink"),
-    "shmtree.nodes": ("shmtree.internode.nodes", "shmtree.internode.executors"),
+    "shmtree.nodes": ("shmtree.internode.nodes", "shmtree.internode.agreement"),
     "shmtree.multinode": ("shmtree.internode.multinode",),
     "shmtree.joining": ("shmtree.launching.joining",),
     "shmtree.launch": ("shmtree.launching.launch",),

@@ -1,8 +1,8 @@
 """The internode layer: communicators across nodes, over MPI (docs/design.md, "Across nodes").
 
     nodes       Spanning: the communicator across nodes (the node's communicator and MPI
-                between the leaders)
-    executors   Spanning's executors, one per collective, and the rows of its agreement
+                between the leaders), its executors, one per collective
+    agreement   how Spanning runs a call: guarded, after every rank's row is compared
     pipelines   the data steps across nodes: segments, lanes, exchanges
     inter       Link: the leaders' MPI step on a thread of its own
     remote      messages between nodes (Remote, SpanningMessages)
