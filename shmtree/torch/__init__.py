@@ -47,7 +47,7 @@ of the dtypes shmtree reduces (bool, ints, float16, bfloat16 (with ml_dtypes), f
 complex64/128).  torch is optional:
 `pip install "shmtree[torch]"`.
 
-The package (issue 36; one module, shmtree/torch.py, before):
+The package (issue 36; one module, shmtree/torch.py, before)::
 
     backend     ProcessGroupShmtree: the work objects, all_reduce, broadcast, reduce, barrier;
                 the backend's registration with torch.distributed
