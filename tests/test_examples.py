@@ -34,7 +34,8 @@ EXAMPLES_DIR = os.path.join(ROOT, "examples")
 EXAMPLES = sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".py"))
 EXAMPLE_TIMEOUT_S = 150             # each example takes a few seconds on 2 cores
 API_MODULES = ("shmtree.front", "shmtree.api", "shmtree.launching.launch", "shmtree.launching.pool",
-               "shmtree.errors", "shmtree.persistent", "shmtree.requests", "shmtree.launching.joining")
+               "shmtree.errors", "shmtree.persistent", "shmtree.requests",
+               "shmtree.launching.joining")
 
 
 def _import_root():

@@ -1,4 +1,5 @@
-"""Tests for shmtree.machine.schedule: every tree kind for P = 1..64, topology trees on every fixture.
+"""Tests for shmtree.machine.schedule: every tree kind for P = 1..64, topology trees on every
+fixture.
 
 Pure data, no processes. The topology-tree property checked everywhere: each socket (and each
 NUMA node within a socket, and each L3 group within a node) that does not hold the root is

@@ -79,7 +79,8 @@ def test_plan_pickles_with_its_digest():
     again = pickle.loads(pickle.dumps(plan))
     assert again.digest() == plan.digest()
     assert again.large_tree == plan.large_tree and again.small_tree == plan.small_tree
-    other = shmtree.machine.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192, ncpus=1)
+    other = shmtree.machine.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192,
+                                            ncpus=1)
     assert other.digest() != plan.digest()       # planned for another machine: another digest
 
 

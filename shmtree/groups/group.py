@@ -8,8 +8,8 @@ NUMA placement of the rings this rank produces), the liveness of members, aborti
 why, and this process's mapping (close, drop).
 
 Group.join admits a member (the header checked, the rank marked joined, pinned, its rings
-placed) and hands it to the function that makes its communicator (shmtree.launching.joining.join, the one
-place communicators are made); Group(size, inter=mpi_comm) makes a multinode.NodeGroup.  Both
+placed) and hands it to the function that makes its communicator
+(shmtree.launching.joining.join, the one place communicators are made); Group(size, inter=mpi_comm) makes a multinode.NodeGroup.  Both
 modules sit above this one and register themselves when they are imported (shmtree's __init__
 imports them): this module imports nothing above it.
 """
@@ -48,8 +48,8 @@ class Group:
     `group.join(rank)` once.  `close()` (or leaving the `with` block) frees this process's
     mapping and descriptor; in the creator it also marks the group closed.
 
-    Options (see shmtree.machine.plan): topology (Topology, spec string like "2x4", JSON path, or None to
-    detect), tree ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes
+    Options (see shmtree.machine.plan): topology (Topology, spec string like "2x4", JSON path,
+    or None to detect), tree ("auto", "topology", "chain", "binary", "flat", "ring" or an int k), chunk_bytes
     (bytes per pipelined chunk), pin (pin each rank to its core while it is a member; None: when
     ranks fit the usable cores of a detected topology), slots (ring slots per edge), placement
     ("compact" or "spread"), numa ("auto", "consumer", "producer", "interleave" or None: where
@@ -72,7 +72,8 @@ class Group:
     def __new__(cls, *args, inter=None, **options):
         if inter is not None and cls is Group:
             if Group._across_nodes is None:         # (shmtree's __init__ imports multinode)
-                raise ShmtreeError("shmtree: inter= needs shmtree.internode.multinode (import shmtree)")
+                raise ShmtreeError("shmtree: inter= needs shmtree.internode.multinode "
+                                   "(import shmtree)")
             cls = Group._across_nodes
         return super().__new__(cls)
 
@@ -233,7 +234,8 @@ class Group:
         if reason:
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
         if _joining is None:                        # (shmtree's __init__ imports joining)
-            raise ShmtreeError("shmtree: Group.join needs shmtree.launching.joining (import shmtree)")
+            raise ShmtreeError("shmtree: Group.join needs shmtree.launching.joining "
+                               "(import shmtree)")
         pid, ctime = identity()
         if not self._seg.mark_joined(rank, pid, ctime):
             raise ShmtreeError(f"shmtree: rank {rank} has already joined this group")
@@ -424,8 +426,8 @@ class Group:
 Group.__signature__ = inspect.signature(Group.__init__).replace(
     parameters=list(inspect.signature(Group.__init__).parameters.values())[1:])
 
-# the function that makes the communicator of a rank Group.join admitted: shmtree.launching.joining.join,
-# registered by that module when it is imported (_made_by)
+# the function that makes the communicator of a rank Group.join admitted:
+# shmtree.launching.joining.join, registered by that module when it is imported (_made_by)
 _joining = None
 
 

@@ -3,11 +3,12 @@
 mpiexec starts one launching process per node; each creates its node's group with `inter=`, a
 communicator of the launchers (its rank is the node's index), and forks or spawns its workers as
 usual.  Workers never call MPI: the launcher is the node's proxy.  It holds the Link of
-shmtree.internode.inter (MPI between the launchers) and a thread serving a mailbox: a shared memory file
-through which the node's leader (worker of local rank 0) hands it the steps that cross the node
-boundary, the same steps a from_mpi leader runs on its own link.  The worker side (ProxyLink)
-has the Link's interface (submit / wait / run / abort / failure), so the collectives of
-shmtree.internode.nodes are the same code for both ways in.
+shmtree.internode.inter (MPI between the launchers) and a thread serving a mailbox (Proxy,
+here): a shared memory file through which the node's leader (worker of local rank 0) hands it
+the steps that cross the node boundary, the same steps a from_mpi leader runs on its own link.
+The worker side (ProxyLink, proxylink.py) has the Link's interface (submit / wait / run /
+abort / failure), so the collectives of shmtree.internode.nodes are the same code for both
+ways in.
 
 The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT bytes of data:
 
@@ -15,7 +16,7 @@ The mailbox: a header page, then SLOTS slots, each a control page and SEGMENT by
             +4  u32 failed (the proxy's link failed: text at +1024)
             +8  u32 closed (a sub-communicator's leader closed it: its proxy stops)
             +16 u64 the launcher's pid (its workers reach its relay of messages between
-                nodes: remote.Relay; a child's is said in the SPLIT step's answer too)
+                nodes: relay.Relay; a child's is said in the SPLIT step's answer too)
     slot    +0  u32 state: IDLE, SUBMITTED (by the leader), DONE / FAILED (by the proxy)
             +8  u32 step: ALLREDUCE, BCAST, ALLGATHERV, EXCHANGE   +12 i32 root
             +16 u64 bytes of the buffer                    +24 u64 bytes received (allgatherv)
@@ -225,7 +226,7 @@ class Proxy:
         self._done = threading.Event()           # close() has ended
         self._busy = False                       # a step is being served
         self.children = []                       # proxies of sub-communicators (split)
-        self.relay = None                        # remote.Relay: messages between nodes
+        self.relay = None                        # relay.Relay: messages between nodes
         self.plan = group.plan if group is not None else None   # (of the node's part)
         self.watched = None          # a child's: the node's part of its communicator (the
         self.ranks = None            # launcher's own mapping) and that part's ranks in it
@@ -380,7 +381,7 @@ class Proxy:
         return out
 
     def start_relay(self, parent_plan, node, pid, fd, nonce, node_of, local_ranks):
-        """A child's relay of its communicator's messages between nodes (remote.Relay, on its
+        """A child's relay of its communicator's messages between nodes (relay.Relay, on its
         family's communicator, as its link): this launcher maps the node's part of the
         communicator (the segment its leader made, process `pid`'s descriptor `fd`; its plan is
         the parent part's, subgroup.sub_plan, on its members' ranks in the parent part,

@@ -4,9 +4,9 @@ and Pool with inter=: NodeGroup, start_proxy, spanning_member).
 
 from_mpi: the processes of an MPI job that share a node form a shmtree group of their own (one
 creates the segment, the others attach through a rendezvous token: same user only), local rank
-0 of each node is its leader and owns the inter-node Link (shmtree.internode.inter), and the communicator
-returned spans every node.  With a launcher per node, the leader's link is a ProxyLink to its
-launcher (shmtree.internode.mailbox) instead of MPI in the leader itself.
+0 of each node is its leader and owns the inter-node Link (shmtree.internode.inter), and the
+communicator returned spans every node.  With a launcher per node, the leader's link is a
+ProxyLink to its launcher (shmtree.internode.proxylink) instead of MPI in the leader itself.
 """
 from __future__ import annotations
 

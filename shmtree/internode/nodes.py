@@ -5,8 +5,8 @@ node form a shmtree group of their own, whose local rank 0 is the node's leader 
 inter-node Link (shmtree.internode.inter).  rank and size are global; node, nodes: this node's index
 (nodes ordered by their smallest global rank) and their count; node_rank, node_size.  It is a
 Front (front.py): its calls are parsed by calls.py, and each CallSpec runs on an executor here
-(_exec_*), as one function on the node's communicator's executor.  shmtree.internode.multinode forms it
-(from_mpi; a launcher per node, Group(..., inter=)).
+(_exec_*), as one function on the node's communicator's executor.
+shmtree.internode.multinode forms it (from_mpi; a launcher per node, Group(..., inter=)).
 
 Every collective is hierarchical (docs/algorithms.md, "Across nodes"):
   1. agreement: every rank's description of the call (kind, root, op, dtype, shape) is gathered

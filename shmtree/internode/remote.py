@@ -13,7 +13,7 @@ Remote.  Made on first use from the communicator's message communicator (message
 the MPI communicator of a from_mpi communicator or of a sub-communicator across nodes, made
 when it is formed, so that messages never mix with the collectives' traffic nor the program's
 own; its ranks are the communicator's).  A message is an envelope, the same record header as on
-one machine (tag, byte count, the description of dtype and shape: messages._header), sent with
+one machine (tag, byte count, the description of dtype and shape: p2p.records._header), sent with
 MPI tag TAG_HEAD, then its payload as bytes (pieces of at most CHUNK_BYTES: no int count
 overflows) with TAG_DATA.  The receiver takes a sender's envelopes in order (Improbe, while a
 receive from that sender is posted), matches each to its first posted receive with the same tag
@@ -160,7 +160,7 @@ def free_comm(comm):
 
 
 class _NoQuick:
-    """Remote's quick paths (messages.Messages tries them first): none, every message goes
+    """Remote's quick paths (p2p.methods.Messages tries them first): none, every message goes
     the general way."""
 
     @staticmethod

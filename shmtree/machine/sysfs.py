@@ -1,6 +1,6 @@
 """What Linux says about this machine's CPUs: sysfs (CPUs, NUMA nodes, cores, L3 caches) and
-the cgroup CPU quota, read into plain data for `shmtree.machine.topology` (which builds its `Topology`
-model from it) and `shmtree.groups.transport` (the memory cgroups, through the same cgroup walk).
+the cgroup CPU quota, read into plain data for `shmtree.machine.topology` (which builds its
+`Topology` model from it) and `shmtree.groups.transport` (the memory cgroups, through the same cgroup walk).
 
 - `parse_cpulist` reads a kernel cpulist ("0-3,8").
 - `_detect_slots(root, allowed)` reads sysfs under `root` (a fake tree in tests) into one

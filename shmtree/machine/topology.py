@@ -18,7 +18,8 @@ A topology comes from four places: `Topology.detect()` reads sysfs (honouring th
 process may run on; the reading itself is `shmtree.machine.sysfs`'s, as is the cgroup CPU quota),
 `Topology.from_spec("2x2x4:2")` builds a synthetic one, `Topology.load()` reads the JSON that
 `dump()` writes, and `Topology.fixture(name)` loads one of the checked-in machines under
-shmtree/machine/fixtures/. `Topology.resolve()` accepts any of these (the API's `topology=` argument).
+shmtree/machine/fixtures/. `Topology.resolve()` accepts any of these (the API's `topology=`
+argument).
 
 `placement(nranks, policy)` maps ranks to slots: one rank per physical core before any SMT
 sibling is used; "compact" fills socket 0 first, "spread" deals ranks round-robin across
@@ -34,8 +35,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-# the reading of sysfs and of the cgroups is shmtree.machine.sysfs's; these names stay importable from
-# here (transport.py walks the memory cgroups with _proc_cgroups and _cgroup_dirs)
+# the reading of sysfs and of the cgroups is shmtree.machine.sysfs's; these names stay
+# importable from here (groups/transport.py walks the memory cgroups with _proc_cgroups and _cgroup_dirs)
 from .sysfs import (_cgroup_dirs, _dense, _detect_slots, _is_live_sysfs,  # noqa: F401
                     _proc_cgroups, cpu_quota, parse_cpulist)
 

@@ -1,6 +1,6 @@
-"""The matching both transports share (messages.Transport on one machine, internode.remote.Remote
-between nodes): arrived messages to posted receives, driving, and the message thread of isend
-and irecv."""
+"""The matching both transports share (messages.Transport on one machine,
+internode.remote.Remote between nodes): arrived messages to posted receives, driving, and the
+message thread of isend and irecv."""
 from __future__ import annotations
 
 import threading

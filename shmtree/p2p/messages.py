@@ -101,7 +101,7 @@ class Transport(_Waiting, _Matching):
                                     # no source is always read first)
         self.scratch = None         # for discarded payloads
         self.idle_since = {}        # Pool: peer -> when it was first seen idle
-        self.relay = False          # the launcher's (remote.Relay): peers that leave are no error
+        self.relay = False          # the launcher's (relay.Relay): peers that leave are no error
         self.relayed = 0            # inter=: the size of the communicator across nodes whose
                                     # messages to other nodes go through the launcher (their
                                     # tags fold the global rank: remote.SpanningMessages)

@@ -106,7 +106,7 @@ def _header(dtype, shape, tag, nbytes, address=0) -> bytes:
 
 ANY_SOURCE = -1             # a receive from any rank (MPI.ANY_SOURCE's value)
 ANY_TAG = -1                # a receive of any tag (MPI.ANY_TAG's value; also inter='s launcher
-                            # relaying: remote.Relay, whose receives take any tag)
+                            # relaying: relay.Relay, whose receives take any tag)
 
 
 class Status:

@@ -89,7 +89,7 @@ class _Waiting:
                 continue
             if p == self.rank:
                 continue
-            member = p < group.size       # (else the node's launcher, inter=: remote.Relay)
+            member = p < group.size       # (else the node's launcher, inter=: relay.Relay)
             state = group._seg.state(p) if member else ST_BUSY
             how = group.death_of(p) if state != ST_LEFT and member else ""
             if self.relay and (state == ST_LEFT or how):
