@@ -144,7 +144,6 @@ cdef void fold_identity(int opc, int dtc, char *dst, int64_t n) noexcept nogil:
     True), max the smallest (-inf, bool False)."""
     cdef unsigned char item[16]
     cdef int size = fold_itemsize(dtc), i
-    cdef int64_t j
     cdef bint signed = dtc == DT_I1 or dtc == DT_I2 or dtc == DT_I4 or dtc == DT_I8
     cdef bint integer = signed or dtc == DT_U1 or dtc == DT_U2 or dtc == DT_U4 or dtc == DT_U8
     cdef float f
@@ -181,8 +180,19 @@ cdef void fold_identity(int opc, int dtc, char *dst, int64_t n) noexcept nogil:
                 h |= 0x8000
             memcpy(item, &h, 2)
         # (bool max: False, the zeros; unsigned max: 0)
-    for j in range(n):
-        memcpy(dst + j * size, item, size)
+    cdef uint64_t done = size, total = <uint64_t>n * size
+    for i in range(size):
+        if item[i]:
+            break
+    else:
+        memset(dst, 0, total)               # (sum, bor, bxor; unsigned and bool max)
+        return
+    if n <= 0:
+        return
+    memcpy(dst, item, size)
+    while done < total:                     # (doubling: a few large copies, not n small ones)
+        memcpy(dst + done, dst, done if 2 * done <= total else total - done)
+        done *= 2
 
 
 cdef void fold_prefix(int opc, int dtc, const char *rows, uint64_t stride, int upto, char *dst,
