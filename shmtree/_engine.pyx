@@ -321,11 +321,13 @@ _register(COLL_ALLTOALL, ALG_RING, xchg_setup, xchg_ready, xchg_step, xchg_done)
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
+    COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
 # the collectives by number, for the Python layer (calls.py numbers them alike)
 ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
     COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
+SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
 
 
@@ -615,6 +617,14 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    # a scatter's call (engine/scatter.pxi): its mode (0: the call is no scatter), root, the
+    # root's array, this rank's output (None: made once the round has said its shape), the
+    # byte matrix of its exchange
+    cdef int sc_mode, sc_root
+    cdef object sc_src, sc_out, sc_B
+    cdef const char *sc_src_p
+    cdef char *sc_dst_p
+    cdef uint64_t *sc_Bp
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
@@ -740,6 +750,8 @@ cdef class Engine:
             rc = msg_broadcast(self, array, out, root, kind, tag)
         elif coll == COLL_ALLTOALL:
             rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
+        elif coll == COLL_SCATTER:
+            rc = msg_scatter(self, array, out, root, kind, tag)
         elif coll == COLL_ERROR:
             rc = msg_error(self, kind, array)
         else:
@@ -909,7 +921,7 @@ cdef class Engine:
         cdef const char *src
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
-            return bcast_handover(self)
+            return scatter_handover(self) if self.sc_mode else bcast_handover(self)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -949,7 +961,11 @@ cdef class Engine:
             if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
-            self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
+            if self.sc_mode:
+                self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
+                    <cnp.ndarray>self.src_ref) + CLAIM * self.e.nranks, True)
+            else:
+                self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
             return rc
         if rc != RC_STALLED:
             if rc == RC_DONE:
@@ -961,6 +977,8 @@ cdef class Engine:
                                        <char *>cnp.PyArray_DATA(self.x_out))
                 if self.bc.root >= 0:
                     self.result = bcast_ended(self)
+                elif self.sc_mode:
+                    self.result = scatter_ended(self)
             self._end_call()
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
                 shm_store_release64(&me.done, self.cur_seq + 1)
@@ -978,6 +996,9 @@ cdef class Engine:
         self.fin_n = 0
         self.bc.root = -1
         self.bc.pending = self.bc.need = self.bc.ran = 0
+        self.sc_mode = 0
+        self.sc_src = self.sc_out = None
+        self.sc_src_p = self.sc_dst_p = NULL
 
     def give_output(self, dst):
         """Give the broadcast that stopped with NEED_OUT this rank's output: a C-contiguous
@@ -1012,3 +1033,4 @@ include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"
+include "engine/scatter.pxi"

@@ -118,6 +118,18 @@ class Communicator(Messages, Front, Executors):
             return DECLINED
         if coll in _SMALL_ONLY:               # gather, scan, exscan: small ones only
             return self._quick_small(eng, coll, array, op, out, root, timeout)
+        if coll == calls.SCATTER:             # (axis=None: front.scatter)
+            if type(root) is not int or not 0 <= root < self.size:
+                return DECLINED
+            kind = KIND_SCATTER + KIND_ROOT_STEP * root
+            a = array if self.rank == root else None
+            got = self._quick_call(eng, calls.SCATTER, a, out, None, kind, timeout,
+                                   _engine.SCATTER_ROWS, root=root)
+            if type(got) is tuple:            # (what the round left to Python: rare)
+                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, kind,
+                                          None if timeout is None
+                                          else time.monotonic() + timeout)
+            return got
         tag = 0
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
@@ -201,11 +213,12 @@ class Communicator(Messages, Front, Executors):
         return prefix_of(stack, me if coll == calls.EXSCAN else me + 1, opc,
                          None if small else np.empty(a.shape, dt))
 
-    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None):
+    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
+                    root=0):
         """One engine call of a quick path, driven to its end: its result, or DECLINED."""
         try:
             start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, 0, kind, timeout, tag, dims, offs)
+            got = eng.call(coll, array, out, op, root, kind, timeout, tag, dims, offs)
             if got is None:
                 return DECLINED
             rc, result = got
