@@ -88,6 +88,8 @@ cdef int msg_allreduce(Engine self, array, out, op, int kind, dims) except -2:
     self.result = res
     rc = self.may_begin()
     if rc == RC_DONE:
+        if self.e.nranks == 1:            # (one rank: the copy, the call numbered; no round)
+            return self.alone(a, res)
         self._begin_reduction(a, res, opc, dtc, kind, nd, dp, COLL_ALLREDUCE)
     return rc
 
