@@ -240,6 +240,8 @@ class Communicator(Messages, Front, Executors):
         a, out, timeout = spec.array, spec.out, spec.timeout
         if coll == calls.GATHER:
             return self._bind_gather(spec, slow)
+        if coll == calls.SCATTER:
+            return self._bind_scatter(spec, slow)
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
                 coll == ALLTOALL and spec.counts is not None):
             return None
@@ -293,6 +295,25 @@ class Communicator(Messages, Front, Executors):
         dst = out if mine else np.empty((P,) + a.shape, a.dtype)
         return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
                                slow, dst if mine else None)
+
+    def _bind_scatter(self, spec, slow):
+        """_bind of a scatter (axis=None, no timeout): the one engine call of the quick path,
+        its round's rare outcomes (a tuple) finished as the quick path does."""
+        root, out = spec.root, spec.out
+        a = spec.array if self.rank == root else None
+        if spec.axis is not None or spec.timeout is not None or (
+                self.rank == root and type(a) is not np.ndarray) or type(out) is not np.ndarray:
+            return None                       # (out None: the first call's result, bound then)
+        bound = self._bound_run(calls.SCATTER, a, out, None, root, spec.kind,
+                                _engine.SCATTER_ROWS, slow)
+
+        def run():
+            got = bound()
+            if type(got) is tuple:
+                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, spec.kind,
+                                          None)
+            return got
+        return run
 
     def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
         """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
