@@ -329,6 +329,7 @@ cdef enum:
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
     COLL_SCAN = 9           # (Engine.call: scan and exscan, an allgather of the inputs and the
     COLL_EXSCAN = 10        # fold of the rows this rank needs: msg_scan; calls.py's numbers)
+    COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
 # the collectives by number, for the Python layer (calls.py numbers them alike; ERROR is the
 # engine's own)
@@ -336,6 +337,7 @@ ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERRO
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
     COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
 SCAN, EXSCAN = COLL_SCAN, COLL_EXSCAN
+SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
 
 
@@ -631,6 +633,14 @@ cdef class Engine:
                                       # call to call (no fresh pages each call)
     cdef object scan_bounds           # their blocks by ring position (the blocks algorithm),
     cdef uint64_t scan_bounds_block   # for blocks of this many bytes
+    # a scatter's call (engine/scatter.pxi): its mode (0: the call is no scatter), root, the
+    # root's array, this rank's output (None: made once the round has said its shape), the
+    # byte matrix of its exchange
+    cdef int sc_mode, sc_root
+    cdef object sc_src, sc_out, sc_B
+    cdef const char *sc_src_p
+    cdef char *sc_dst_p
+    cdef uint64_t *sc_Bp
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
@@ -760,6 +770,8 @@ cdef class Engine:
             rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
         elif coll == COLL_SCAN or coll == COLL_EXSCAN:
             rc = msg_scan(self, array, out, op, kind, coll == COLL_EXSCAN, tag)
+        elif coll == COLL_SCATTER:
+            rc = msg_scatter(self, array, out, root, kind, tag)
         elif coll == COLL_ERROR:
             rc = msg_error(self, kind, array)
         else:
@@ -767,6 +779,10 @@ cdef class Engine:
         if rc < 0:
             self.result = None
             return None
+        if rc == RC_ALONE:                # (one rank: the call is whole already)
+            got = self.result
+            self.result = None
+            return RC_DONE, got
         if rc == RC_DONE:
             rc = self._progress(budget)
             if rc == RC_NEED_OUT:
@@ -798,6 +814,22 @@ cdef class Engine:
         if aborted(&self.e):
             return RC_ABORTED
         return RC_DONE
+
+    cdef int alone(self, cnp.ndarray a, cnp.ndarray res) noexcept:
+        """An allreduce in a group of one rank, whole (its arguments checked): the input
+        copied to the output, the call numbered and counted as one that ran its round, and
+        RC_ALONE (Engine.call: done, no progress to run)."""
+        cdef uint64_t seq = self.next_seq
+        cdef shm_rank_block *me = self.seg.block(self.e.rank)
+        cdef uint64_t n = cnp.PyArray_NBYTES(a)
+        self.next_seq = seq + 1
+        self.cur_seq = seq
+        self.e.idle_since = 0
+        if n and cnp.PyArray_DATA(a) != cnp.PyArray_DATA(res):
+            memcpy(cnp.PyArray_DATA(res), cnp.PyArray_DATA(a), n)
+        self.ncalls += 1
+        shm_store_release64(&me.done, seq + 1)
+        return RC_ALONE
 
     cdef void begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
                          int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
@@ -929,7 +961,7 @@ cdef class Engine:
         cdef const char *src
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
-            return bcast_handover(self)
+            return scatter_handover(self) if self.sc_mode else bcast_handover(self)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -972,7 +1004,11 @@ cdef class Engine:
                 fold_prefix(self.scan.op, self.scan.dtype, self.scan.rows, self.scan.stride,
                             self.scan.upto, self.scan.out, self.scan.n)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
-            self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
+            if self.sc_mode:
+                self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
+                    <cnp.ndarray>self.src_ref) + CLAIM * self.e.nranks, True)
+            else:
+                self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
             return rc
         if rc != RC_STALLED:
             if rc == RC_DONE:
@@ -984,6 +1020,8 @@ cdef class Engine:
                                        <char *>cnp.PyArray_DATA(self.x_out))
                 if self.bc.root >= 0:
                     self.result = bcast_ended(self)
+                elif self.sc_mode:
+                    self.result = scatter_ended(self)
             self._end_call()
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
                 shm_store_release64(&me.done, self.cur_seq + 1)
@@ -1003,6 +1041,9 @@ cdef class Engine:
         self.fin_n = 0
         self.bc.root = -1
         self.bc.pending = self.bc.need = self.bc.ran = 0
+        self.sc_mode = 0
+        self.sc_src = self.sc_out = None
+        self.sc_src_p = self.sc_dst_p = NULL
 
     def give_output(self, dst):
         """Give the broadcast that stopped with NEED_OUT this rank's output: a C-contiguous
@@ -1037,3 +1078,4 @@ include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"
+include "engine/scatter.pxi"

@@ -242,31 +242,69 @@ class Executors:
         return calls.finish(result, copy_back) if mine else None
 
     def _scatter(self, spec):
-        a, out, deadline, kind, root = spec.array, spec.out, spec.deadline, spec.kind, spec.root
+        """scatter: one engine call (engine/scatter.pxi) - a first round in which every rank
+        that passed out= claims its block, then the data, inline or by the exchange of the
+        root's blocks in the same call - normalised here: the root's array C-contiguous and
+        aligned (and clear of its out=), an out= the engine cannot write replaced by a
+        temporary of its shape and dtype, copied back.  What the round leaves to Python (a long
+        description, a mismatch, no ring channel): _scatter_rest."""
+        a, out, root = spec.array, spec.out, spec.root
+        mode = _engine.SCATTER_ROWS if spec.axis is None else _engine.SCATTER_SPLIT
+        src = _plain(a) if self.rank == root else None
+        dst, copy_back = out, None
+        if out is not None and not (out.flags.c_contiguous and out.flags.aligned
+                                    and not out.dtype.hasobject):
+            dst, copy_back = np.empty(out.shape, out.dtype), out
+        if src is not None and dst is not None and src.size and np.may_share_memory(src, dst):
+            src = src.copy()
+        got = self._call(SCATTER, src, dst, None, root, spec.kind, spec.deadline, mode)
+        if type(got) is tuple:
+            got = self._scatter_rest(got, src, dst, root, mode, spec.kind, spec.deadline)
+        return calls.finish(got, copy_back)
+
+    def _scatter_rest(self, got, a, out, root, mode, kind, deadline):
+        """scatter after its first round, when the data did not come (scatter_ended's tuple:
+        (what the round said, the round, its room)): a long description (pickled in a round of
+        its own), then the claims checked; a mismatch said in words on every rank; or the
+        exchange of the root's blocks as a call of its own.  a: the root's array (None
+        elsewhere), out: this rank's output or None."""
         P, me = self.size, self.rank
-        mine = me == root
-        # the root's shape and dtype: a broadcast of an empty array of them
-        meta = self._broadcast(CallSpec("broadcast", BROADCAST, kind,
-                                        np.empty((0,) + a.shape, a.dtype) if mine else None,
-                                        root=root, deadline=deadline))
-        shape, dtype = meta.shape[1:], meta.dtype
-        row = dtype.itemsize * math.prod(shape[1:])
-        if spec.axis is None:
-            rows = [1] * P
-        else:
-            b = calls.split_bounds(shape[0], P)
-            rows = [b[q + 1] - b[q] for q in range(P)]
-        block = (rows[me],) + shape[1:] if spec.axis == 0 else shape[1:]
-        try:
-            result, copy_back = calls.out_for(out, block, dtype, "scatter")
-        except ValueError as exc:             # (a rank's out= against the root's block)
-            self._said(exc, kind, deadline)
+        said, first, room = got
+        if said[0] == "long":                 # the root's dtype and shape follow, pickled
+            meta = np.zeros(said[1], np.uint8)
+            if me == root:
+                meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
+            self._bytes_round(meta, kind, deadline)
+            dtype, shape = _unmeta(meta.tobytes())
+            nbytes = dtype.itemsize * math.prod(shape)
+            wrong = _engine.scatter_claims_wrong(first, P, mode, dtype, shape, nbytes)
+            said = ("mismatch", dtype, shape, wrong) if wrong else ("data", dtype, shape)
+        tag, dtype, shape = said[:3]
+        nbytes = dtype.itemsize * math.prod(shape)
+        if tag == "mismatch":                 # (every rank read the same claims: all are here)
+            words = self._words_round("nothing" if out is None or me == root else
+                                      f"out= of shape {tuple(out.shape)} and dtype "
+                                      f"{_dtype_words(out.dtype)}", deadline)
+            wrong = [r for r in said[3] if r != root]
+            blocks = "; ".join(
+                f"rank {r}'s block has shape {_engine.scatter_block(mode, shape, nbytes, P, r)[0]}"
+                for r in wrong)
+            raise CollectiveMismatchError(
+                f"shmtree: ranks disagree on the collective call: scatter(root={root}): the "
+                f"root passed shape {tuple(shape)} and dtype {_dtype_words(dtype)} ({blocks}); "
+                + "; ".join(f"{ranks_text(rs)} passed {text}" for rs, text in
+                            grouped(words, wrong))
+                + "; every rank must pass out=None, or an out= of its block's shape and the "
+                  "root's dtype")
+        block, _, n = _engine.scatter_block(mode, shape, nbytes, P, me)
+        result = out if out is not None else np.empty(block, dtype)
         B = np.zeros(P * P, np.uint64)
-        B[root * P:root * P + P] = [n * row for n in rows]
-        src = _apart(_plain(a), result) if mine else _NOTHING
-        self._exchange(src, result, B, kind,
-                       shape + (dtype.itemsize, calls.dtype_digest(dtype)), deadline)
-        return calls.finish(result, copy_back)
+        B[root * P:root * P + P] = [_engine.scatter_block(mode, shape, nbytes, P, q)[2]
+                                    for q in range(P)]
+        src = calls.bytes_of(a) if me == root else _NOTHING
+        self._exchange(src, calls.bytes_of(result) if n else _NOTHING, B, kind,
+                       tuple(shape) + (dtype.itemsize, calls.dtype_digest(dtype)), deadline)
+        return result
 
     def _scan(self, spec):
         """scan / exscan.  Small (scan_gathers): the engine's own call (Engine.call's SCAN,

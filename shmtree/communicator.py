@@ -117,6 +117,18 @@ class Communicator(Messages, Front, Executors):
             return DECLINED
         if coll == calls.GATHER:              # (small ones only)
             return self._quick_small(eng, coll, array, op, out, root, timeout)
+        if coll == calls.SCATTER:             # (axis=None: front.scatter)
+            if type(root) is not int or not 0 <= root < self.size:
+                return DECLINED
+            kind = KIND_SCATTER + KIND_ROOT_STEP * root
+            a = array if self.rank == root else None
+            got = self._quick_call(eng, calls.SCATTER, a, out, None, kind, timeout,
+                                   _engine.SCATTER_ROWS, root=root)
+            if type(got) is tuple:            # (what the round left to Python: rare)
+                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, kind,
+                                          None if timeout is None
+                                          else time.monotonic() + timeout)
+            return got
         tag = 0
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
@@ -170,11 +182,12 @@ class Communicator(Messages, Front, Executors):
                                self._digest_of[1])
         return got if got is DECLINED or mine else None
 
-    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None):
+    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
+                    root=0):
         """One engine call of a quick path, driven to its end: its result, or DECLINED."""
         try:
             start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, 0, kind, timeout, tag, dims, offs)
+            got = eng.call(coll, array, out, op, root, kind, timeout, tag, dims, offs)
             if got is None:
                 return DECLINED
             rc, result = got
@@ -196,6 +209,8 @@ class Communicator(Messages, Front, Executors):
         a, out, timeout = spec.array, spec.out, spec.timeout
         if coll == calls.GATHER:
             return self._bind_gather(spec, slow)
+        if coll == calls.SCATTER:
+            return self._bind_scatter(spec, slow)
         if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
                 coll == ALLTOALL and spec.counts is not None):
             return None
@@ -249,6 +264,25 @@ class Communicator(Messages, Front, Executors):
         dst = out if mine else np.empty((P,) + a.shape, a.dtype)
         return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
                                slow, dst if mine else None)
+
+    def _bind_scatter(self, spec, slow):
+        """_bind of a scatter (axis=None, no timeout): the one engine call of the quick path,
+        its round's rare outcomes (a tuple) finished as the quick path does."""
+        root, out = spec.root, spec.out
+        a = spec.array if self.rank == root else None
+        if spec.axis is not None or spec.timeout is not None or (
+                self.rank == root and type(a) is not np.ndarray) or type(out) is not np.ndarray:
+            return None                       # (out None: the first call's result, bound then)
+        bound = self._bound_run(calls.SCATTER, a, out, None, root, spec.kind,
+                                _engine.SCATTER_ROWS, slow)
+
+        def run():
+            got = bound()
+            if type(got) is tuple:
+                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, spec.kind,
+                                          None)
+            return got
+        return run
 
     def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
         """A bound call without a timeout (_bind): the communicator's checks (closed, a forked

@@ -33,10 +33,11 @@ def test_the_engine_numbers_scan_as_calls_does_and_holds_the_one_rule():
     assert collectives.scan_gathers is _engine.scan_gathers
     limit = _engine.SCAN_GATHER_BYTES
     assert limit == collectives.SCAN_GATHER_BYTES == 256 << 10
-    for P in (1, 2, 3, 5):
+    for P in (2, 3, 5):
         n = limit // P
         assert _engine.scan_gathers(n, P, 4096) and not _engine.scan_gathers(n + 1, P, 4096)
         assert _engine.scan_gathers(n + 1, P, P * (n + 1))        # (small_bytes above it)
+    assert _engine.scan_gathers(1 << 40, 1, 4096)                 # (one rank: no round)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ cdef int msg_allreduce(Engine self, array, out, op, int kind, dims) except -2:
     self.result = res
     rc = self.may_begin()
     if rc == RC_DONE:
+        if self.e.nranks == 1:            # (one rank: the copy, the call numbered; no round)
+            return self.alone(a, res)
         self._begin_reduction(a, res, opc, dtc, kind, nd, dp, COLL_ALLREDUCE)
     return rc
 
@@ -299,7 +301,7 @@ SCAN_GATHER_BYTES = SCAN_GATHER_LIMIT
 
 cdef inline bint _scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes) noexcept:
     cdef uint64_t whole = nbytes * P
-    return whole <= small_bytes or whole <= SCAN_GATHER_LIMIT
+    return P == 1 or whole <= small_bytes or whole <= SCAN_GATHER_LIMIT
 
 
 def scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes):
@@ -308,8 +310,9 @@ def scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes):
     exchanges, Executors._scan)?  Up to SCAN_GATHER_BYTES in all (P x nbytes), or small_bytes
     where that is more: one round against two, and the P - 1 rows a rank receives cost less
     than the second round until then (beyond, the transpose scheme's 2(P-1)/P of the message
-    per rank wins, P = 2 included: 2 MiB at P = 2, 0.29 ms against 0.42).  The one rule: the
-    engine declines a larger scan with it, and the parsed call asks it."""
+    per rank wins, P = 2 included: 2 MiB at P = 2, 0.29 ms against 0.42).  In a group of one,
+    any size (the call is the copy, or exscan's identity: no round).  The one rule: the engine
+    declines a larger scan with it, and the parsed call asks it."""
     return _scan_gathers(nbytes, P, small_bytes)
 
 
@@ -324,8 +327,9 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     with the descriptor of the parsed path's (Executors._scan: the input's shape - its size
     past SCAN_MAX_NDIM dimensions - then op code, item size, digest; kind KIND_SCAN or
     KIND_EXSCAN), so a rank on either path meets the others in one call; when it ends, rows
-    0 .. rank (exscan: 0 .. rank - 1) are folded into the output (engine/scan.pxi).  Declined
-    (-1) beyond scan_gathers: the transpose scheme (Executors._scan) takes it."""
+    0 .. rank (exscan: 0 .. rank - 1) are folded into the output (engine/scan.pxi).  In a
+    group of one the call is whole at once (Engine.alone).  Declined (-1) beyond
+    scan_gathers: the transpose scheme (Executors._scan) takes it."""
     cdef int P = self.e.nranks, me = self.e.rank, opc, dtc, nd, i, rc, q, alg
     cdef cnp.ndarray a, res, stack, bounds
     cdef uint64_t block, total
@@ -354,6 +358,16 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
                 or not cnp.PyArray_ISALIGNED(res)
                 or cnp.PyArray_ISNOTSWAPPED(res) != cnp.PyArray_ISNOTSWAPPED(a)):
             return -1
+    if P == 1:                            # (one rank: the copy, or exscan's identity; no round)
+        self.result = res
+        rc = self.may_begin()
+        if rc != RC_DONE:
+            return rc
+        if exclusive:
+            fold_identity(opc, dtc, <char *>cnp.PyArray_DATA(res), cnp.PyArray_SIZE(a))
+        elif block and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(a):
+            memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(a), block)
+        return self.alone(res, res)
     if nd > SCAN_MAX_NDIM:
         given[0] = cnp.PyArray_SIZE(a)
         nd = 1
@@ -365,7 +379,7 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     given[nd + 2] = <int64_t>digest
     nd += 3
     total = block * P
-    alg = ALG_INLINE if P == 1 else select(self, COLL_ALLGATHER, total)
+    alg = select(self, COLL_ALLGATHER, total)
     # (what the call uses is made before it begins: an allocation may let another thread in)
     if self.scan_stack is None or <uint64_t>cnp.PyArray_NBYTES(self.scan_stack) < total:
         self.scan_stack = np.empty(max(total, <uint64_t>4096), np.uint8)
