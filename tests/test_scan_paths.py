@@ -366,3 +366,27 @@ def test_mismatch_on_every_rank_then_usable(P):
             for word in MISMATCHES[name]:
                 assert word in msg, (rank, name, word, msg)
             assert res[2 * k + 1] == ("after", float(P), "")
+
+
+# ---------------------------------------------------------------------------------------------
+# a peer that never comes: the timeout, on the quick path with out= (the bench's call)
+
+
+def late_worker(comm):
+    import time
+    x = np.ones(2, np.float32)
+    o = np.empty_like(x)
+    if comm.rank == 1:
+        time.sleep(1.0)
+    try:
+        comm.exscan(x, out=o, timeout=0.3)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
+@pytest.mark.timeout(60)
+def test_a_scan_whose_peer_never_comes_times_out_then_every_rank_raises():
+    outs = run_ok(late_worker, 2, stall_timeout=None)
+    assert outs[0][0] == "CollectiveTimeoutError" and "exscan" in outs[0][1], outs
+    assert outs[1][0] == "PeerLostError", outs
