@@ -615,10 +615,14 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef Xv xv                        # alltoall(counts=): its first round carries the counts
+    cdef object xv_buf, xv_a, xv_out, xv_B    # (engine/msg.pxi, msg_alltoallv): the round
+                                      # (reused), the input, the output, the byte matrix B
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
         memset(&self.bc, 0, sizeof(Bcast))
+        memset(&self.xv, 0, sizeof(Xv))
         self.bc.root = -1
         self.bc.room = 64
         self.share_keep = []
@@ -910,6 +914,8 @@ cdef class Engine:
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
             return bcast_handover(self)
+        if rc == RC_DONE and self.phase == 0 and self.xv.pending:
+            return RC_XV_ROUND        # (alltoall(counts=): _progress reads the round)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -946,8 +952,10 @@ cdef class Engine:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and rc != RC_XV_ROUND and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+        if rc == RC_XV_ROUND:                 # (the counts are in: the data, inline or not)
+            rc = xv_handover(self)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
             self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
             return rc
@@ -974,6 +982,8 @@ cdef class Engine:
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
         self.x_full = self.x_out = None
+        self.xv_a = self.xv_out = None
+        self.xv.pending = 0
         self.place_keep = self.place_keep_out = None
         self.fin_n = 0
         self.bc.root = -1

@@ -185,3 +185,111 @@ cdef void xchg_inline_finish(Eng *e, const char *full, char *dst) noexcept nogil
             memcpy(dst + x.dst_at[p], full + row + x.from_at[p], n)
         for q in range(P):
             row += x.B[p * P + q]
+
+
+# ---- alltoall(counts=): the counts travel in the call's first round ----
+#
+# An alltoall whose blocks have sizes of their own (counts=) needs every rank's counts before
+# its blocks can move: B[p*P + q] = counts_p[q] x the row's bytes.  They travel in the call's
+# first round (the channel-0 round every call starts with: a bitwise or of uint8), each rank
+# writing only its own row, with its data beside them when the data fits the round's room:
+#   [0, XV_HEAD)                 rank r's row at 8 (P + 2) r, uint64:
+#                                  +0 its claim (dtype and dimensions after the first: the low
+#                                     bit set, bcast.pxi's _claim_c)
+#                                  +8 the rows of its out= plus 1 (0: no out=)
+#                                  +16 its counts[P] (rows to each rank)
+#   [XV_HEAD, XV_HEAD + P room)  rank r's whole send buffer at XV_HEAD + r room, when every
+#                                rank's fits the room (else it is not read)
+# Every rank reads the same round, so every rank decides alike (xv_handover, msg.pxi): a claim
+# or an out= that disagrees ends the call (the caller says it in words: collectives.py); data
+# that fit the room is taken out of the round (one round in all); else the exchange above runs
+# on B in the same call.  The room of the next round is what this one needed (xv_next_room):
+# a loop of calls of one size sends each in one round of about its own size.
+
+cdef enum:
+    RC_XV_ROUND = 16          # (_run_call -> _progress: the round is in, read it with the GIL)
+    XV_MIN_ROOM = 64
+
+
+cdef struct Xv:
+    int pending               # the first round of an alltoall(counts=) runs
+    uint64_t row              # bytes per row (this rank's: the claims say whether all agree)
+    uint64_t room             # the data room of the next round (every rank agrees)
+    uint64_t used_room        # the room of the round in progress
+
+
+cdef inline uint64_t xv_head(int P) noexcept nogil:
+    """Bytes of the rows of the counts round (before the data room)."""
+    return <uint64_t>8 * P * (P + 2)
+
+
+cdef inline uint64_t xv_cap(uint64_t payload, uint64_t limit, int P) noexcept nogil:
+    """The largest data room a round of P ranks may have: the round fits one chunk of channel 0
+    (payload), and its data the inline limit; in whole 64-byte lines (0: none)."""
+    cdef uint64_t head = xv_head(P), n
+    if head >= payload:
+        return 0
+    n = payload - head
+    if limit < n:
+        n = limit
+    return n // <uint64_t>P // 64 * 64
+
+
+cdef inline uint64_t xv_next_room(uint64_t most, uint64_t cap) noexcept nogil:
+    """The room of the group's next round, from the most bytes a rank sent in this one: the
+    power of two (at least XV_MIN_ROOM) that holds it, up to cap; XV_MIN_ROOM when the data
+    was larger than cap (it could not have come inline anyway)."""
+    cdef uint64_t room = XV_MIN_ROOM
+    while room < most:
+        room <<= 1
+    if room > cap:
+        room = XV_MIN_ROOM if XV_MIN_ROOM <= cap else 0
+    return room
+
+
+cdef bint xv_agreed(const uint64_t *rows, int P) noexcept nogil:
+    """Did every rank pass the same claim, and an out= (where one did) of the rows it
+    receives?"""
+    cdef int r, p
+    cdef uint64_t n
+    for r in range(P):
+        if rows[r * (P + 2)] != rows[0]:
+            return False
+        if rows[r * (P + 2) + 1]:
+            n = 0
+            for p in range(P):
+                n += rows[p * (P + 2) + 2 + r]
+            if rows[r * (P + 2) + 1] != n + 1:
+                return False
+    return True
+
+
+cdef uint64_t xv_matrix(const uint64_t *rows, int P, uint64_t row, uint64_t *B) noexcept nogil:
+    """B from the round's counts (rows x row bytes); returns the most bytes a rank sends."""
+    cdef int p, q
+    cdef uint64_t sent, most = 0
+    for p in range(P):
+        sent = 0
+        for q in range(P):
+            B[p * P + q] = rows[p * (P + 2) + 2 + q] * row
+            sent += B[p * P + q]
+        if sent > most:
+            most = sent
+    return most
+
+
+cdef void xv_inline_finish(Eng *e, const char *data, uint64_t room, const char *src,
+                           char *dst) noexcept nogil:
+    """The blocks of a round whose data came inline (every rank's sends at data + p room),
+    into this rank's receives in source order; its own block straight from its input."""
+    cdef Xchg *x = &e.x
+    cdef int P = e.nranks, me = e.rank, p
+    cdef uint64_t n
+    for p in range(P):
+        n = x.B[p * P + me]
+        if not n:
+            continue
+        if p == me:
+            memcpy(dst + x.dst_at[me], src + x.to_at[me], n)
+        else:
+            memcpy(dst + x.dst_at[p], data + <uint64_t>p * room + x.from_at[p], n)
