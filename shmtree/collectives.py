@@ -371,14 +371,15 @@ class Executors:
                 "dimensions after the first differ: "
                 + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
         got = rows[:, 2:].sum(axis=0).tolist()          # the rows each rank receives
+        said = [f"alltoall: out has {int(rows[r, 1]) - 1} rows; this rank receives {got[r]}"
+                for r in range(P)]
         bad = [r for r in range(P) if rows[r, 1] and int(rows[r, 1]) - 1 != got[r]]
-        if me in bad:
-            raise CollectiveMismatchError(f"shmtree: alltoall: out has {out.shape[0]} rows; "
-                                          f"this rank receives {got[me]}")
+        if me in bad:                 # (as the others say it: the words of a ValueError)
+            raise CollectiveMismatchError(f"shmtree: {said[me]}")
         raise CollectiveMismatchError(
-            "shmtree: ranks disagree on the collective call: alltoall(counts=): "
-            + "; ".join(f"rank {r} passed an out of {int(rows[r, 1]) - 1} rows and receives "
-                        f"{got[r]}" for r in bad))
+            "shmtree: " + "; ".join(f"rank {r} raised ValueError: {said[r]} in "
+                                    f"{kind_name(KIND_A2AV)}" for r in bad)
+            + " (a local error of its arguments), so the call cannot complete on any rank")
 
     def _counts_round(self, counts, a, root, kind, deadline):
         """A round of counts before a call whose blocks differ in size (gather(axis=0); and
