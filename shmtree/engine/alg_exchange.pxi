@@ -212,6 +212,7 @@ cdef enum:
 
 
 cdef struct Xv:
+    int ready                 # room set (the first call of the group: XV_MIN_ROOM, or none)
     int pending               # the first round of an alltoall(counts=) runs
     uint64_t row              # bytes per row (this rank's: the claims say whether all agree)
     uint64_t room             # the data room of the next round (every rank agrees)

@@ -478,6 +478,10 @@ cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
     for i in range(1, nd):
         row *= cnp.PyArray_DIMS(a)[i]
     n0 = cnp.PyArray_DIMS(a)[0]
+    if not self.xv.ready:                 # (the group's first: every rank starts alike)
+        self.xv.room = xv_next_room(0, xv_cap(self.e.chans[0].payload,
+                                              self.sel_limit[COLL_ALLTOALL], P))
+        self.xv.ready = 1
     room = self.xv.room
     nbytes = head + <uint64_t>P * room
     f = self.xv_buf
