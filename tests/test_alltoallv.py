@@ -49,7 +49,15 @@ def rows_of(dtype, rest, n, r, seed):
     return flat.reshape((n,) + rest)
 
 
-def expected(P, rank, dtype, rest, n_of, seed):
+def halves(P, r, n, seed=None):
+    """Rank r's counts: half its n rows to the next rank, the rest to itself."""
+    counts = [0] * P
+    counts[r] += n // 2
+    counts[(r + 1) % P] += n - n // 2
+    return counts
+
+
+def expected(P, rank, dtype, rest, n_of, seed, counts_of=counts_of):
     parts = []
     for s in range(P):
         counts = counts_of(P, s, n_of(s), seed)
@@ -140,7 +148,7 @@ def room_worker(comm, sizes):
     res = []
     for n in sizes:
         for again in range(3):
-            counts = counts_of(P, r, n, n)
+            counts = halves(P, r, n)
             x = rows_of("float64", (), n, r, n)
             s0 = comm.stats()
             got = comm.alltoall(x, counts=counts)
@@ -161,37 +169,43 @@ def test_sizes_around_the_round_room(P):
     outs = run_ok(room_worker, P, args=(sizes,), small_bytes=4096, chunk_bytes=4096)
     for rank in range(P):
         for n, raw, ncalls, _ in outs[rank]:
-            want = expected(P, rank, "float64", (), lambda s: n, n)
+            want = expected(P, rank, "float64", (), lambda s: n, n, halves)
             got = unwire(raw)
             assert got.shape == want.shape and same_bytes(got, want), (n, rank)
             assert ncalls == 1, (n, rank, ncalls)
 
 
-def inline_worker(comm):
-    """bytes_sent of: an empty call, a call of 3 rows to the other rank, again, then the
-    second and third calls of a loop of 128 rows (1 KiB) to it, and one of 100 KiB."""
-    r = comm.rank
+def inline_worker(comm, n_loop):
+    """bytes_sent of: an empty call, a call of 3 rows to the next rank, again, then three
+    calls of a loop of n_loop rows to it, and one of 12800 rows (100 KiB)."""
+    P, r = comm.size, comm.rank
     res = []
-    for n in (0, 3, 3, 128, 128, 128, 12800):
+    for n in (0, 3, 3, n_loop, n_loop, n_loop, 12800):
         x = np.full(n, r, np.float64)
+        counts = [0] * P
+        counts[(r + 1) % P] = n
         before = comm.stats()["bytes_sent"]
-        got = comm.alltoall(x, counts=[0, n] if r == 0 else [n, 0])
+        got = comm.alltoall(x, counts=counts)
         res.append(comm.stats()["bytes_sent"] - before)
-        assert np.array_equal(got, np.full(n, 1 - r, np.float64))
+        assert np.array_equal(got, np.full(n, (r - 1) % P, np.float64))
     return res
 
 
 @pytest.mark.timeout(60)
-def test_small_calls_are_one_round_with_their_data():
-    """P = 2 (the pair's round: each rank publishes its chunk of the round once): a small call
-    publishes its first round alone, no more than an empty call; the round's room follows the
-    calls, so the second and third of a loop of 1 KiB calls publish one round of the rows
-    (8 P (P + 2) bytes) and the room (1 KiB per rank: the power of two that holds them); a
-    100 KiB call runs the exchange after its round."""
-    for sent in run_ok(inline_worker, 2, small_bytes=4096):
-        empty, small, again, first_kib, kib, kib_again, large = sent
+@pytest.mark.parametrize("P, n_loop", [(2, 128), (3, 168)])
+def test_small_calls_are_one_round_with_their_data(P, n_loop):
+    """A small call publishes its first round alone (the round's chunk, once per ring this rank
+    sends it on), no more than an empty call; the round's room follows the calls, so the second
+    and third of a loop of n_loop rows (1 KiB at P = 2; at P = 3 1344 bytes, the largest room
+    there: 4096 / 3 in whole lines) publish whole rounds of 8 P (P + 2) bytes of rows and P
+    rooms (the power of two that holds the rows, or the largest room); a 100 KiB call runs
+    the exchange after its round."""
+    room = min(1 << (n_loop * 8 - 1).bit_length(), 4096 // P // 64 * 64)
+    first = 8 * P * (P + 2) + P * room
+    for sent in run_ok(inline_worker, P, args=(n_loop,), small_bytes=4096):
+        empty, small, again, _, loop, loop_again, large = sent
         assert small == again == empty, sent
-        assert kib == kib_again == 8 * 2 * 4 + 2 * 1024, sent
+        assert loop == loop_again and loop % first == 0, (sent, first)
         assert large > 100 * 1024, sent
 
 

@@ -238,14 +238,17 @@ cdef inline uint64_t xv_cap(uint64_t payload, uint64_t limit, int P) noexcept no
 
 cdef inline uint64_t xv_next_room(uint64_t most, uint64_t cap) noexcept nogil:
     """The room of the group's next round, from the most bytes a rank sent in this one: the
-    power of two (at least XV_MIN_ROOM) that holds it, up to cap; XV_MIN_ROOM when the data
-    was larger than cap (it could not have come inline anyway)."""
+    power of two (at least XV_MIN_ROOM) that holds it, or cap if that is less; XV_MIN_ROOM when
+    the data was larger than cap (it could not have come inline anyway); 0 when cap is less
+    than XV_MIN_ROOM."""
     cdef uint64_t room = XV_MIN_ROOM
+    if cap < XV_MIN_ROOM:
+        return 0
+    if most > cap:
+        return XV_MIN_ROOM
     while room < most:
         room <<= 1
-    if room > cap:
-        room = XV_MIN_ROOM if XV_MIN_ROOM <= cap else 0
-    return room
+    return room if room < cap else cap
 
 
 cdef bint xv_agreed(const uint64_t *rows, int P) noexcept nogil:
