@@ -722,7 +722,8 @@ cdef class Engine:
         op is an op name or ufunc, or (op code, dtype code) already checked by the parse;
         tag: ALLGATHER's dtype digest, BROADCAST's BC_DATA_ONLY; dims: the descriptor's
         shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
-        (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
+        (bytes, 2P uint64) when the blocks differ; ALLTOALL's byte matrix B (with dims), or
+        its counts (without dims: alltoall(counts=), engine/msg.pxi's msg_alltoallv).  Which algorithm runs is the selection's
         (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
         array when it is known from the start (None: take_result() once the call is DONE) - or
         None when the call cannot be taken as it is (the caller normalises it first:
