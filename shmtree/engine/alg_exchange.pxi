@@ -21,7 +21,7 @@
 # the producer, after a fence that pairs with the sleeper's.
 
 cdef enum:
-    XC_OWN = 1                # copy this rank's own block
+    XC_OWN = 1                # copy a piece of this rank's own block
     XC_SEND = 2               # publish the next item
     XC_RECV = 3               # take the next item from rank (action - XC_RECV)
 
@@ -93,7 +93,9 @@ cdef void xchg_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
     xchg_skip_empty(e, x)
     for p in range(e.nranks):
         x.got[p] = 0
-    x.own_done = x.B[e.rank * e.nranks + e.rank] == 0
+    x.own_off = 0
+    x.own_done = x.B[e.rank * e.nranks + e.rank] == 0 or (
+        k.dst + x.dst_at[e.rank] == k.src + x.to_at[e.rank])      # (in place)
     x.src_next = (e.rank + e.nranks - 1) % e.nranks     # (round 1's sender first)
 
 
@@ -101,8 +103,6 @@ cdef int xchg_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
     cdef Xchg *x = &e.x
     cdef int P = e.nranks, i, p
     cdef uint64_t j
-    if not x.own_done:
-        return XC_OWN
     if x.sent < x.nsend and shm_load_acquire64(&xslot(x, e.rank, x.sent).freed) \
             == x.last[x.sent % x.nslots]:
         return XC_SEND
@@ -112,6 +112,8 @@ cdef int xchg_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
             j = x.first[p] + x.got[p]
             if shm_load_acquire64(&xslot(x, p, j).ready) == x.base + j + 1:
                 return XC_RECV + p
+    if not x.own_done:                # (its own block fills the waits: the others' items
+        return XC_OWN                 # come first)
     return 0
 
 
@@ -120,11 +122,12 @@ cdef int xchg_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef int P = e.nranks, me = e.rank, p, q
     cdef uint64_t j, lo, n, nb, ticket
     cdef shm_slot_hdr *slot
-    if action == XC_OWN:
-        n = x.B[me * P + me]
-        if k.dst + x.dst_at[me] != k.src + x.to_at[me]:
-            memcpy(k.dst + x.dst_at[me], k.src + x.to_at[me], n)
-        x.own_done = 1
+    if action == XC_OWN:              # a piece of the own block (as large as an item)
+        nb = x.B[me * P + me]
+        n = nb - x.own_off if nb - x.own_off < k.chunk else k.chunk
+        memcpy(k.dst + x.dst_at[me] + x.own_off, k.src + x.to_at[me] + x.own_off, n)
+        x.own_off += n
+        x.own_done = x.own_off == nb
         return RC_DONE
     if action == XC_SEND:
         q = (me + x.round) % P
