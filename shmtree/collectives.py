@@ -383,12 +383,14 @@ class Executors:
         dims the descriptor's shape, the same on every rank."""
         self._call(ALLTOALL, src, dst, None, 0, kind, deadline, 0, list(dims), B)
 
+    _counts_inline = None       # (_counts_travel's answer, once asked)
+
     def _counts_travel(self):
         """Does alltoall(counts=) send its counts in the call's first round here (one engine
         call: _engine.counts_in_round, a matter of the group's size)?"""
-        got = self.__dict__.get("_counts_inline")
+        got = self._counts_inline
         if got is None:
-            got = self.__dict__["_counts_inline"] = bool(_engine.counts_in_round(self._engine))
+            got = self._counts_inline = bool(_engine.counts_in_round(self._engine))
         return got
 
     def _counts_disagree(self, first, a, out, deadline):

@@ -165,14 +165,24 @@ class Communicator(Messages, Front, Executors):
         """_quick of alltoall(counts=): the one engine call the executor makes
         (Executors._alltoall), the counts in its first round; DECLINED where the engine cannot
         take the arguments as they are (the parse then says what is wrong, or normalises)."""
-        if not self._counts_travel():
+        if not (self._counts_inline or self._counts_travel()):
             return DECLINED
-        got = self._quick_call(eng, ALLTOALL, a, out, None, KIND_A2AV, timeout, 0, None,
-                               counts)
-        if type(got) is tuple:                # (the round says the ranks disagree)
-            self._counts_disagree(got[1], a, out,
-                                  None if timeout is None else time.monotonic() + timeout)
-        return got
+        try:
+            start = None if timeout is None else time.monotonic()
+            got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
+            if got is None:
+                return DECLINED
+            rc, result = got
+            if rc != _engine.DONE:
+                result = self._finish(eng, rc, None if start is None else start + timeout,
+                                      result)
+        except BaseException as exc:
+            self._interrupted(eng, exc)
+            raise
+        if type(result) is tuple:             # (the round says the ranks disagree)
+            self._counts_disagree(result[1], a, out,
+                                  None if start is None else start + timeout)
+        return result
 
     def _quick_small(self, eng, coll, a, op, out, root, timeout):
         """_quick of a small gather (axis=None): the one engine allgather its executor runs

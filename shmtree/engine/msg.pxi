@@ -601,6 +601,8 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
 
 # ---- alltoall(counts=): one call, the counts in its first round (alg_exchange.pxi) ----
 
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+
 def counts_in_round(Engine eng):
     """Can this group's alltoall(counts=) send its counts in the call's first round (its rows
     fit one chunk of channel 0: up to about 22 ranks at the default small_bytes)?  Else the
@@ -622,6 +624,8 @@ cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
     cdef uint64_t head = xv_head(P), room, n0, total = 0, row, sent, v
     cdef uint64_t *w
     cdef int64_t dims[1]
+    cdef long long iv
+    cdef int overflow
     cdef cnp.npy_intp nbytes
     if type(array) is not _NDARRAY or head > self.e.chans[0].payload:
         return -1
@@ -664,9 +668,12 @@ cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
             return -1
         for i in range(P):
             x = counts[i]
-            if type(x) is not int or x < 0 or x > n0:
+            if type(x) is not int:
                 return -1
-            w[2 + i] = <uint64_t>x
+            iv = PyLong_AsLongLongAndOverflow(x, &overflow)
+            if overflow or iv < 0 or <uint64_t>iv > n0:
+                return -1
+            w[2 + i] = <uint64_t>iv
             total += w[2 + i]
     elif type(counts) is _NDARRAY:
         c = <cnp.ndarray>counts
@@ -694,7 +701,8 @@ cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
         return -1
     if total != n0:
         return -1                         # (the parse says what is wrong)
-    w[0] = _claim_c(_key(a.dtype)[0], nd - 1, <const int64_t *>cnp.PyArray_DIMS(a) + 1)
+    w[0] = _claim_c(_key(<object>cnp.PyArray_DESCR(a))[0], nd - 1,
+                    <const int64_t *>cnp.PyArray_DIMS(a) + 1)
     w[1] = 0 if out is None else <uint64_t>cnp.PyArray_DIMS(o)[0] + 1
     sent = total * row
     if sent and sent <= room:
