@@ -627,6 +627,9 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef Xv xv                        # alltoall(counts=): its first round carries the counts
+    cdef object xv_buf, xv_a, xv_out, xv_B    # (engine/msg.pxi, msg_alltoallv): the round
+                                      # (reused), the input, the output, the byte matrix B
     cdef ScanFold scan                # a scan's fold, run when the call ends (msg_scan)
     cdef object scan_out              # its output (held to the end)
     cdef object scan_stack            # the scans' stack of every rank's row (uint8), kept from
@@ -645,6 +648,7 @@ cdef class Engine:
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
         memset(&self.bc, 0, sizeof(Bcast))
+        memset(&self.xv, 0, sizeof(Xv))
         self.bc.root = -1
         self.bc.room = 64
         self.scan.upto = -1
@@ -746,7 +750,9 @@ cdef class Engine:
         tag: ALLGATHER's, ALLTOALL's, SCAN's and EXSCAN's dtype digest, BROADCAST's
         BC_DATA_ONLY; dims: the descriptor's
         shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
-        (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
+        (bytes, 2P uint64) when the blocks differ; ALLTOALL's byte matrix B (with dims), or
+        its counts (without dims: alltoall(counts=), engine/msg.pxi's msg_alltoallv).  Which
+        algorithm runs is the selection's
         (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
         array when it is known from the start (None: take_result() once the call is DONE) - or
         None when the call cannot be taken as it is (the caller normalises it first:
@@ -962,6 +968,8 @@ cdef class Engine:
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
             return scatter_handover(self) if self.sc_mode else bcast_handover(self)
+        if rc == RC_DONE and self.phase == 0 and self.xv.pending:
+            return RC_XV_ROUND        # (alltoall(counts=): _progress reads the round)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -998,11 +1006,13 @@ cdef class Engine:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and rc != RC_XV_ROUND and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
             if rc == RC_DONE and self.scan.upto >= 0:       # (a scan: its fold, in C)
                 fold_prefix(self.scan.op, self.scan.dtype, self.scan.rows, self.scan.stride,
                             self.scan.upto, self.scan.out, self.scan.n)
+        if rc == RC_XV_ROUND:                 # (the counts are in: the data, inline or not)
+            rc = xv_handover(self)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
             if self.sc_mode:
                 self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
@@ -1035,6 +1045,8 @@ cdef class Engine:
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
         self.x_full = self.x_out = None
+        self.xv_a = self.xv_out = None
+        self.xv.pending = 0
         self.scan_out = None
         self.scan.upto = -1
         self.place_keep = self.place_keep_out = None

@@ -27,8 +27,9 @@ import numpy as np
 from . import _engine, _moving, calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, EXSCAN, GATHER, REDUCE,
                     REDUCE_SCATTER, SCAN, SCATTER, CallSpec)
-from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER, KIND_COUNTS,
-                    KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name, ranks_text)
+from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL, KIND_BARRIER,
+                    KIND_COUNTS, KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name,
+                    ranks_text)
 from .errors import CollectiveMismatchError
 from .ops import OP_NAMES, dtype_words as _dtype_words
 
@@ -50,6 +51,8 @@ def _plain(a):
 
 
 WORK_BYTES = 64 << 20       # Executors._work: scratch kept up to this size
+KIND_A2AV = KIND_COUNTS + KIND_ROOT_STEP * KIND_ALLTOALL    # alltoall(counts=)'s call: its
+                            # first round carries the counts (engine/alg_exchange.pxi)
 
 
 class Executors:
@@ -184,6 +187,10 @@ class Executors:
     # the wrong length) is said in place of the next round (_said), so every rank's call ends.
 
     def _alltoall(self, spec):
+        """alltoall: equal blocks, the engine's own form; counts=, one engine call whose first
+        round carries every rank's counts (engine/msg.pxi, msg_alltoallv: out= given is checked
+        there on every rank, by its own length) - or, in a group too large for the counts to
+        fit that round, a counts round first and then the exchange."""
         a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
         me = self.rank
         digest = calls.dtype_digest(a.dtype)
@@ -192,6 +199,16 @@ class Executors:
             src = _apart(_plain(a), result)
             self._call(ALLTOALL, src, result, None, 0, kind, deadline, digest)
             return calls.finish(result, copy_back)
+        if self._counts_travel():
+            dst, copy_back = out, None
+            if out is not None and not (out.flags.c_contiguous and out.flags.aligned):
+                dst, copy_back = np.empty(out.shape, out.dtype), out   # (its length: its claim)
+            src = _plain(a) if dst is None else _apart(_plain(a), dst)
+            got = self._call(ALLTOALL, src, dst, None, 0, KIND_A2AV, deadline, 0, None,
+                             spec.counts)
+            if type(got) is tuple:
+                self._counts_disagree(got[1], a, out, deadline)
+            return calls.finish(got, copy_back)
         rest = a.shape[1:]
         table, said = self._counts_round(spec.counts, a, None, kind, deadline)
         n = sum(row[me] for row in said)
@@ -366,9 +383,46 @@ class Executors:
         dims the descriptor's shape, the same on every rank."""
         self._call(ALLTOALL, src, dst, None, 0, kind, deadline, 0, list(dims), B)
 
+    _counts_inline = None       # (_counts_travel's answer, once asked)
+
+    def _counts_travel(self):
+        """Does alltoall(counts=) send its counts in the call's first round here (one engine
+        call: _engine.counts_in_round, a matter of the group's size)?"""
+        got = self._counts_inline
+        if got is None:
+            got = self._counts_inline = bool(_engine.counts_in_round(self._engine))
+        return got
+
+    def _counts_disagree(self, first, a, out, deadline):
+        """alltoall(counts=) whose first round (first: its bytes, engine/alg_exchange.pxi) says
+        the ranks disagree - every rank read the same round, so every rank comes here: the
+        dtypes or dimensions after the first differ (a round of words then names what each rank
+        passed), or a rank's out= has another length than the rows it receives.  Raises
+        CollectiveMismatchError."""
+        P, me = self.size, self.rank
+        rows = np.frombuffer(first, np.uint64, P * (P + 2)).reshape(P, P + 2)
+        if (rows[:, 0] != rows[0, 0]).any():
+            said = self._words_round(f"shape {a.shape} and dtype {_dtype_words(a.dtype)}",
+                                     deadline)
+            raise CollectiveMismatchError(
+                "shmtree: ranks disagree on the collective call: alltoall: the dtype or the "
+                "dimensions after the first differ: "
+                + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
+        got = rows[:, 2:].sum(axis=0).tolist()          # the rows each rank receives
+        said = [f"alltoall: out has {int(rows[r, 1]) - 1} rows; this rank receives {got[r]}"
+                for r in range(P)]
+        bad = [r for r in range(P) if rows[r, 1] and int(rows[r, 1]) - 1 != got[r]]
+        if me in bad:                 # (as the others say it: the words of a ValueError)
+            raise CollectiveMismatchError(f"shmtree: {said[me]}")
+        raise CollectiveMismatchError(
+            "shmtree: " + "; ".join(f"rank {r} raised ValueError: {said[r]} in "
+                                    f"{kind_name(KIND_A2AV)}" for r in bad)
+            + " (a local error of its arguments), so the call cannot complete on any rank")
+
     def _counts_round(self, counts, a, root, kind, deadline):
-        """A round of counts before a call whose blocks differ in size (alltoall(counts=),
-        gather(axis=0)): every rank's counts, as a (P, len(counts)) uint64 table and as lists by
+        """A round of counts before a call whose blocks differ in size (gather(axis=0); and
+        alltoall(counts=) where its counts do not travel in its own first round): every rank's
+        counts, as a (P, len(counts)) uint64 table and as lists by
         rank, after checking that every rank passed the same root, dtype and dimensions after
         the first (else CollectiveMismatchError on every rank, naming what each passed)."""
         P, me = self.size, self.rank

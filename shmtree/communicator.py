@@ -33,7 +33,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors, error_words, gather_gathers
+from .collectives import KIND_A2AV, Executors, error_words, gather_gathers
 from .front import DECLINED, Front, Persistent
 from .groups.group import Group
 from .ops import OP_NAMES, OPS, dtype_name
@@ -138,6 +138,8 @@ class Communicator(Messages, Front, Executors):
         elif coll in _DIGESTED:               # allgather, alltoall, scan, exscan
             if type(array) is not np.ndarray:
                 return DECLINED
+            if coll == ALLTOALL and op is not None:     # alltoall(counts=): op is the counts
+                return self._quick_alltoallv(eng, array, op, out, timeout)
             dt = array.dtype
             if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
                 self._digest_of = (dt, _dtype_digest(dt))
@@ -159,6 +161,29 @@ class Communicator(Messages, Front, Executors):
             claim = out if array is None else array
             return self._broadcast_rest(result, claim, root, out, kind,
                                         None if start is None else start + timeout)
+        return result
+
+    def _quick_alltoallv(self, eng, a, counts, out, timeout):
+        """_quick of alltoall(counts=): the one engine call the executor makes
+        (Executors._alltoall), the counts in its first round; DECLINED where the engine cannot
+        take the arguments as they are (the parse then says what is wrong, or normalises)."""
+        if not (self._counts_inline or self._counts_travel()):
+            return DECLINED
+        try:
+            start = None if timeout is None else time.monotonic()
+            got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
+            if got is None:
+                return DECLINED
+            rc, result = got
+            if rc != _engine.DONE:
+                result = self._finish(eng, rc, None if start is None else start + timeout,
+                                      result)
+        except BaseException as exc:
+            self._interrupted(eng, exc)
+            raise
+        if type(result) is tuple:             # (the round says the ranks disagree)
+            self._counts_disagree(result[1], a, out,
+                                  None if start is None else start + timeout)
         return result
 
     def _quick_small(self, eng, coll, a, op, out, root, timeout):
@@ -213,8 +238,9 @@ class Communicator(Messages, Front, Executors):
             return self._bind_gather(spec, slow)
         if coll == calls.SCATTER:
             return self._bind_scatter(spec, slow)
-        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
-                coll == ALLTOALL and spec.counts is not None):
+        if coll == ALLTOALL and spec.counts is not None:
+            return self._bind_alltoallv(spec, slow)
+        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None):
             return None
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
@@ -251,6 +277,34 @@ class Communicator(Messages, Front, Executors):
             if type(result) is tuple:         # (a broadcast whose data did not come yet)
                 return self._broadcast_rest(result, claim, root, out, kind,
                                             None if start is None else start + timeout)
+            return result
+        return run
+
+    def _bind_alltoallv(self, spec, slow):
+        """_bind of alltoall(counts=) with its out= bound (given, or the first call's result):
+        the one engine call of _quick_alltoallv, its arguments prebound."""
+        a, out, counts = spec.array, spec.out, spec.counts
+        if type(a) is not np.ndarray or type(out) is not np.ndarray \
+                or spec.timeout is not None or not self._counts_travel():
+            return None
+        eng, group, done = self._engine, self.group, _engine.DONE
+
+        def run():
+            progress = self._progress
+            if self._closed or group._closed or self._gen != session._fork_gen or (
+                    progress is not None and (progress.outstanding
+                                              or progress.is_current_thread())):
+                return slow()
+            try:
+                got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, None, 0, None, counts)
+                if got is None:
+                    return slow()
+                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
+            except BaseException as exc:
+                self._interrupted(eng, exc)
+                raise
+            if type(result) is tuple:
+                self._counts_disagree(result[1], a, out, None)
             return result
         return run
 

@@ -4,7 +4,7 @@
     shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
     shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
     shmtree-bench compare --collective broadcast|reduce|allgather|reduce_scatter|alltoall|
-                          gather|scatter|scan|exscan [...]
+                          alltoallv|gather|scatter|scan|exscan [...]
                                        that collective: shmtree vs MPI and the copy
     shmtree-bench persistent [...]     p() of allreduce_init beside the plain allreduce
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
@@ -160,7 +160,8 @@ def build_parser():
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="the collective to measure (default allreduce), root 0; a size is the "
                         "whole buffer, as in nccl-tests: allgather's and gather's result, "
-                        "reduce_scatter's, scatter's and alltoall's input, each of P blocks")
+                        "reduce_scatter's, scatter's and alltoall's input, each of P blocks; "
+                        "alltoallv: alltoall with counts= (MPI_Alltoallv) of P equal blocks")
     p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
     _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
     _group_arguments(p)
