@@ -124,3 +124,57 @@ cdef bint direct_agreed(Engine self) noexcept nogil:
         d.outs[r] += theirs[3]
     return True
 
+
+
+# ---- the single copy of private buffers (alg_cma.pxi): the offer and the agreement ----
+
+cdef void cma_place(Engine self, uint64_t seq, int coll, int alg, const char *src_p,
+                    char *dst_p) noexcept:
+    """Say in this rank's block (xsrc) whether it offers the call's single copy by cross-memory
+    attach, and where its source lies: its probe said yes, the call is a large allgather or
+    exchange (its largest block at least cma_bytes: the same answer on every rank), and the
+    source is the allgather's own block (its input, or in place its row of the output) or the
+    exchange's input.  Every call writes its word (a stale one is never read)."""
+    cdef uint64_t *word = &self.seg.block(self.e.rank).xsrc[seq & 1]
+    cdef int P = self.e.nranks, p, q
+    cdef uint64_t most = 0, n
+    cdef const uint64_t *o
+    cdef const char *at = src_p
+    if self.e.cma.state != CMA_YES or alg == ALG_INLINE or (coll != COLL_ALLGATHER
+                                                            and coll != COLL_ALLTOALL):
+        word[0] = 0
+        return
+    if coll == COLL_ALLGATHER:
+        o = self.e.call.offs
+        for q in range(P):
+            if o[2 * q + 1] - o[2 * q] > most:
+                most = o[2 * q + 1] - o[2 * q]
+        if at == NULL:                    # (in place: the own block in the output)
+            at = dst_p + o[2 * self.e.dir.pos]
+    else:
+        for p in range(P):
+            for q in range(P):
+                n = self.e.x.B[p * P + q]
+                if p != q and n > most:
+                    most = n
+    if most < self.cma_bytes:
+        word[0] = 0
+        return
+    word[0] = SHM_XSRC_OFFERED | <uint64_t><uintptr_t>at
+
+
+cdef bint cma_agreed(Engine self) noexcept nogil:
+    """After the channel-0 round (every rank has written its xsrc): did every rank offer the
+    single copy?  The same answer on every rank; if so, note where every rank's source lies."""
+    cdef int par = self.cur_seq & 1, r
+    cdef uint64_t v
+    cdef Cma *m = &self.e.cma
+    if not self.seg.block(self.e.rank).xsrc[par] & SHM_XSRC_OFFERED:
+        return False
+    for r in range(self.e.nranks):
+        v = self.seg.block(r).xsrc[par]
+        if not v & SHM_XSRC_OFFERED:
+            return False
+        m.src[r] = v & ~SHM_XSRC_OFFERED
+    m.mode = DIRECT_ALLGATHER if self.coll == COLL_ALLGATHER else DIRECT_ALLTOALL
+    return True
