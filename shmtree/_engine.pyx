@@ -1022,8 +1022,12 @@ cdef class Engine:
         sleeps, sleeps that ran out their time (nobody woke the rank), and payload bytes sent
         (published into rings for other ranks)."""
         return {"calls": self.ncalls, "yields": self.e.n_yields, "sleeps": self.e.n_sleeps,
-                "sleep_timeouts": self.e.n_timeouts, "bytes_sent": self.e.n_sent,
-                "cma_calls": self.e.cma.n_calls, "cma_bytes": self.e.cma.n_bytes}
+                "sleep_timeouts": self.e.n_timeouts, "bytes_sent": self.e.n_sent}
+
+    def cma_counts(self):
+        """The single copy by cross-memory attach (alg_cma.pxi) since this rank joined: calls
+        that ran it, and the bytes this rank read out of its peers' buffers."""
+        return {"calls": self.e.cma.n_calls, "bytes": self.e.cma.n_bytes}
 
     @property
     def cma_state(self):

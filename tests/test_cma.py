@@ -7,7 +7,7 @@ stay tested on every machine; P = 1..5 (more processes than cores); every dtype 
 move; blocks just below, at and above the threshold (Engine.cma_bytes), one byte either side of
 a read chunk (Engine.cma_chunk), 4099 items, several chunks, and the default threshold and chunk
 at 1 MiB +- 1 byte; counts with zeros; non-contiguous inputs; in place.  Each call's path is
-checked (the engine's cma_calls counter).  A peer killed mid-copy: every surviving rank raises,
+checked (the engine's cma_counts).  A peer killed mid-copy: every surviving rank raises,
 nothing is left in /dev/shm (the autouse fixture, and a listing here)."""
 import math
 import multiprocessing as mp
@@ -225,9 +225,9 @@ def battery(comm, small):
     state = eng.cma_state
     wrong, paths = [], []
     for i, (coll, name, n, how) in enumerate(cases(comm.size, small)):
-        before = comm.stats()["cma_calls"]
+        before = eng.cma_counts()["calls"]
         ok, largest, total, kind, count = run_case(comm, i, coll, name, n, how)
-        took = comm.stats()["cma_calls"] - before
+        took = eng.cma_counts()["calls"] - before
         if not ok:
             wrong.append((coll, str(name), n, how))
         if kind is None:
@@ -289,11 +289,10 @@ def bytes_worker(comm, n):
                        ("allgather", lambda: comm.allgather(x[0])),
                        ("gather", lambda: comm.gather(x[0], root=P - 1)),
                        ("scatter", lambda: comm.scatter(x if me == 1 else None, root=1))):
-        before = comm.stats()
+        before = comm.stats()["bytes_sent"], comm._engine.cma_counts()["bytes"]
         call()
-        after = comm.stats()
-        out[name] = (after["bytes_sent"] - before["bytes_sent"],
-                     after["cma_bytes"] - before["cma_bytes"])
+        out[name] = (comm.stats()["bytes_sent"] - before[0],
+                     comm._engine.cma_counts()["bytes"] - before[1])
     return out, comm._engine.cma_state
 
 
@@ -350,7 +349,8 @@ def killed_member(group, rank, victim, coll, ready, queue):
                 comm.gather(x[0], root=root, out=out if rank == root else None)
             else:
                 comm.scatter(x if rank == root else None, root=root, out=out[0])
-            assert comm.stats()["cma_calls"] == i + 1 or comm._engine.cma_state != "yes"
+            assert comm._engine.cma_counts()["calls"] == i + 1 or \
+                comm._engine.cma_state != "yes"
     except BaseException as e:  # noqa: B036 -- reported to the parent
         queue.put((rank, error_name(e), str(e), time.monotonic()))
 
