@@ -616,7 +616,8 @@ cdef class Engine:
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
     cdef int cma                      # ... or ALG_CMA (alg_cma.pxi)
     cdef public uint64_t cma_bytes    # a call offers ALG_CMA when its largest block is this
-                                      # large (alg_cma.pxi, CMA_BYTES)
+    cdef public uint64_t cma_total    # large and its bytes in all this many (alg_cma.pxi:
+                                      # CMA_BYTES, CMA_TOTAL)
     cdef Bcast bc                     # a broadcast's call (engine/bcast.pxi)
     cdef object bc_buf                # the last first round (reused by the next)
     cdef object bc_result, bc_out     # its output (given before the round, or made after it)
@@ -664,6 +665,7 @@ cdef class Engine:
         # the single copy of private buffers (alg_cma.pxi): probed once, as the first call
         # begins or after its round; SHMTREE_CMA=0 switches it off (read once, here)
         self.cma_bytes = CMA_BYTES
+        self.cma_total = CMA_TOTAL
         cma_publish_probe(&self.e)
         self.e.cma.state = (CMA_OFF if os.environ.get("SHMTREE_CMA", "1").strip() == "0"
                             else CMA_NO if self.e.nranks == 1 else CMA_UNKNOWN)

@@ -5,8 +5,9 @@ exchanges) read their blocks straight out of the senders' buffers with process_v
 Against numpy, with the single copy allowed and forced off (SHMTREE_CMA=0), so that both paths
 stay tested on every machine; P = 1..5 (more processes than cores); every dtype the collectives
 move; blocks just below, at and above the threshold (Engine.cma_bytes), one byte either side of
-a read chunk (Engine.cma_chunk), 4099 items, several chunks, and the default threshold and chunk
-at 1 MiB +- 1 byte; counts with zeros; non-contiguous inputs; in place.  Each call's path is
+a read chunk (Engine.cma_chunk), 4099 items, several chunks, calls around the bytes in all
+(Engine.cma_total), and the default threshold and chunk (1 MiB +- 1 byte blocks); counts with
+zeros; non-contiguous inputs; in place.  Each call's path is
 checked (the engine's cma_counts).  A peer killed mid-copy: every surviving rank raises,
 nothing is left in /dev/shm (the autouse fixture, and a listing here)."""
 import math
@@ -30,13 +31,15 @@ except ImportError:                       # pragma: no cover
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64", "complex64", "complex128", ">i4", "<f8", "S3",
           "datetime64[ns]", [("a", "<i2"), ("b", ">f8")]] + (["bfloat16"] if ml_dtypes else [])
-THRESHOLD = 4000                  # cma_bytes in the small battery
-CHUNK = 4096                      # cma_chunk in the small battery
+THRESHOLD = 4000                  # cma_bytes in the small battery (and cma_total 0) ...
+CHUNK = 4096                      # ... cma_chunk
+TOTAL = 1 << 17                   # ... cma_total where the bytes in all are tested
 # block sizes in bytes (rounded up to whole items): below, at and above the threshold, a chunk
 # -1 / +1, several chunks; and 4099 items
 BLOCKS = [THRESHOLD - 1, THRESHOLD, CHUNK - 1, CHUNK + 1, 3 * CHUNK + 5, "4099"]
 CMA_CHUNK = 1 << 20               # alg_cma.pxi's defaults
-CMA_BYTES = 256 << 10
+CMA_BYTES = 64 << 10
+CMA_TOTAL = 16 << 20
 
 
 def cma_expected():
@@ -113,11 +116,21 @@ def cases(P, small):
         for name in ("float64", "int32"):
             out.append(("scan", name, P * 2000 + 3, "plain"))
             out.append(("exscan", name, P * 2000 + 3, "plain"))
+        for name in ("uint8", "float64"):             # around the bytes in all (cma_total)
+            d = dt(name)
+            for coll, parts in (("alltoall", P * P), ("allgather", P * P), ("gather", P),
+                                ("scatter", P)):
+                n = TOTAL // parts // d.itemsize
+                for k in (n - 1, n, n + 1):
+                    out.append((coll, name, k, "total"))
     else:
-        for n in (CMA_CHUNK - 1, CMA_CHUNK + 1):
-            for coll in ("alltoall", "allgather", "gather", "scatter"):
+        # the default threshold: blocks around CMA_TOTAL / P^2 bytes (P = 4: a read chunk -1,
+        # 0, +1), CMA_TOTAL / P for the rooted ones
+        for coll, parts in (("alltoall", P * P), ("allgather", P * P), ("gather", P),
+                            ("scatter", P)):
+            for n in (CMA_TOTAL // parts - 1, CMA_TOTAL // parts, CMA_TOTAL // parts + 1):
                 out.append((coll, "uint8", n, "plain"))
-        out.append(("counts", "uint8", (CMA_CHUNK + 1) // 3, "plain"))
+        out.append(("counts", "uint8", CMA_TOTAL // (3 * P * P) + 5, "plain"))
     return out
 
 
@@ -215,16 +228,17 @@ def battery(comm, small):
     """Every case; returns (wrong results, wrong paths, the probe's answer)."""
     eng = comm._engine
     if small:
-        eng.cma_bytes = THRESHOLD
-        eng.cma_chunk = CHUNK
-    assert (eng.cma_bytes, eng.cma_chunk) == ((THRESHOLD, CHUNK) if small
-                                              else (CMA_BYTES, CMA_CHUNK))
+        eng.cma_bytes, eng.cma_chunk, eng.cma_total = THRESHOLD, CHUNK, 0
+    assert (eng.cma_bytes, eng.cma_chunk, eng.cma_total) == (
+        (THRESHOLD, CHUNK, 0) if small else (CMA_BYTES, CMA_CHUNK, CMA_TOTAL))
     limit = {"x": comm.group.plan.selection()[calls.ALLTOALL][0],
              "ag": comm.group.plan.selection()[calls.ALLGATHER][0]}
     comm.barrier()                         # (the probe: after the first call's round at latest)
     state = eng.cma_state
     wrong, paths = [], []
     for i, (coll, name, n, how) in enumerate(cases(comm.size, small)):
+        if small:
+            eng.cma_total = TOTAL if how == "total" else 0
         before = eng.cma_counts()["calls"]
         ok, largest, total, kind, count = run_case(comm, i, coll, name, n, how)
         took = eng.cma_counts()["calls"] - before
@@ -232,8 +246,9 @@ def battery(comm, small):
             wrong.append((coll, str(name), n, how))
         if kind is None:
             continue
+        whole = total if kind == "x" else comm.size * total      # (every rank's output)
         want = count if (state == "yes" and comm.size > 1 and largest >= eng.cma_bytes
-                         and total > limit[kind]) else 0
+                         and whole >= eng.cma_total and total > limit[kind]) else 0
         if took != want:
             paths.append((coll, str(name), n, how, largest, total, took, want))
     return wrong, paths, state
@@ -261,9 +276,10 @@ def test_against_numpy(P, cma, monkeypatch):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cma", ["on", "off"])
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, 4])
 def test_default_chunk_and_threshold(P, cma, monkeypatch):
-    """1 MiB +- 1 byte blocks with the engine's own threshold and chunk."""
+    """The engine's own threshold and chunk: calls whose bytes in all are just below, at and
+    above CMA_TOTAL (at P = 4 the alltoall's blocks are a read chunk -1, 0, +1)."""
     if cma == "off":
         monkeypatch.setenv("SHMTREE_CMA", "0")
     else:
@@ -303,7 +319,7 @@ def test_single_copy_reads_the_minimum(P):
     message, and publishes nothing (the descriptor round carries no data); gather: the root
     reads P-1 blocks; scatter: every rank but the root reads its own block (the docs/
     algorithms.md table's counterpart of test_ring_algorithms_send_the_minimum)."""
-    n = 40000                                     # 320 KB blocks: above the threshold
+    n = -(-CMA_TOTAL // (8 * P))                  # (the bytes in all: the threshold)
     outs = run_ok(bytes_worker, P, args=(n,))
     block = n * 8
     for rank, (got, state) in enumerate(outs):
@@ -322,7 +338,7 @@ def test_single_copy_reads_the_minimum(P):
 # a peer killed mid-copy
 
 
-BIG = 16 << 20                    # bytes per rank's input: a call of a few ms
+BIG = 24 << 20                    # bytes per rank's input: a call of a few ms
 
 
 def killed_member(group, rank, victim, coll, ready, queue):

@@ -17,10 +17,11 @@
 # The agreement (per call, in the call's first round as the shared arrays' place): before the
 # round, every rank says in its rank block (xsrc, by seq parity) whether it offers this call's
 # single copy, and where its source lies in its own memory.  A rank offers when its probe said
-# yes and the call qualifies (a ring/exchange call whose largest block is cma_bytes or more: the
-# same answer on every rank).  After the round every rank reads every rank's word: all offered,
-# or the call runs the pipelined exchange (the same answer everywhere).  The shared arrays'
-# single copy (alg_direct.pxi) comes first, where every buffer is shared.
+# yes and the call qualifies (a large allgather or exchange: its bytes in all cma_total or more,
+# its largest block cma_bytes or more; the same answer on every rank).  After the round every
+# rank reads every rank's word: all offered, or the call runs the pipelined exchange (the same
+# answer everywhere).  The shared arrays' single copy (alg_direct.pxi) comes first, where every
+# buffer is shared.
 #
 # The copy: rank p reads its blocks source by source, s = 1 .. P-1, from the rank s before it
 # (alltoall: rank p - s, whose block for p starts at from_at; allgather: ring position pos - s,
@@ -60,8 +61,17 @@ cdef enum:
     CMA_OFF = 3
     CMA_CHUNK = 1 << 20           # bytes read per process_vm_readv (measured: 256 KiB .. 4 MiB
                                   # alike; 64 KiB 1.4-2x slower per byte)
-    CMA_BYTES = 256 << 10         # the default: a call qualifies when its largest block is this
-                                  # large (below, the exchange's slots, hot in cache, win)
+    CMA_BYTES = 64 << 10          # a call qualifies when its largest block is this large (one
+                                  # read costs a few us: below, the exchange's slots win) ...
+    CMA_TOTAL = 16 << 20          # ... and its bytes in all (every rank's output) this many.
+                                  # Measured at P = 2 (2 cores, 32 MiB L3): while the data stays
+                                  # in cache the exchange's two copies, the sender's and the
+                                  # receiver's in parallel through slots hot in cache, beat one
+                                  # read per byte by process_vm_readv (which pins each page:
+                                  # 10 GB/s against memcpy's 30), 2 MiB alltoall 74 us against
+                                  # 104, gather 54 against 146; beyond it, the single copy
+                                  # moves less through memory: 16 MiB alltoall 2.0-2.3 ms
+                                  # against 2.9
     CMA_OWN = 1
     CMA_READ = 2
     CMA_PUBLISH = 3

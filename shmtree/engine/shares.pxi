@@ -131,13 +131,15 @@ cdef bint direct_agreed(Engine self) noexcept nogil:
 cdef void cma_place(Engine self, uint64_t seq, int coll, int alg, const char *src_p,
                     char *dst_p) noexcept:
     """Say in this rank's block (xsrc) whether it offers the call's single copy by cross-memory
-    attach, and where its source lies: its probe said yes, the call is a large allgather or
-    exchange (its largest block at least cma_bytes: the same answer on every rank), and the
-    source is the allgather's own block (its input, or in place its row of the output) or the
-    exchange's input.  Every call writes its word (a stale one is never read)."""
+    attach, and where its source lies: its probe said yes, and the call is a large allgather or
+    exchange - its bytes in all (every rank's output: P x the allgather's result, the exchange's
+    whole byte matrix) at least cma_total and its largest block at least cma_bytes (the same
+    answer on every rank).  The source: the allgather's own block (its input, or in place its
+    row of the output), the exchange's input.  Every call writes its word (a stale one is never
+    read)."""
     cdef uint64_t *word = &self.seg.block(self.e.rank).xsrc[seq & 1]
     cdef int P = self.e.nranks, p, q
-    cdef uint64_t most = 0, n
+    cdef uint64_t most = 0, n, whole = 0
     cdef const uint64_t *o
     cdef const char *at = src_p
     if self.e.cma.state != CMA_YES or alg == ALG_INLINE or (coll != COLL_ALLGATHER
@@ -147,17 +149,20 @@ cdef void cma_place(Engine self, uint64_t seq, int coll, int alg, const char *sr
     if coll == COLL_ALLGATHER:
         o = self.e.call.offs
         for q in range(P):
-            if o[2 * q + 1] - o[2 * q] > most:
-                most = o[2 * q + 1] - o[2 * q]
+            n = o[2 * q + 1] - o[2 * q]
+            whole += n * P
+            if n > most:
+                most = n
         if at == NULL:                    # (in place: the own block in the output)
             at = dst_p + o[2 * self.e.dir.pos]
     else:
         for p in range(P):
             for q in range(P):
                 n = self.e.x.B[p * P + q]
+                whole += n
                 if p != q and n > most:
                     most = n
-    if most < self.cma_bytes:
+    if most < self.cma_bytes or whole < self.cma_total:
         word[0] = 0
         return
     word[0] = SHM_XSRC_OFFERED | <uint64_t><uintptr_t>at
