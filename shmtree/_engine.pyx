@@ -14,7 +14,9 @@ and the primitives inline into the algorithms):
   * engine/alg_*.pxi: one algorithm per file, written in the primitives: alg_inline (the
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
-    other collectives), alg_direct (the single copies of shared arrays, no rings).
+    other collectives), alg_exchange (blocks between any pairs, through outboxes), alg_direct
+    (the single copies of shared arrays, no rings), alg_cma (the single copy of private buffers
+    by cross-memory attach, no rings).
   * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
     selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
     call whole (its first round's layout, building and reading it, the hand-over to the data);

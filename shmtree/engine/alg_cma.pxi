@@ -254,8 +254,8 @@ cdef int cma_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     elif action == CMA_OWN:
         n = x.B[me * P + me]
         if k.dst + x.dst_at[me] != k.src + x.to_at[me]:
-            memcpy(k.dst + x.dst_at[me], k.src + x.to_at[me], n)
-        m.own_done = 1
+            out(e, k.dst + x.dst_at[me], k.src + x.to_at[me], n)   # (streaming stores for a
+        m.own_done = 1                                              # large call: nt_bytes)
     elif action == CMA_PUBLISH:
         shm_store_release64(&rank_block(e.base, me).direct, k.desc.seq + 1)
         shm_fence()                   # pairs with a sleeper's fence (prims.pxi, Waking)
