@@ -410,3 +410,52 @@ def test_peer_killed_mid_copy(coll):
         assert s < 5.0, (rank, s)
     assert any(f"rank {victim} died" in msg for _, msg, _ in reports.values()), reports
     assert new_shm_entries(before) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# a read that fails while every peer lives
+
+
+def unreadable_worker(comm):
+    """Rank 1's gather input lies in pages it made unreadable (PROT_NONE): the root's read
+    fails (EFAULT) while rank 1 lives and waits for it."""
+    import ctypes
+    import mmap
+
+    eng = comm._engine
+    eng.cma_bytes, eng.cma_total = 4096, 0
+    n = 1 << 20
+    mm = mmap.mmap(-1, n)
+    x = np.frombuffer(mm, np.uint8)
+    x[:] = 7
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    addr = x.ctypes.data                  # (mmap's pages: page-aligned)
+    comm.barrier()
+    state = eng.cma_state
+    t0 = time.monotonic()
+    if comm.rank == 1:
+        assert libc.mprotect(addr, n, 0) == 0                # PROT_NONE
+    try:
+        comm.gather(x, root=0, timeout=30)
+        return state, "returned", "", time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 -- reported
+        return state, error_name(e), str(e), time.monotonic() - t0
+    finally:
+        if comm.rank == 1:
+            libc.mprotect(addr, n, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+@pytest.mark.timeout(60)
+def test_failed_read_is_said_on_every_rank():
+    """No peer died, yet a read fails: the reader aborts the group after its grace (a second)
+    with a note that says which read failed, and every rank raises it."""
+    outs = run_ok(unreadable_worker, 2)
+    if outs[0][0] != "yes":
+        assert not cma_expected()
+        pytest.skip(f"no cross-memory attach here ({outs[0][0]})")
+    for rank, (state, name, msg, s) in enumerate(outs):
+        assert name == "PeerLostError", (rank, name, msg)
+        assert "rank 0 could not read rank 1's buffer (process_vm_readv: Bad address)" in msg, \
+            (rank, msg)
+        assert "SHMTREE_CMA=0" in msg and 0.9 < s < 10, (rank, msg, s)
