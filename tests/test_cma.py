@@ -448,7 +448,7 @@ def unreadable_worker(comm):
 
 @pytest.mark.timeout(60)
 def test_failed_read_is_said_on_every_rank():
-    """No peer died, yet a read fails: the reader aborts the group after its grace (a second)
+    """No peer died, yet a read fails: the reader aborts the group after its grace (2.5 s)
     with a note that says which read failed, and every rank raises it."""
     outs = run_ok(unreadable_worker, 2)
     if outs[0][0] != "yes":
@@ -458,4 +458,4 @@ def test_failed_read_is_said_on_every_rank():
         assert name == "PeerLostError", (rank, name, msg)
         assert "rank 0 could not read rank 1's buffer (process_vm_readv: Bad address)" in msg, \
             (rank, msg)
-        assert "SHMTREE_CMA=0" in msg and 0.9 < s < 10, (rank, msg, s)
+        assert "SHMTREE_CMA=0" in msg and 2.4 < s < 15, (rank, msg, s)

@@ -37,8 +37,9 @@
 #
 # A failed read (the peer died: ESRCH, or its memory is going: EFAULT) stops the reads: the
 # rank waits, and the Python layer's checks between time slices find the dead peer and raise
-# on every rank.  Where no peer died within CMA_GRACE_NS, the rank aborts the group with a note
-# that says which read failed (every rank raises it).  A read never writes into another
+# on every rank.  Where a read failed otherwise (not ESRCH) and no peer was found dead within
+# CMA_GRACE_MS, the rank aborts the group with a note that says which read failed (every rank
+# raises it).  A read never writes into another
 # process: an aborted group leaves the senders' buffers as they were.
 
 cdef extern from "<sys/uio.h>" nogil:
@@ -47,6 +48,11 @@ cdef extern from "<sys/uio.h>" nogil:
         size_t iov_len
     ssize_t process_vm_readv(int pid, const iovec *local, unsigned long liovcnt,
                              const iovec *remote, unsigned long riovcnt, unsigned long flags)
+
+cdef extern from "<errno.h>" nogil:
+    enum:
+        ESRCH                     # the process is gone (then only its death is said)
+        EIO
 
 cdef extern from "<stdio.h>" nogil:
     int snprintf(char *buf, size_t n, const char *fmt, ...)
@@ -79,7 +85,8 @@ cdef enum:
     CMA_FAIL = 5
     CMA_ABORT_FAILED = 3          # codes.ABORT_FAILED (_engine.pyx checks)
 
-DEF CMA_GRACE_NS = 1000000000     # a failed read with no dead peer found by then: abort
+DEF CMA_GRACE_MS = 2500           # a failed read with no dead peer found by then: abort (the
+                                  # Python layer looks at every member once a second)
 
 
 cdef inline uint64_t cma_token(Eng *e, int r) noexcept nogil:
@@ -196,7 +203,9 @@ cdef bint cma_readers_through(Eng *e, Call *k) noexcept nogil:
 cdef int cma_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
     cdef Cma *m = &e.cma
     if m.err:
-        return CMA_FAIL if shm_now_ns() - m.err_since >= CMA_GRACE_NS else 0
+        if m.err != ESRCH and shm_now_ns() - m.err_since >= <int64_t>CMA_GRACE_MS * 1000000:
+            return CMA_FAIL
+        return 0
     if not m.own_done:
         return CMA_OWN
     if m.s < e.nranks:
@@ -244,7 +253,7 @@ cdef int cma_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
         want = n - m.off if n - m.off < m.chunk else m.chunk
         got = cma_read(m.pids[r], local + m.off, remote + m.off, want)
         if got <= 0:
-            m.err = errno if got < 0 and errno else 5     # (EIO: read nothing)
+            m.err = errno if got < 0 and errno else EIO     # (EIO: read nothing)
             m.err_rank = r
             m.err_since = shm_now_ns()
             return RC_DONE            # (ready() says nothing more is ready)
