@@ -17,6 +17,7 @@ and the primitives inline into the algorithms):
     other collectives), alg_exchange (blocks between any pairs, through outboxes), alg_direct
     (the single copies of shared arrays, no rings), alg_cma (the single copy of private buffers
     by cross-memory attach, no rings).
+  * engine/scan.pxi: the fold of scan and exscan (rows in rank order, numpy's bits).
   * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
     selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
     call whole (its first round's layout, building and reading it, the hand-over to the data);
@@ -36,7 +37,11 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR, OP_MAX
+from shmtree._kernels cimport (reduce_fn, get_kernel, DT_BOOL, DT_I1, DT_I2, DT_I4, DT_I8,
+                               DT_U1, DT_U2, DT_U4, DT_U8, DT_F2, DT_F4, DT_F8, DT_C8, DT_C16,
+                               DT_BF16, N_DTYPES, OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND,
+                               OP_BOR, OP_BXOR, N_OPS)
+from libc.math cimport INFINITY
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -91,6 +96,7 @@ include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 include "engine/alg_exchange.pxi"
 include "engine/alg_cma.pxi"
+include "engine/scan.pxi"
 
 import os
 import pickle
@@ -330,11 +336,17 @@ assert CMA_ABORT_FAILED == _ABORT_FAILED
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
+    COLL_SCAN = 9           # (Engine.call: scan and exscan, an allgather of the inputs and the
+    COLL_EXSCAN = 10        # fold of the rows this rank needs: msg_scan; calls.py's numbers)
+    COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
-# the collectives by number, for the Python layer (calls.py numbers them alike)
+# the collectives by number, for the Python layer (calls.py numbers them alike; ERROR is the
+# engine's own)
 ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
     COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
+SCAN, EXSCAN = COLL_SCAN, COLL_EXSCAN
+SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
 
 
@@ -628,12 +640,27 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef ScanFold scan                # a scan's fold, run when the call ends (msg_scan)
+    cdef object scan_out              # its output (held to the end)
+    cdef object scan_stack            # the scans' stack of every rank's row (uint8), kept from
+                                      # call to call (no fresh pages each call)
+    cdef object scan_bounds           # their blocks by ring position (the blocks algorithm),
+    cdef uint64_t scan_bounds_block   # for blocks of this many bytes
+    # a scatter's call (engine/scatter.pxi): its mode (0: the call is no scatter), root, the
+    # root's array, this rank's output (None: made once the round has said its shape), the
+    # byte matrix of its exchange
+    cdef int sc_mode, sc_root
+    cdef object sc_src, sc_out, sc_B
+    cdef const char *sc_src_p
+    cdef char *sc_dst_p
+    cdef uint64_t *sc_Bp
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
         memset(&self.bc, 0, sizeof(Bcast))
         self.bc.root = -1
         self.bc.room = 64
+        self.scan.upto = -1
         self.share_keep = []
 
     def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
@@ -729,14 +756,15 @@ cdef class Engine:
              dims=None, offs=None):
         """Start a collective and run its first time slice; the one way into a call.
 
-        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST or
-        ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
+        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST,
+        ALLTOALL, SCAN, EXSCAN or ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
         KIND_ROOT_STEP * root, which every rank compares); timeout: the first slice's limit
         (None or seconds, a float or int >= 0: the slice is the engine's slice_ns or less).
         array, out, op: the call's, as the collective takes them (engine/msg.pxi): a plain
         ndarray call of a supported dtype is taken as it is (the hot path: one C call);
         op is an op name or ufunc, or (op code, dtype code) already checked by the parse;
-        tag: ALLGATHER's dtype digest, BROADCAST's BC_DATA_ONLY; dims: the descriptor's
+        tag: ALLGATHER's, ALLTOALL's, SCAN's and EXSCAN's dtype digest, BROADCAST's
+        BC_DATA_ONLY; dims: the descriptor's
         shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
         (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
         (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
@@ -760,6 +788,10 @@ cdef class Engine:
             rc = msg_broadcast(self, array, out, root, kind, tag)
         elif coll == COLL_ALLTOALL:
             rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
+        elif coll == COLL_SCAN or coll == COLL_EXSCAN:
+            rc = msg_scan(self, array, out, op, kind, coll == COLL_EXSCAN, tag)
+        elif coll == COLL_SCATTER:
+            rc = msg_scatter(self, array, out, root, kind, tag)
         elif coll == COLL_ERROR:
             rc = msg_error(self, kind, array)
         else:
@@ -767,6 +799,10 @@ cdef class Engine:
         if rc < 0:
             self.result = None
             return None
+        if rc == RC_ALONE:                # (one rank: the call is whole already)
+            got = self.result
+            self.result = None
+            return RC_DONE, got
         if rc == RC_DONE:
             rc = self._progress(budget)
             if rc == RC_NEED_OUT:
@@ -798,6 +834,22 @@ cdef class Engine:
         if aborted(&self.e):
             return RC_ABORTED
         return RC_DONE
+
+    cdef int alone(self, cnp.ndarray a, cnp.ndarray res) noexcept:
+        """An allreduce in a group of one rank, whole (its arguments checked): the input
+        copied to the output, the call numbered and counted as one that ran its round, and
+        RC_ALONE (Engine.call: done, no progress to run)."""
+        cdef uint64_t seq = self.next_seq
+        cdef shm_rank_block *me = self.seg.block(self.e.rank)
+        cdef uint64_t n = cnp.PyArray_NBYTES(a)
+        self.next_seq = seq + 1
+        self.cur_seq = seq
+        self.e.idle_since = 0
+        if n and cnp.PyArray_DATA(a) != cnp.PyArray_DATA(res):
+            memcpy(cnp.PyArray_DATA(res), cnp.PyArray_DATA(a), n)
+        self.ncalls += 1
+        shm_store_release64(&me.done, seq + 1)
+        return RC_ALONE
 
     cdef void begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
                          int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
@@ -938,7 +990,7 @@ cdef class Engine:
         if rc == RC_DONE and self.phase == 0 and self.e.cma.state == CMA_UNKNOWN:
             self.e.cma.state = cma_probe(&self.e, False)  # (once: every peer has started)
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
-            return bcast_handover(self)
+            return scatter_handover(self) if self.sc_mode else bcast_handover(self)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -978,8 +1030,15 @@ cdef class Engine:
             rc = self._run_call()
             if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+            if rc == RC_DONE and self.scan.upto >= 0:       # (a scan: its fold, in C)
+                fold_prefix(self.scan.op, self.scan.dtype, self.scan.rows, self.scan.stride,
+                            self.scan.upto, self.scan.out, self.scan.n)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
-            self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
+            if self.sc_mode:
+                self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
+                    <cnp.ndarray>self.src_ref) + CLAIM * self.e.nranks, True)
+            else:
+                self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
             return rc
         if rc != RC_STALLED:
             if rc == RC_DONE:
@@ -991,6 +1050,8 @@ cdef class Engine:
                                        <char *>cnp.PyArray_DATA(self.x_out))
                 if self.bc.root >= 0:
                     self.result = bcast_ended(self)
+                elif self.sc_mode:
+                    self.result = scatter_ended(self)
             self._end_call()
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
                 shm_store_release64(&me.done, self.cur_seq + 1)
@@ -1004,10 +1065,15 @@ cdef class Engine:
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
         self.x_full = self.x_out = None
+        self.scan_out = None
+        self.scan.upto = -1
         self.place_keep = self.place_keep_out = None
         self.fin_n = 0
         self.bc.root = -1
         self.bc.pending = self.bc.need = self.bc.ran = 0
+        self.sc_mode = 0
+        self.sc_src = self.sc_out = None
+        self.sc_src_p = self.sc_dst_p = NULL
 
     def give_output(self, dst):
         """Give the broadcast that stopped with NEED_OUT this rank's output: a C-contiguous
@@ -1065,3 +1131,4 @@ include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"
+include "engine/scatter.pxi"

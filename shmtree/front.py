@@ -660,6 +660,10 @@ class Front:
         >>> shmtree.run(step, 2)
         [[1, 2], [3, 4]]
         """
+        if axis is None:
+            got = self._quick(SCATTER, array, None, out, root, timeout)
+            if got is not DECLINED:
+                return got
         if _foreign(array, out):
             return _arrays.call(self.scatter, array, out, "scatter", root, axis=axis,
                                 timeout=timeout)

@@ -691,5 +691,9 @@ def test_an_out_that_disagrees_is_a_mismatch_on_every_rank(which):
     for rank, text in enumerate(got):
         assert text.startswith("CollectiveMismatchError"), (rank, got)
     bad = 0 if which == "gather" else 1
+    if which == "scatter":                 # (the round's claims: the same words on every rank)
+        assert all("rank 1 passed out= of shape (2,) and dtype float32" in text
+                   for text in got), got
+        return
     assert "out has" in got[bad], got
     assert all(f"rank {bad}" in text for r, text in enumerate(got) if r != bad), got

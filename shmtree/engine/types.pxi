@@ -91,6 +91,8 @@ cdef enum:
     RC_CORRUPT = 4
     RC_NEED_OUT = 5         # a broadcast's data follows and this rank has no output yet
                             # (engine/bcast.pxi: bcast_handover, bcast_need_out)
+    RC_ALONE = 6            # (msg_allreduce, inside Engine.call only: one rank, the call
+                            # whole without a round: Engine.alone)
 
 
 cdef struct Conn:
