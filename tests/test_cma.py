@@ -329,7 +329,7 @@ def test_single_copy_reads_the_minimum(P):
         assert got["alltoall"] == (0, (P - 1) * block), (rank, got)
         assert got["allgather"] == (0, (P - 1) * block), (rank, got)
         assert got["gather"] == (0, (P - 1) * block if rank == P - 1 else 0), (rank, got)
-        # (scatter: plus the broadcast of the root's shape, a round without data)
+        # (scatter: plus its first round, the claims and the root's description, no data)
         assert got["scatter"][0] < 1024 and got["scatter"][1] == (0 if rank == 1 else block), \
             (rank, got)
 
