@@ -716,7 +716,9 @@ cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
                     nbytes, 1, OP_BOR, DT_U1, kind, 1, dims, COLL_ALLREDUCE, ALG_INLINE)
     place(self, self.cur_seq, <const char *>cnp.PyArray_DATA(a), <char *>cnp.PyArray_DATA(a),
           sent, True)                     # (the single copy reads every rank's input)
-    self.xv.pending = 1
+    cma_offer(self, self.cur_seq, <const char *>cnp.PyArray_DATA(a) if sent else NULL, True)
+    self.xv.pending = 1                   # (cross-memory attach: decided from B after the
+                                          # round, in xv_handover)
     self.xv.row = row
     self.xv.used_room = room
     self.xv_a = a
@@ -785,6 +787,7 @@ cdef int xv_handover(Engine self) except -1:
     self.e.dir.mode = COLL_ALLTOALL
     self.e.dir.pairwise = 0
     self.e.nt = not self.direct and self.nt_bytes > 0 and total >= self.nt_bytes
+    self.cma = not self.direct and cma_big(self, B) and cma_agreed(self)
     alg = self._phase1(&ch)
     self._start_phase(ch, alg, self.src_p, self.dst_p, total)
     with nogil:
