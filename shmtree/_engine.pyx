@@ -1142,5 +1142,7 @@ cdef class Engine:
 include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
+include "engine/msg_scan.pxi"
+include "engine/msg_alltoallv.pxi"
 include "engine/bcast.pxi"
 include "engine/scatter.pxi"
