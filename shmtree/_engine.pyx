@@ -14,7 +14,10 @@ and the primitives inline into the algorithms):
   * engine/alg_*.pxi: one algorithm per file, written in the primitives: alg_inline (the
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
-    other collectives), alg_direct (the single copies of shared arrays, no rings).
+    other collectives), alg_exchange (blocks between any pairs, through outboxes), alg_direct
+    (the single copies of shared arrays, no rings), alg_cma (the single copy of private buffers
+    by cross-memory attach, no rings).
+  * engine/scan.pxi: the fold of scan and exscan (rows in rank order, numpy's bits).
   * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
     selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
     call whole (its first round's layout, building and reading it, the hand-over to the data);
@@ -34,7 +37,11 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR, OP_MAX
+from shmtree._kernels cimport (reduce_fn, get_kernel, DT_BOOL, DT_I1, DT_I2, DT_I4, DT_I8,
+                               DT_U1, DT_U2, DT_U4, DT_U8, DT_F2, DT_F4, DT_F8, DT_C8, DT_C16,
+                               DT_BF16, N_DTYPES, OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND,
+                               OP_BOR, OP_BXOR, N_OPS)
+from libc.math cimport INFINITY
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -88,7 +95,10 @@ include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 include "engine/alg_exchange.pxi"
+include "engine/alg_cma.pxi"
+include "engine/scan.pxi"
 
+import os
 import pickle
 
 import numpy as np
@@ -243,7 +253,7 @@ def clash(a, b):
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
-VERSION = 4
+VERSION = 5
 # the layout constants, for transport.py (one definition: layout.h)
 LINE_BYTES = SHM_LINE
 PAGE_BYTES = SHM_PAGE
@@ -289,7 +299,8 @@ cdef enum:
     ALG_TREE = 1
     ALG_RING = 2
     ALG_DIRECT = 3          # shared arrays: single copy
-    N_ALG = 4
+    ALG_CMA = 4             # private buffers: single copy by cross-memory attach
+    N_ALG = 5
 
 cdef Alg _ALGS[N_COLL][N_ALG]
 memset(_ALGS, 0, sizeof(_ALGS))
@@ -318,14 +329,24 @@ _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_don
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
 _register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
 _register(COLL_ALLTOALL, ALG_RING, xchg_setup, xchg_ready, xchg_step, xchg_done)
+_register(COLL_ALLGATHER, ALG_CMA, cma_setup, cma_ready, cma_step, cma_done)
+_register(COLL_ALLTOALL, ALG_CMA, cma_setup, cma_ready, cma_step, cma_done)
+from shmtree.codes import ABORT_FAILED as _ABORT_FAILED
+assert CMA_ABORT_FAILED == _ABORT_FAILED
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
+    COLL_SCAN = 9           # (Engine.call: scan and exscan, an allgather of the inputs and the
+    COLL_EXSCAN = 10        # fold of the rows this rank needs: msg_scan; calls.py's numbers)
+    COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
-# the collectives by number, for the Python layer (calls.py numbers them alike)
+# the collectives by number, for the Python layer (calls.py numbers them alike; ERROR is the
+# engine's own)
 ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
     COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
+SCAN, EXSCAN = COLL_SCAN, COLL_EXSCAN
+SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
 
 
@@ -607,6 +628,10 @@ cdef class Engine:
                                       # meanwhile (Communicator.close, an array's finalizer,
                                       # interpreter exit)
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
+    cdef int cma                      # ... or ALG_CMA (alg_cma.pxi)
+    cdef public uint64_t cma_bytes    # a call offers ALG_CMA when its largest block is this
+    cdef public uint64_t cma_total    # large and its bytes in all this many (alg_cma.pxi:
+                                      # CMA_BYTES, CMA_TOTAL)
     cdef Bcast bc                     # a broadcast's call (engine/bcast.pxi)
     cdef object bc_buf                # the last first round (reused by the next)
     cdef object bc_result, bc_out     # its output (given before the round, or made after it)
@@ -615,12 +640,31 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef Xv xv                        # alltoall(counts=): its first round carries the counts
+    cdef object xv_buf, xv_a, xv_out, xv_B    # (engine/msg.pxi, msg_alltoallv): the round
+                                      # (reused), the input, the output, the byte matrix B
+    cdef ScanFold scan                # a scan's fold, run when the call ends (msg_scan)
+    cdef object scan_out              # its output (held to the end)
+    cdef object scan_stack            # the scans' stack of every rank's row (uint8), kept from
+                                      # call to call (no fresh pages each call)
+    cdef object scan_bounds           # their blocks by ring position (the blocks algorithm),
+    cdef uint64_t scan_bounds_block   # for blocks of this many bytes
+    # a scatter's call (engine/scatter.pxi): its mode (0: the call is no scatter), root, the
+    # root's array, this rank's output (None: made once the round has said its shape), the
+    # byte matrix of its exchange
+    cdef int sc_mode, sc_root
+    cdef object sc_src, sc_out, sc_B
+    cdef const char *sc_src_p
+    cdef char *sc_dst_p
+    cdef uint64_t *sc_Bp
 
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
         memset(&self.bc, 0, sizeof(Bcast))
+        memset(&self.xv, 0, sizeof(Xv))
         self.bc.root = -1
         self.bc.room = 64
+        self.scan.upto = -1
         self.share_keep = []
 
     def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
@@ -651,6 +695,13 @@ cdef class Engine:
         self._select(selection)
         scratch_setup(self, maxchild)
         exchange_setup(self, exchange)
+        # the single copy of private buffers (alg_cma.pxi): probed once, as the first call
+        # begins or after its round; SHMTREE_CMA=0 switches it off (read once, here)
+        self.cma_bytes = CMA_BYTES
+        self.cma_total = CMA_TOTAL
+        cma_publish_probe(&self.e)
+        self.e.cma.state = (CMA_OFF if os.environ.get("SHMTREE_CMA", "1").strip() == "0"
+                            else CMA_NO if self.e.nranks == 1 else CMA_UNKNOWN)
 
     # the waiting policy (wait.pxi), in ns
     @property
@@ -709,16 +760,19 @@ cdef class Engine:
              dims=None, offs=None):
         """Start a collective and run its first time slice; the one way into a call.
 
-        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST or
-        ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
+        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST,
+        ALLTOALL, SCAN, EXSCAN or ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
         KIND_ROOT_STEP * root, which every rank compares); timeout: the first slice's limit
         (None or seconds, a float or int >= 0: the slice is the engine's slice_ns or less).
         array, out, op: the call's, as the collective takes them (engine/msg.pxi): a plain
         ndarray call of a supported dtype is taken as it is (the hot path: one C call);
         op is an op name or ufunc, or (op code, dtype code) already checked by the parse;
-        tag: ALLGATHER's dtype digest, BROADCAST's BC_DATA_ONLY; dims: the descriptor's
+        tag: ALLGATHER's, ALLTOALL's, SCAN's and EXSCAN's dtype digest, BROADCAST's
+        BC_DATA_ONLY; dims: the descriptor's
         shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
-        (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
+        (bytes, 2P uint64) when the blocks differ; ALLTOALL's byte matrix B (with dims), or
+        its counts (without dims: alltoall(counts=), engine/msg.pxi's msg_alltoallv).  Which
+        algorithm runs is the selection's
         (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
         array when it is known from the start (None: take_result() once the call is DONE) - or
         None when the call cannot be taken as it is (the caller normalises it first:
@@ -740,6 +794,10 @@ cdef class Engine:
             rc = msg_broadcast(self, array, out, root, kind, tag)
         elif coll == COLL_ALLTOALL:
             rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
+        elif coll == COLL_SCAN or coll == COLL_EXSCAN:
+            rc = msg_scan(self, array, out, op, kind, coll == COLL_EXSCAN, tag)
+        elif coll == COLL_SCATTER:
+            rc = msg_scatter(self, array, out, root, kind, tag)
         elif coll == COLL_ERROR:
             rc = msg_error(self, kind, array)
         else:
@@ -747,6 +805,10 @@ cdef class Engine:
         if rc < 0:
             self.result = None
             return None
+        if rc == RC_ALONE:                # (one rank: the call is whole already)
+            got = self.result
+            self.result = None
+            return RC_DONE, got
         if rc == RC_DONE:
             rc = self._progress(budget)
             if rc == RC_NEED_OUT:
@@ -779,6 +841,22 @@ cdef class Engine:
             return RC_ABORTED
         return RC_DONE
 
+    cdef int alone(self, cnp.ndarray a, cnp.ndarray res) noexcept:
+        """An allreduce in a group of one rank, whole (its arguments checked): the input
+        copied to the output, the call numbered and counted as one that ran its round, and
+        RC_ALONE (Engine.call: done, no progress to run)."""
+        cdef uint64_t seq = self.next_seq
+        cdef shm_rank_block *me = self.seg.block(self.e.rank)
+        cdef uint64_t n = cnp.PyArray_NBYTES(a)
+        self.next_seq = seq + 1
+        self.cur_seq = seq
+        self.e.idle_since = 0
+        if n and cnp.PyArray_DATA(a) != cnp.PyArray_DATA(res):
+            memcpy(cnp.PyArray_DATA(res), cnp.PyArray_DATA(a), n)
+        self.ncalls += 1
+        shm_store_release64(&me.done, seq + 1)
+        return RC_ALONE
+
     cdef void begin_call(self, src, dst, const char *src_p, char *dst_p, uint64_t nbytes,
                          int itemsize, int op, int dtype, int kind, int ndim, int64_t *dims,
                          int coll, int alg) noexcept:
@@ -806,6 +884,10 @@ cdef class Engine:
         self.alg = alg
         write_desc(self, seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
+        self.cma = 0
+        if self.e.cma.state == CMA_UNKNOWN:
+            self.e.cma.state = cma_probe(&self.e, True)   # (where every peer has started)
+        cma_place(self, seq, coll, alg, src_p, dst_p)
         if coll == COLL_ALLREDUCE:
             place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
@@ -889,6 +971,9 @@ cdef class Engine:
         if self.direct:
             ch[0] = 1
             return ALG_DIRECT
+        if self.cma:
+            ch[0] = 1
+            return ALG_CMA
         if self.coll == COLL_ALLREDUCE:
             ch[0] = 1
             return ALG_RING if self.e.chans[1].ring and self.e.chans[1].parent >= 0 else ALG_TREE
@@ -908,11 +993,16 @@ cdef class Engine:
         cdef int ch, alg
         cdef const char *src
         cdef uint64_t lo
+        if rc == RC_DONE and self.phase == 0 and self.e.cma.state == CMA_UNKNOWN:
+            self.e.cma.state = cma_probe(&self.e, False)  # (once: every peer has started)
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
-            return bcast_handover(self)
+            return scatter_handover(self) if self.sc_mode else bcast_handover(self)
+        if rc == RC_DONE and self.phase == 0 and self.xv.pending:
+            return RC_XV_ROUND        # (alltoall(counts=): _progress reads the round)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
+            self.cma = not self.direct and cma_agreed(self)
             self.e.dir.mode = self.coll
             if self.direct:
                 self.e.nt = False     # (measured: streaming stores slow the single copy down,
@@ -946,10 +1036,19 @@ cdef class Engine:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and rc != RC_XV_ROUND and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+            if rc == RC_DONE and self.scan.upto >= 0:       # (a scan: its fold, in C)
+                fold_prefix(self.scan.op, self.scan.dtype, self.scan.rows, self.scan.stride,
+                            self.scan.upto, self.scan.out, self.scan.n)
+        if rc == RC_XV_ROUND:                 # (the counts are in: the data, inline or not)
+            rc = xv_handover(self)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
-            self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
+            if self.sc_mode:
+                self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
+                    <cnp.ndarray>self.src_ref) + CLAIM * self.e.nranks, True)
+            else:
+                self.result = bcast_read(self.src_ref, None, self.e.nranks, self.bc.used_room)
             return rc
         if rc != RC_STALLED:
             if rc == RC_DONE:
@@ -961,6 +1060,8 @@ cdef class Engine:
                                        <char *>cnp.PyArray_DATA(self.x_out))
                 if self.bc.root >= 0:
                     self.result = bcast_ended(self)
+                elif self.sc_mode:
+                    self.result = scatter_ended(self)
             self._end_call()
             if rc == RC_DONE or rc == RC_MISMATCH:      # either way every rank is through it
                 shm_store_release64(&me.done, self.cur_seq + 1)
@@ -974,10 +1075,17 @@ cdef class Engine:
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
         self.x_full = self.x_out = None
+        self.xv_a = self.xv_out = None
+        self.xv.pending = 0
+        self.scan_out = None
+        self.scan.upto = -1
         self.place_keep = self.place_keep_out = None
         self.fin_n = 0
         self.bc.root = -1
         self.bc.pending = self.bc.need = self.bc.ran = 0
+        self.sc_mode = 0
+        self.sc_src = self.sc_out = None
+        self.sc_src_p = self.sc_dst_p = NULL
 
     def give_output(self, dst):
         """Give the broadcast that stopped with NEED_OUT this rank's output: a C-contiguous
@@ -998,6 +1106,29 @@ cdef class Engine:
         return {"calls": self.ncalls, "yields": self.e.n_yields, "sleeps": self.e.n_sleeps,
                 "sleep_timeouts": self.e.n_timeouts, "bytes_sent": self.e.n_sent}
 
+    def cma_counts(self):
+        """The single copy by cross-memory attach (alg_cma.pxi) since this rank joined: calls
+        that ran it, and the bytes this rank read out of its peers' buffers."""
+        return {"calls": self.e.cma.n_calls, "bytes": self.e.cma.n_bytes}
+
+    @property
+    def cma_state(self):
+        """The single copy of private buffers (alg_cma.pxi) in this group, as this rank found
+        it: "unknown" (not probed yet: after the first call's round), "yes", "no" (the kernel
+        does not let this rank read every peer's memory), or "off" (SHMTREE_CMA=0)."""
+        return ("unknown", "yes", "no", "off")[self.e.cma.state]
+
+    @property
+    def cma_chunk(self):
+        """Bytes the single copy by cross-memory attach reads at a time (alg_cma.pxi)."""
+        return self.e.cma.chunk
+
+    @cma_chunk.setter
+    def cma_chunk(self, uint64_t n):
+        if n < 1:
+            raise ValueError("shmtree: cma_chunk must be at least 1 byte")
+        self.e.cma.chunk = n
+
     @property
     def in_call(self):
         return bool(self.busy)
@@ -1011,4 +1142,7 @@ cdef class Engine:
 include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
+include "engine/msg_scan.pxi"
+include "engine/msg_alltoallv.pxi"
 include "engine/bcast.pxi"
+include "engine/scatter.pxi"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _accum
+from . import _accum, _rounding
 from .arrays import as_numpy, is_foreign
 
 __all__ = ["Accumulator"]
@@ -248,7 +248,7 @@ class Accumulator:
         real = _real_dtype(self._dtype)
         p, emin, emax = _FORMATS[real.name]
         out = flat if flat is not None else np.empty(self._q.shape[0], np.float64)
-        invalid, overflow = _accum.rounded(self._q, self._limbs, self._flags, p, emin, emax,
+        invalid, overflow = _rounding.rounded(self._q, self._limbs, self._flags, p, emin, emax,
                                            out)
         if strict and invalid:
             raise ValueError(f"shmtree: Accumulator.result: -inf + inf in {invalid} "

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 
 import numpy as np
 
-from . import _accum, _engine, _kernels, calls, session
-from .accumulator import Accumulator, merged
+from . import _engine, _kernels, _rounding, calls
+from .accumulating import Across, accumulating, accumulated
+from .accumulator import Accumulator
 from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, bytes_of,
                     split_bounds)
 from .codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_REDUCE, DET_REDUCE_SCATTER, DET_ROOTS,
@@ -55,13 +57,12 @@ from .ops import OP_NAMES, dtype_name, reduction_codes
 from .persistent import DECLINED
 
 __all__ = ["prepared", "spanning", "quick", "bind", "described", "GATHER_BYTES"]
+# (the Accumulator allreduce's rounds: shmtree/accumulating.py)
 
 GATHER_BYTES = 256 << 10    # a deterministic call of at most this many bytes in all (P x the
                             # message, or small_bytes where that is more) is one allgather of
                             # every input; larger ones the transpose (the rule of the scan:
                             # collectives.scan_gathers)
-SMALL_WORDS = 3             # an Accumulator allreduce of at most SMALL_STATE bytes in all ...
-SMALL_STATE = 64 << 10      # ... is one allgather of states of 1 + SMALL_WORDS int64 each
 _EXACT = "biu"              # dtype kinds whose every op gives the same bits in any order
 _NOTHING = np.empty(0, np.uint8)
 _U1 = _kernels.DTYPE_CODES["u1"]
@@ -75,7 +76,7 @@ _BOR = _kernels.OP_CODES["bor"]
 def prepared(comm, spec):
     """The function that runs a reproducible call (spec.reproducible) on one machine."""
     if spec.kind // KIND_ROOT_STEP == DET_ACCUMULATE:
-        return functools.partial(_accumulating, comm, spec)
+        return functools.partial(accumulating, comm, spec)
     if spec.coll == REDUCE_SCATTER:
         return functools.partial(_reduce_scatter, comm, spec)
     return functools.partial(_reducing, comm, spec)
@@ -173,7 +174,7 @@ def _rank_fold(comm, src, dst, root, opc, kind, deadline):
         comm._call(ALLGATHER, bytes_of(src), bytes_of(stack), None, 0, kind, deadline, 0, dims,
                    comm._even_positions(src.nbytes))
         if dst is not None:
-            _accum.fold_rows(dst, stack, opc, dtc)
+            _rounding.fold_rows(dst, stack, opc, dtc)
         return
     if _chained(comm, dt, src.nbytes, root):     # (the engine's reduce to P-1, a broadcast)
         last = P - 1
@@ -190,14 +191,14 @@ def _rank_fold(comm, src, dst, root, opc, kind, deadline):
     comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, dims, deadline)
     if root is None:                          # allreduce: fold into place, then allgather
         flat = dst.reshape(-1)
-        _accum.fold_rows(flat[b[me]:b[me + 1]], rows, opc, dtc)
+        _rounding.fold_rows(flat[b[me]:b[me + 1]], rows, opc, dtc)
         offsets = [b[q] * dt.itemsize for q in range(P + 1)]
         view = bytes_of(flat)
         comm._call(ALLGATHER, view[offsets[me]:offsets[me + 1]], view, None, 0, kind, deadline,
                    0, dims, comm._by_position(offsets))
         return
     folded = comm._work(1, (m,), dt)
-    _accum.fold_rows(folded, rows, opc, dtc)
+    _rounding.fold_rows(folded, rows, opc, dtc)
     B = np.zeros(P * P, np.uint64)
     B[root::P] = sizes                        # (rank p's block p goes to the root)
     comm._exchange(folded, dst.reshape(-1) if dst is not None else _NOTHING, B, kind, dims,
@@ -224,7 +225,7 @@ def _reduce_scatter(comm, spec):
     rows = comm._work(0, (P, (hi - lo) * row), dt)
     comm._exchange(src.reshape(-1), rows, np.tile(sizes, P), kind, _dims(src, spec.opc),
                    deadline)
-    _accum.fold_rows(result, rows, spec.opc, spec.dtc)
+    _rounding.fold_rows(result, rows, spec.opc, spec.dtc)
     return calls.finish(result, copy_back)
 
 
@@ -244,7 +245,7 @@ def quick(comm, coll, array, op, out, root, timeout):
             return DECLINED
         ordered(comm, coll, 0)
         order = comm._repro_order
-    if type(array) is not np.ndarray or comm._closed or comm._gen != session._fork_gen \
+    if type(array) is not np.ndarray or comm._closed or comm._pid != os.getpid() \
             or comm.group._closed:
         return DECLINED
     progress = comm._progress
@@ -320,7 +321,7 @@ def _quick_fold(comm, array, op, out, root, kind, timeout):
         if got is DECLINED or not mine:
             return got if got is DECLINED else None
         dst = np.empty(array.shape, dt) if out is None else out
-        _accum.fold_rows(dst, stack, codes[0], codes[1])
+        _rounding.fold_rows(dst, stack, codes[0], codes[1])
         return dst
     if _chained(comm, dt, nbytes, root):
         last = P - 1
@@ -366,145 +367,6 @@ def bind(comm, spec, slow):
 
 
 # ---------------------------------------------------------------------------------------------
-# Accumulator allreduce
-
-
-def _accumulating(comm, spec):
-    """An Accumulator allreduce on one machine."""
-    return _accumulate(_Local(comm, spec), spec)
-
-
-def _accumulate(rounds, spec):
-    """The merged Accumulator of every rank's (spec.array an Accumulator), or, for
-    reproducible=True, its result() into out= (or a new array)."""
-    given = spec.array
-    if type(given) is Accumulator:
-        return allreduce_accumulator(rounds, given)
-    comm = rounds.comm
-    if given.dtype == np.float64:             # (every state a scratch array of the call's)
-        n = given.size
-        x = np.ascontiguousarray(given).reshape(-1)
-        state = _accum.from_values(x, _scratch(comm, "q", (n,), np.int16),
-                                   _scratch(comm, "limbs", (n, 2), np.int64),
-                                   _scratch(comm, "flags", (n,), np.uint8))
-        acc = Accumulator._made(given.shape, given.dtype, *state, True)
-    else:
-        acc = Accumulator._of_one(given)
-    total = allreduce_accumulator(rounds, acc, comm)
-    result, dst, copy_back = calls.destination(given, spec.out)
-    total._result_into(dst.reshape(-1) if dst.dtype == np.float64 else None, dst)
-    if copy_back is not None:
-        copy_back[...] = dst.reshape(copy_back.shape)
-    return result
-
-
-def _scratch(comm, name, shape, dtype):
-    """A scratch array of a reproducible=True call (its states, which it does not return):
-    kept on the communicator, grown as needed (calls of one communicator run one at a
-    time), so that a large call does not pay a page fault per 4 KiB every time."""
-    store = comm.__dict__.setdefault("_repro_scratch", {})
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes > _SCRATCH_BYTES:
-        return np.empty(shape, dtype)
-    buf = store.get(name)
-    if buf is None or buf.nbytes < nbytes:
-        buf = store[name] = np.empty(max(nbytes, 64), np.uint8)
-    return buf[:nbytes].view(dtype).reshape(shape)
-
-
-_SCRATCH_BYTES = 64 << 20
-
-
-def allreduce_accumulator(rounds, acc, scratch=None):
-    """The Accumulator of every rank's terms: every rank's state summed exactly (the module's
-    docstring; rounds: the communicator's rounds, _Local or _Across; scratch: the communicator
-    whose scratch arrays hold the merged state, when the caller does not keep it)."""
-    q, limbs, flags, nonempty = acc._state()
-    n, P = q.shape[0], rounds.size
-    dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + \
-        [calls.dtype_digest(acc.dtype)]
-    if P == 1:
-        return acc.copy()
-    if rounds.small and (n + 1) * (1 + SMALL_WORDS) * 8 * P <= SMALL_STATE:
-        rows = np.empty((P, n + 1, 1 + SMALL_WORDS), np.int64)
-        rounds.allgather(_accum.small_rows(q, limbs, flags, nonempty, SMALL_WORDS), rows,
-                         dims + [-1])
-        got = _accum.merge_rows(rows)
-        if got is not None:
-            return acc._like(*got)
-    # the group's lowest bit of every element: a max of -q (QNONE is the least), and (the
-    # last entry) whether any rank has terms
-    neg = np.empty(n + 1, np.int16) if scratch is None else \
-        _scratch(scratch, "neg", (n + 1,), np.int16)
-    np.negative(q, out=neg[:n])
-    neg[n] = int(bool(nonempty))
-    rounds.allreduce(neg, "max", dims)
-    any_terms = bool(neg[n])
-    qg = np.negative(neg[:n]) if scratch is None else \
-        np.negative(neg[:n], out=_scratch(scratch, "qg", (n,), np.int16))
-    # the limbs at the group's q, in 2 words when every element fits (the last row: how many
-    # elements did not, how many flags a result depends on: summed with the limbs)
-    extra = max(1, (P - 1).bit_length())
-    words = 2                                 # (the same on every rank: the round's shape)
-    out = np.empty((n + 1, words), np.int64) if scratch is None else \
-        _scratch(scratch, "out", (n + 1, words), np.int64)
-    need = _accum.aligned(q, limbs, qg, extra, out[:n])
-    mine = int(bool((flags & _accum.SPECIAL).any()))
-    out[n, 0] = int(need > words)
-    out[n, 1] = mine
-    rounds.allreduce(out, "sum", dims)
-    if out[n, 0]:                             # (some rank's did not fit: as many as any needs)
-        head = np.array([need], np.int64)
-        rounds.allreduce(head, "max", dims)
-        out = np.empty((n + 1, int(head[0])), np.int64)
-        _accum.realign(q, limbs, qg, out[:n])
-        out[n] = 0
-        out[n, 1] = mine
-        rounds.allreduce(out, "sum", dims)
-    special = bool(out[n, 1])
-    if special:                               # (some rank has a NaN, an infinity, a -0.0)
-        got_flags = flags.copy()
-        rounds.allreduce(got_flags, "bor", dims)
-    else:                                     # (every term of every element is "other")
-        got_flags = np.full(n, _accum.FLAG_OTHER if any_terms else 0, np.uint8)
-    limbs_out = out[:n]
-    _accum.normalize_sum(limbs_out, qg)
-    return acc._like(qg, limbs_out, got_flags, any_terms)
-
-
-class _Local:
-    """The rounds of an Accumulator allreduce on one machine: engine calls under the call's
-    kind."""
-
-    small = True
-
-    def __init__(self, comm, spec):
-        self.comm, self.kind, self.deadline = comm, spec.kind, spec.deadline
-        self.size = comm.size
-
-    def allreduce(self, buf, op, dims):
-        self.comm._call(ALLREDUCE, buf, buf, op, 0, self.kind, self.deadline, 0, dims)
-
-    def allgather(self, row, rows, dims):
-        self.comm._call(ALLGATHER, bytes_of(row), bytes_of(rows), None, 0, self.kind,
-                        self.deadline, 0, dims, self.comm._even_positions(row.nbytes))
-
-
-class _Across:
-    """The rounds of an Accumulator allreduce across nodes: the Spanning's pipelined
-    allreduce (after the call's agreement round)."""
-
-    small = False
-
-    def __init__(self, comm, deadline):
-        self.comm, self.deadline, self.size = comm, deadline, comm.size
-
-    def allreduce(self, buf, op, dims):
-        flat = buf.reshape(-1)
-        self.comm._reduce_pipeline(flat, flat, op, True, self.deadline)
-
-
-# ---------------------------------------------------------------------------------------------
 # across nodes (Spanning._executor's hook)
 
 
@@ -523,7 +385,7 @@ def spanning(comm, spec):
         table = comm._agree(row, deadline)
         comm._check(table)
         if det == DET_ACCUMULATE:
-            return _accumulate(_Across(comm, deadline), spec)
+            return accumulated(Across(comm, deadline), spec)
         if spec.coll == REDUCE_SCATTER:
             return _span_reduce_scatter(comm, spec)
         return _span_reducing(comm, spec)
@@ -563,7 +425,7 @@ def _span_reducing(comm, spec):
         stack = np.empty((P, n), dt)
         comm._allgather_data(src, None, [1] * P, a.nbytes, stack, deadline)
         if mine:
-            _accum.fold_rows(flat, stack, opc, _kernels.dtype_code(dt))
+            _rounding.fold_rows(flat, stack, opc, _kernels.dtype_code(dt))
     else:
         b = split_bounds(n, P)
         sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.int64)
@@ -572,7 +434,7 @@ def _span_reducing(comm, spec):
         comm._exchange_nodes(_apart(bytes_of(src), bytes_of(flat)), bytes_of(rows),
                              np.tile(sizes * dt.itemsize, (P, 1)), deadline)
         folded = np.empty(m, dt)
-        _accum.fold_rows(folded, rows, opc, _kernels.dtype_code(dt))
+        _rounding.fold_rows(folded, rows, opc, _kernels.dtype_code(dt))
         if root is None:
             comm._allgather_data(folded, 0, [int(s) for s in sizes], dt.itemsize, flat,
                                  deadline)
@@ -603,7 +465,7 @@ def _span_reduce_scatter(comm, spec):
     rows = np.empty((P, (hi - lo) * row), dt)
     comm._exchange_nodes(_apart(bytes_of(src), bytes_of(result)), bytes_of(rows),
                          np.tile(sizes, (P, 1)), spec.deadline)
-    _accum.fold_rows(result, rows, spec.opc, spec.dtc)
+    _rounding.fold_rows(result, rows, spec.opc, spec.dtc)
     return calls.finish(result, copy_back)
 
 

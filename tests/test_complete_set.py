@@ -541,6 +541,10 @@ def test_an_error_one_rank_sees_raises_on_every_rank():
                 # the root's block) is a mismatch on its own rank too (issue 34)
                 assert what == ("CollectiveMismatchError" if k in (3, 4, 8) else kinds[k]), \
                     (k, rank, what, msg)
+            elif k == 8:                  # (scatter's out= claims its block in the round:
+                # every rank reads the same claims and says the same words)
+                assert what == "CollectiveMismatchError", (k, rank, what, msg)
+                assert f"rank {culprit[k]} passed out= of shape" in msg, (k, msg)
             else:
                 assert what == "CollectiveMismatchError", (k, rank, what, msg)
                 assert f"rank {culprit[k]}" in msg and kinds[k] in msg, (k, msg)

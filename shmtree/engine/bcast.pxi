@@ -450,15 +450,21 @@ cdef int bcast_need_out(Engine self, dst) except -1:
     """The data follows and this rank passed neither an array nor out=: its output `dst` (made
     by the caller from the round's description), which the data then runs into."""
     cdef cnp.ndarray o = dst
+    cdef uint64_t want = self.msg_nbytes
     if not self.busy or not self.bc.need:
         raise RuntimeError("shmtree: give_output: no broadcast waits for its output")
+    if self.sc_mode:                      # (a scatter's: this rank's block)
+        want = self.sc_Bp[self.sc_root * self.e.nranks + self.e.rank]
     if (not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISWRITEABLE(o)
-            or <uint64_t>cnp.PyArray_NBYTES(o) != self.msg_nbytes):
+            or <uint64_t>cnp.PyArray_NBYTES(o) != want):
         raise ValueError("shmtree: give_output: the output must be C-contiguous, writable, of "
                          "the data's size")
     self.bc_result = dst
+    if self.sc_mode:
+        self.sc_out = dst
     self.bc.need = 0
     self.result = None
     self.dst_p = <char *>cnp.PyArray_DATA(o)
-    self._start_phase(self._ring_channel(), ALG_RING, NULL, self.dst_p, self.msg_nbytes)
+    self._start_phase(self._ring_channel(), ALG_CMA if self.cma else ALG_RING, NULL, self.dst_p,
+                      self.msg_nbytes)            # (a scatter's may read by cross-memory attach)
     return 0

@@ -88,6 +88,8 @@ cdef int msg_allreduce(Engine self, array, out, op, int kind, dims) except -2:
     self.result = res
     rc = self.may_begin()
     if rc == RC_DONE:
+        if self.e.nranks == 1:            # (one rank: the copy, the call numbered; no round)
+            return self.alone(a, res)
         self._begin_reduction(a, res, opc, dtc, kind, nd, dp, COLL_ALLREDUCE)
     return rc
 
@@ -289,6 +291,8 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
     return RC_DONE
 
 
+# ---- scan and exscan: one allgather of the inputs, the fold of the rows this rank needs ----
+
 cdef int msg_error(Engine self, int kind, bytes text) except -2:
     """A call that tells the other ranks this rank raised a local error in its collective of
     descriptor kind `kind` (DESIGN section 6: an error only the root can see must not leave the
@@ -342,12 +346,15 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
     source order, dims the descriptor's shape (the same on every rank).  array and out share no
     memory (an in-place call is copied first by the caller).  Selection: inline (one bitwise-or
     round of every rank's sends; the blocks are taken out at the end), the exchange, or the
-    single copy when every rank's input lies in a shared array."""
+    single copy when every rank's input lies in a shared array.  offs given without dims:
+    alltoall(counts=), offs the counts (msg_alltoallv)."""
     cdef int P = self.e.nranks, me = self.e.rank, i, p, nd, rc, alg
     cdef cnp.ndarray a, o, bmat
     cdef uint64_t *bp
     cdef uint64_t total = 0, sent = 0, got = 0, row = 0, block
     cdef int64_t given[MAX_NDIM]
+    if offs is not None and dims is None:
+        return msg_alltoallv(self, array, out, kind, offs)
     if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY):
         return -1
     a = <cnp.ndarray>array
@@ -425,3 +432,8 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
                     <char *>cnp.PyArray_DATA(o) if got else NULL, total, 1, OP_BOR, DT_U1, kind,
                     nd, given, COLL_ALLTOALL, ALG_RING)
     return RC_DONE
+
+
+# ---- alltoall(counts=): one call, the counts in its first round (alg_exchange.pxi) ----
+
+from cpython.long cimport PyLong_AsLongLongAndOverflow
