@@ -2,8 +2,8 @@
 calls whose CallSpec says so (calls.CallSpec.reproducible: descriptor kind KIND_DETERMINISTIC).
 
 * ``deterministic=True`` (allreduce, reduce, reduce_scatter): the op applied in rank order
-  0, 1, ..., P-1 to every element, as one multi-source kernel call (shmtree/_kernels.pyx,
-  reduce_into of the P contributions: the rule of a flat tree's root), whatever the plan:
+  0, 1, ..., P-1 to every element, as one multi-source kernel call (shmtree/_kernels.pyx's, on
+  the P contributions: the rule of a flat tree's root; _rounding.fold_rows), whatever the plan:
   - where the plan's own schedule already folds so (P = 1; a message that travels inline in
     the latency round of a flat tree rooted at 0 with its children in rank order - one node,
     P <= 8 -; a pipelined flat tree) - and for integer and bool dtypes, whose every op is exact
@@ -19,13 +19,8 @@ calls whose CallSpec says so (calls.CallSpec.reproducible: descriptor kind KIND_
   scan and exscan fold in rank order always (collectives.Executors._scan): with
   deterministic=True they are the same call under the deterministic kind.
 * Accumulator allreduce (an Accumulator, or reproducible=True: each rank's array one term):
-  the exact sum of every rank's terms (shmtree/accumulator.py), as integers: every rank's
-  limbs aligned to the group's lowest bit of each element, summed by the engine (int64 sums of
-  52-bit limbs are exact in any order), carried.  Rounds: the lowest bits (a max of int16 per
-  element), the words the sum needs (a max of 3 int64), the flags when a rank has a NaN, an
-  infinity or a -0.0 (a bitwise or of uint8 per element), the limbs (a sum of int64).  Small
-  ones: one allgather of every rank's state (at most SMALL_WORDS limbs per element), folded
-  locally.
+  the exact sum of every rank's terms (shmtree/accumulator.py), as integers; its rounds are
+  shmtree/accumulating.py's.
 
 Every round carries the call's descriptor kind (codes.det_kind), so that a rank making the
 plain call while another makes the reproducible one raises CollectiveMismatchError on every
@@ -33,9 +28,10 @@ rank.  The communicator across nodes (Spanning) runs the same schemes in its own
 (spanning(): the agreement round, then exchanges and allgathers across nodes, or its
 pipelined allreduce for the Accumulator's rounds and exact dtypes).
 
-Layers: this module imports calls, accumulator and the engine's Python-free helpers, never
-the communicators (it calls their methods: Executors' _call, _exchange, _work; Spanning's
-_agree, _check, _exchange_nodes, _allgather_data, _reduce_pipeline).
+Layers: the front end's (tests/test_import_graph.py): it imports calls, accumulating,
+accumulator and the extensions, never the communicators (it calls their methods: Executors'
+_call, _exchange, _work, _broadcast; Communicator's _finish, _bound_run; Spanning's _agree,
+_check, _exchange_nodes, _allgather_data, _reduce_pipeline).
 """
 from __future__ import annotations
 
