@@ -106,7 +106,7 @@ from shmtree import _kernels
 
 cdef object _NDARRAY = np.ndarray    # (a C static: `type(x) is _NDARRAY` looks nothing up by
                                      # name, where `np.ndarray` reads a module attribute)
-from shmtree.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
+from shmtree.frontend.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
 cdef int _TYPENUM_CODE[N_TYPENUMS]

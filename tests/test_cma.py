@@ -21,7 +21,7 @@ import pytest
 
 import shmtree
 from procutil import error_name, new_shm_entries, run_ok, shm_listing, stop_processes
-from shmtree import calls, collectives
+from shmtree.frontend import calls, collectives
 
 try:
     import ml_dtypes

@@ -498,7 +498,7 @@ def output_fails_worker(comm, n):
     this call, or the next where the root was through its part)."""
     import time
 
-    from shmtree import collectives
+    from shmtree.frontend import collectives
 
     if comm.rank == 1:
         def no_memory(out, shape, dtype, what):

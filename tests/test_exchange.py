@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from procutil import run_ok
-from shmtree import calls
+from shmtree.frontend import calls
 from shmtree.codes import KIND_ALLTOALL
 
 

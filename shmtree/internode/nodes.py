@@ -30,14 +30,15 @@ import weakref
 
 import numpy as np
 
-from .. import _engine, calls, repro as _repro
-from ..calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
+from .. import _engine
+from ..frontend import calls, repro as _repro
+from ..frontend.calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
                      SCATTER, split_bounds as _pieces)
 from ..codes import (KIND_ALLGATHER, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST, KIND_EXSCAN,
                      KIND_GATHER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER)
-from ..collectives import _fold, _identity
+from ..frontend.collectives import _fold, _identity
 from ..errors import CollectiveMismatchError, ShmtreeError
-from ..front import Front
+from ..frontend.front import Front
 from ..groups import session
 from ..groups.group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .agreement import (LOCAL_ERROR, NONE, _NOTHING, _Agreement, _apart, _bare, _free_key,

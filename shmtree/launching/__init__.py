@@ -5,7 +5,7 @@
     pool        Pool: a multiprocessing.pool.Pool whose workers form one shmtree group
     joining     join: the one place communicators are made (Group.join hands it the rank)
 
-It may import every layer below it: the communicator (shmtree.communicator), internode,
+It may import every layer below it: the communicator (shmtree.communicators.communicator), internode,
 p2p, groups, machine, the leaves; and within this layer.  Only the API (shmtree.api,
 shmtree's __init__) and the tools above (shmtree.bench) import it.
 """

@@ -79,7 +79,7 @@ import torch  # noqa: F401
 import torch.distributed as dist  # noqa: F401
 from torch.futures import Future  # noqa: F401
 
-from .. import calls  # noqa: F401
+from ..frontend import calls  # noqa: F401
 from ..arrays import as_numpy  # noqa: F401
 from ..codes import KIND_ALLTOALL  # noqa: F401
 from ..errors import CollectiveMismatchError  # noqa: F401

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .. import calls
+from ..frontend import calls
 from ..groups.group import Group
 from .options import (BACKEND, INLINE_BYTES, SUPPORTED, _AllreduceOptions, _BarrierOptions,
                       _BroadcastOptions, _OP, _ROOT, _ReduceOptions, _TIMEOUT, _TOKEN_KEY,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import calls
+from ..frontend import calls
 from .options import (_AllreduceCoalescedOptions, _OP, _ReduceScatterOptions, _TIMEOUT, _check_avg,
                       _form, _invalid, _op, _seconds)
 from .tensors import (_STRIDED, _check_dense, _check_pairs, _flat, _layout_name, _packed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import calls
+from ..frontend import calls
 from ..codes import KIND_ALLTOALL
 from ..errors import CollectiveMismatchError
 from .options import (ArgumentError, _AllgatherOptions, _GatherOptions, _OP, _ROOT,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import calls
+from ..frontend import calls
 from ..accumulator import Accumulator
 
 __all__ = ["REDUCTION_ENV", "REDUCTIONS", "set_reduction", "reduction", "communicator"]

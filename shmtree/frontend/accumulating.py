@@ -15,8 +15,9 @@ import math
 
 import numpy as np
 
-from . import _accum, calls
-from .accumulator import Accumulator
+from .. import _accum
+from . import calls
+from ..accumulator import Accumulator
 from .calls import ALLGATHER, ALLREDUCE, bytes_of
 
 __all__ = ["accumulating", "accumulated", "allreduce_accumulator", "Local", "Across"]

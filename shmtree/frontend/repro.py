@@ -42,14 +42,15 @@ import time
 
 import numpy as np
 
-from . import _engine, _kernels, _rounding, calls
+from .. import _engine, _kernels, _rounding
+from . import calls
 from .accumulating import Across, accumulating, accumulated
-from .accumulator import Accumulator
+from ..accumulator import Accumulator
 from .calls import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, bytes_of,
                     split_bounds)
-from .codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_REDUCE, DET_REDUCE_SCATTER, DET_ROOTS,
+from ..codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_REDUCE, DET_REDUCE_SCATTER, DET_ROOTS,
                     KIND_ROOT_STEP, det_kind, kind_name)
-from .ops import OP_NAMES, dtype_name, reduction_codes
+from ..ops import OP_NAMES, dtype_name, reduction_codes
 from .persistent import DECLINED
 
 __all__ = ["prepared", "spanning", "quick", "bind", "described", "GATHER_BYTES"]

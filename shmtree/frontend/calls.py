@@ -26,13 +26,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _moving
-from .accumulator import Accumulator, accumulable
-from .codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_EXSCAN, DET_REDUCE, DET_REDUCE_SCATTER,
+from .. import _moving
+from ..accumulator import Accumulator, accumulable
+from ..codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_EXSCAN, DET_REDUCE, DET_REDUCE_SCATTER,
                     DET_SCAN, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
                     KIND_BROADCAST, KIND_DETERMINISTIC, KIND_EXSCAN, KIND_GATHER, KIND_REDUCE,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER, det_kind)
-from .ops import OPS, reduction_codes
+from ..ops import OPS, reduction_codes
 
 __all__ = ["CallSpec", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
            "barrier", "alltoall", "gather", "scatter", "scan", "exscan", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
