@@ -33,8 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(ROOT, "examples")
 EXAMPLES = sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".py"))
 EXAMPLE_TIMEOUT_S = 150             # each example takes a few seconds on 2 cores
-API_MODULES = ("shmtree.frontend.front", "shmtree.api", "shmtree.launching.launch", "shmtree.launching.pool",
-               "shmtree.errors", "shmtree.frontend.persistent", "shmtree.frontend.requests",
+API_MODULES = ("shmtree.frontend.front", "shmtree.frontend.moves", "shmtree.frontend.scans",
+               "shmtree.frontend.forms", "shmtree.frontend.memory", "shmtree.api",
+               "shmtree.launching.launch", "shmtree.launching.pool", "shmtree.errors",
+               "shmtree.frontend.persistent", "shmtree.frontend.requests",
                "shmtree.launching.joining", "shmtree.accumulator")
 
 
