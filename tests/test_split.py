@@ -720,13 +720,15 @@ def _one_cycle(comm, i, close):
 
 def fd_worker(comm, cycles, close):
     counts = {}
-    for i in range(1, cycles + 1):
+    gc.freeze()             # (the heap inherited from pytest is no cycle of ours: each cycle's
+    for i in range(1, cycles + 1):       # gc.collect() then walks this worker's objects only)
         _one_cycle(comm, i, close)
         if i in (FD_FROM, cycles):
             n, kinds = _fd_count(), _fd_kinds()     # (closed by close() itself: no gc here)
             gc.collect()          # (a closed Transport's mappings of its peers' homes go with
             counts[i] = (n, _memfd_maps(), kinds)   # its objects, in reference cycles)
     works = float(comm.allreduce(np.ones(2))[0])
+    gc.unfreeze()
     return counts, works
 
 
