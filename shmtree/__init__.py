@@ -11,8 +11,8 @@ pipelined chunk by chunk through lock-free rings in shared memory (Patarasuk & Y
     shmtree.run(step, 4)        # -> four arrays of [6., 6., 6., 6.]
 """
 from ._version import __version__
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
-                     WorkerError)
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, RevokedError,
+                     ShmtreeError, WorkerError)
 from .topology import Topology
 from .api import (Communicator, Group, Persistent, Pool, Request, allgather, allreduce, barrier,
                   broadcast, current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
@@ -39,5 +39,5 @@ __all__ = [
     "ANY_SOURCE", "ANY_TAG", "Status",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
-    "WorkerError",
+    "WorkerError", "RevokedError",
 ]

@@ -1054,3 +1054,4 @@ include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"
 include "engine/scatter.pxi"
+include "engine/survive.pxi"     # (survive.py: the survive region's words)

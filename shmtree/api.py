@@ -39,6 +39,7 @@ from .communicator import (Communicator, Persistent, Request, allgather, allredu
 from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from . import joining  # noqa: F401  (registers Group.join's maker)
 from . import subcomm  # noqa: F401  (registers Front.split's makers)
+from . import heal  # noqa: F401  (registers comm.shrink's maker)
 from .launch import run
 from .pool import Pool
 

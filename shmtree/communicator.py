@@ -39,6 +39,7 @@ from .ops import OP_NAMES, OPS, dtype_name, reduction_codes as _reduction_codes
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
 from .messages import Messages                       # point-to-point (issue 24)
+from .survive import Survive, lost_error             # revoke, agree, shrink (issue 38)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -61,7 +62,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Messages, Front, Executors):
+class Communicator(Survive, Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
@@ -532,7 +533,8 @@ class Communicator(Messages, Front, Executors):
                 rc = None
                 continue
             if rc == _engine.ABORTED:
-                raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+                raise lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                             f"{self.group.describe_abort()}")
             if rc == _engine.MISMATCH:
                 raise CollectiveMismatchError(self._mismatch_message(seq))
             self.group.abort(ABORT_CORRUPT, self.rank)
@@ -546,7 +548,7 @@ class Communicator(Messages, Front, Executors):
         a peer died or left for good, this rank's deadline passed, or Pool members idle)."""
         group = self.group
         if group.aborted():                   # say the first cause, not a consequence
-            raise PeerLostError(f"shmtree: rank {self.rank}: {group.describe_abort()}")
+            raise lost_error(group)(f"shmtree: rank {self.rank}: {group.describe_abort()}")
         absent = self._absent(seq)
         left = [r for r, st in absent if st == ST_LEFT]        # (said before it exits)
         if left:
@@ -627,7 +629,8 @@ class Communicator(Messages, Front, Executors):
         if self.group.closed:
             raise ShmtreeError("shmtree: the group is closed")
         if self.group.aborted():
-            raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+            raise lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                         f"{self.group.describe_abort()}")
 
     def _find_dead(self, seq):
         """(rank, how) of a member that died (gone, a zombie, or its pid reused) before finishing

@@ -74,6 +74,30 @@ class PeerLostError(ShmtreeError):
     """
 
 
+class RevokedError(PeerLostError):
+    """The communicator was revoked: by ``comm.revoke()`` on some rank, so every pending and
+    later call on it fails on every rank.
+
+    A `PeerLostError`: code that handles a lost peer handles a revocation the same way.  The
+    message names the rank that revoked.  What still works on a revoked communicator:
+    ``agree``, ``failed_ranks``, ``shrink`` and ``close`` (docs/design.md, "Survive").
+
+    Examples
+    --------
+    >>> import shmtree
+    >>> def step(comm):
+    ...     if comm.rank == 0:
+    ...         comm.revoke()
+    ...     try:
+    ...         while True:
+    ...             comm.barrier()
+    ...     except shmtree.RevokedError as exc:
+    ...         return type(exc).__name__, "rank 0 revoked" in str(exc)
+    >>> shmtree.run(step, 2)
+    [('RevokedError', True), ('RevokedError', True)]
+    """
+
+
 class CollectiveTimeoutError(ShmtreeError, TimeoutError):
     """This rank's `timeout=` ran out before the collective completed; the group is aborted.
 

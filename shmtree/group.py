@@ -22,7 +22,7 @@ from multiprocessing import reduction
 
 from . import _engine, plan as _plan
 from .codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
-                    ABORT_TIMEOUT, NOTED, ST_BUSY)
+                    ABORT_REVOKED, ABORT_TIMEOUT, NOTED, ST_BUSY)
 from .errors import PeerLostError, ShmtreeError
 from .liveness import Watch, how_gone, identity
 from .plan import SMALL_SLOTS, Plan, plan_group
@@ -337,6 +337,7 @@ class Group:
             ABORT_CLOSED: "the group was closed",
             ABORT_CORRUPT: f"rank {who} found corrupted shared memory",
             ABORT_MEMBERSHIP: "a process tried to join a full group (a worker was replaced?)",
+            ABORT_REVOKED: f"rank {who} revoked the communicator",
         }.get(reason, f"aborted (reason {reason}, rank {who})") + "; the group is aborted"
 
     def member(self, rank):

@@ -62,6 +62,7 @@ from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_S
                     ABORT_TIMEOUT, ST_BUSY, ST_IDLE, ST_LEFT)
 from .errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .requests import Request
+from .survive import lost_error
 
 __all__ = ["Messages", "Transport", "Status", "ANY_SOURCE", "ANY_TAG"]
 
@@ -1155,7 +1156,8 @@ class Transport(_Matching):
     def fail_all(self, exc, op=None):
         """Fail every posted operation (the group is aborted, closed): `op` with exc, the
         others with PeerLostError (exc None: all of them)."""
-        lost = PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}") \
+        lost = lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                      f"{self.group.describe_abort()}") \
             if not self.group._closed else ShmtreeError("shmtree: the group is closed")
         if exc is not None and op is None:
             lost = exc
