@@ -86,6 +86,7 @@ class RevokedError(PeerLostError):
     --------
     >>> import shmtree
     >>> def step(comm):
+    ...     comm.barrier()                        # (every rank has joined)
     ...     if comm.rank == 0:
     ...         comm.revoke()
     ...     try:

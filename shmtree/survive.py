@@ -36,7 +36,7 @@ import os
 import time
 
 from . import _engine
-from .codes import ABORT_REVOKED, ST_LEFT, ranks_text
+from .codes import ABORT_DIED, ABORT_REVOKED, ST_LEFT
 from .errors import PeerLostError, RevokedError, ShmtreeError
 from .transport import LINE, survive_geometry
 
@@ -183,6 +183,8 @@ def gone(group, r):
     if seg.state(r) == ST_LEFT:
         return "left the group"
     how = group.death_of(r)
+    if not how and seg.abort_state() == (ABORT_DIED, r):
+        how = "its launcher saw it die"           # (shmtree.run: also one that never joined)
     return f"died ({how})" if how else ""
 
 
@@ -292,6 +294,7 @@ class Survive:
         --------
         >>> import numpy as np, shmtree
         >>> def step(comm):
+        ...     comm.barrier()                     # (every rank has joined)
         ...     if comm.rank == 1:
         ...         comm.revoke()                  # e.g. its input was bad
         ...     try:
