@@ -39,7 +39,7 @@ from .ops import OP_NAMES, OPS, dtype_name, reduction_codes as _reduction_codes
 from .requests import Progress, Request, wait_all
 from .shared import SharedArrays
 from .messages import Messages                       # point-to-point (issue 24)
-from .survive import Survive, lost_error             # revoke, agree, shrink (issue 38)
+from .survive import Survive, lost_error, unwatch, watch  # revoke, agree, shrink (issue 38)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -98,6 +98,7 @@ class Communicator(Survive, Messages, Front, Executors):
         self._positions = {}                 # block offsets by ring position, per call shape
         self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather
         self._scan_codes = {}                # (op, dtype) -> op code, of the quick scans
+        watch(self)                          # (survive.py: the members' deaths, at once)
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -457,6 +458,7 @@ class Communicator(Survive, Messages, Front, Executors):
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
         self._messages_drain()        # (messages.py: outstanding isends finish first)
+        unwatch(self)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:

@@ -245,7 +245,7 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, on_failure="rais
     """
     try:
         _check_options("shmtree.run", group_options,
-                       ("args", "kwargs", "start_method", "on_failure") + GROUP_OPTIONS)
+                       ("args", "kwargs", "start_method") + GROUP_OPTIONS + ("on_failure",))
         if on_failure not in ("raise", "shrink"):
             raise ValueError(f"shmtree.run: on_failure must be 'raise' or 'shrink', got "
                              f"{on_failure!r}")

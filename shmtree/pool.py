@@ -419,7 +419,8 @@ class Pool(_PoolInternals):
                                 "is a rank of the group for the pool's whole life (a worker "
                                 "that exits takes its rank with it)")
             _check_options("shmtree.Pool", group_options,
-                           ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS)
+                           ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS
+                           + ("on_failure",))
             if initializer is not None and not callable(initializer):
                 raise TypeError(f"shmtree.Pool: initializer must be callable, got "
                                 f"{initializer!r}")

@@ -33,14 +33,18 @@ The methods here are a mixin of every communicator (Communicator, and the one ac
 from __future__ import annotations
 
 import os
+import select
+import threading
 import time
+import weakref
 
 from . import _engine
 from .codes import ABORT_DIED, ABORT_REVOKED, ST_LEFT
 from .errors import PeerLostError, RevokedError, ShmtreeError
+from .liveness import CTIME_SLACK_S
 from .transport import LINE, survive_geometry
 
-__all__ = ["Survive", "Region", "lost_error"]
+__all__ = ["Survive", "Region", "lost_error", "watch", "unwatch"]
 
 WAIT_S = 0.002              # agree: the longest sleep on the bell between two looks at the
                             # ranks still awaited (a vote or a commit wakes the sleepers at once)
@@ -440,3 +444,246 @@ def _ulfm_text():
                 f"which this MPI ({version}) does not offer")
     except Exception:
         return "which this MPI does not offer"
+
+
+# ---------------------------------------------------------------------------------------------
+# the sentinel: a thread per member process that sleeps in poll() on the pidfds of the members
+# its communicators wait for (their tree and ring neighbours; every member of a small group), and
+# aborts a group (ABORT_DIED) the moment one of them dies while a member is inside a call it has
+# not completed - which wakes every rank asleep in that call at once (the abort rings every
+# bell).  Without it a rank sees a death at the end of its engine time slice (20 ms).  A member
+# that dies between calls is remembered and looked at again every DEAD_LOOK_S, until some member
+# enters a call it has not completed.  Only the sentinel's thread opens and closes its pidfds
+# (a descriptor number closed under a poll() could name another process's pidfd next).
+
+SENTINEL_ALL = 16           # groups of up to this many ranks: every other member is watched
+DEAD_LOOK_S = 0.002         # a member that died between calls: looked at again this often
+JOIN_LOOK_S = (0.001, 0.1)  # members that have not joined yet: looked for after 1 ms, then
+                            # twice as long each time, up to 100 ms
+
+_SENTINEL = None
+
+
+class _Entry:
+    def __init__(self, comm):
+        self.group = weakref.ref(comm.group)
+        self.me = comm.rank
+        self.size = comm.size
+        ranks = range(comm.size) if comm.size <= SENTINEL_ALL else comm._neighbours
+        self.ranks = [r for r in ranks if r != comm.rank]
+        self.fds = {}           # rank -> pidfd (the sentinel's thread opens and closes them)
+        self.dead = set()       # ranks that died between calls
+        self.unseen = set(self.ranks)   # ranks not watched yet (not joined, or no pidfd yet)
+        self.look_s = JOIN_LOOK_S[0]    # when to look for them again
+        self.dropped = False
+
+
+class _Sentinel:
+    def __init__(self):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.entries = {}       # id(entry) -> _Entry
+        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="shmtree-sentinel", daemon=True)
+        self.thread.start()
+
+    def poke(self):
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+    def _run(self):
+        poller = select.poll()
+        poller.register(self.wake_r, select.POLLIN)
+        polled = {}             # fd -> (entry, rank), as registered with the poller
+        while True:
+            with self.lock:
+                entries = list(self.entries.values())
+                stop = self.stop
+            if stop:
+                break
+            # the descriptors of dropped entries go; new members get theirs
+            for e in entries:
+                if e.dropped:
+                    continue
+                group = e.group()
+                if group is None or group._closed or group.aborted():
+                    e.dropped = True
+                    continue
+                for r in list(e.unseen):
+                    fd = _pidfd_of(group, r)
+                    if fd is not None:
+                        e.unseen.discard(r)
+                        if fd >= 0:
+                            e.fds[r] = fd
+                            polled[fd] = (e, r)
+                            poller.register(fd, select.POLLIN)
+                        else:
+                            e.dead.add(r)        # (gone already)
+            for e in entries:
+                if e.dropped:
+                    self._drop(e, poller, polled)
+            live = [e for e in entries if not e.dropped]
+            timeout = None
+            if any(e.dead for e in live):
+                timeout = DEAD_LOOK_S
+            elif any(e.unseen for e in live):
+                timeout = min(e.look_s for e in live if e.unseen)
+                for e in live:
+                    if e.unseen:
+                        e.look_s = min(JOIN_LOOK_S[1], 2 * e.look_s)
+            try:
+                ready = poller.poll(None if timeout is None else timeout * 1e3)
+            except InterruptedError:
+                ready = []
+            for fd, _ in ready:
+                if fd == self.wake_r:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except OSError:
+                        pass
+                    continue
+                got = polled.pop(fd, None)
+                if got is None:
+                    continue
+                e, r = got
+                poller.unregister(fd)
+                os.close(fd)
+                e.fds.pop(r, None)
+                e.dead.add(r)
+            for e in live:
+                if e.dead and not e.dropped:
+                    _judge(e)
+        for e in list(self.entries.values()):
+            self._drop(e, poller, polled)
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+
+    def _drop(self, e, poller, polled):
+        for r, fd in list(e.fds.items()):
+            polled.pop(fd, None)
+            try:
+                poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+        e.fds.clear()
+        e.unseen.clear()
+        e.dead.clear()
+        with self.lock:
+            self.entries.pop(id(e), None)
+
+
+def _pidfd_of(group, r):
+    """A pidfd of rank r's process (checked to be the process that joined), -1 when that
+    process is gone already, None when r has not joined yet (or no pidfd can be had)."""
+    joined, pid, ctime = group.member(r)
+    if not joined:
+        return None
+    if not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    except OSError:
+        return None
+    import psutil
+    try:
+        same = abs(psutil.Process(pid).create_time() - ctime) <= CTIME_SLACK_S
+    except psutil.NoSuchProcess:
+        same = False
+    except psutil.Error:
+        same = True
+    if not same:                          # (its pid belongs to another process now)
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _judge(e):
+    """Members of e died (e.dead): abort the group if a member is inside a call that one of
+    them has not completed (it would wait for it for ever); forget those that left first."""
+    group = e.group()
+    if group is None or group._closed:
+        e.dropped = True
+        return
+    seg = group._seg
+    try:
+        if seg.abort_state()[0]:
+            e.dropped = True
+            return
+        for r in sorted(e.dead):
+            if seg.state(r) == ST_LEFT:          # (it closed its communicator first: no loss)
+                e.dead.discard(r)
+                continue
+            done = seg.completed(r)
+            if any(seg.call_of(s) > done for s in range(e.size) if s != r and s not in e.dead):
+                group.abort(ABORT_DIED, r)
+                e.dropped = True
+                return
+    except ShmtreeError:                         # (the group was closed meanwhile)
+        e.dropped = True
+
+
+def watch(comm):
+    """Have this process's sentinel watch the members `comm` waits for (Communicator's
+    constructor)."""
+    global _SENTINEL
+    if comm.size < 2:
+        return
+    entry = _Entry(comm)
+    if not entry.ranks:
+        return
+    while True:
+        s = _SENTINEL
+        if s is None or s.pid != os.getpid() or not s.thread.is_alive():
+            s = _SENTINEL = _Sentinel()
+        with s.lock:
+            if not s.stop:
+                s.entries[id(entry)] = entry
+                break
+        if _SENTINEL is s:                      # (it is ending: a new one)
+            _SENTINEL = None
+    comm._sv_entry = entry
+    s.poke()
+
+
+def unwatch(comm):
+    """comm is closing: its entry goes (its descriptors, in the sentinel's thread), and the
+    thread ends with the last entry."""
+    global _SENTINEL
+    s = _SENTINEL
+    entry = comm.__dict__.pop("_sv_entry", None)
+    if s is None or s.pid != os.getpid() or entry is None:
+        return
+    with s.lock:
+        entry.dropped = True
+        last = all(e.dropped for e in s.entries.values())
+        if last:
+            s.stop = True
+    s.poke()
+    if last:
+        if _SENTINEL is s:
+            _SENTINEL = None
+        if s.thread is not threading.current_thread():
+            s.thread.join(1.0)
+
+
+def _sentinel_after_fork():
+    """A forked child has no sentinel thread: its descriptors (the parent's) are closed."""
+    global _SENTINEL
+    s, _SENTINEL = _SENTINEL, None
+    if s is None:
+        return
+    fds = [s.wake_r, s.wake_w] + [fd for e in s.entries.values() for fd in e.fds.values()]
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_sentinel_after_fork)
