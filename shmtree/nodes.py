@@ -42,6 +42,7 @@ from .collectives import _fold, _identity
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .front import Front
 from .remote import SpanningMessages               # point-to-point (issue 24)
+from .survive import Survive                       # revoke; agree / shrink refused (issue 38)
 from .pipelines import Pipelines
 from .group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .inter import TIMEOUT_ACROSS as _ACROSS, Link, LinkTimeout, global_ranks
@@ -76,7 +77,7 @@ def _bare_text(text, rank):
     return "shmtree: " + text.removesuffix("; the group is aborted")
 
 
-class Spanning(SpanningMessages, Front, Pipelines):
+class Spanning(Survive, SpanningMessages, Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
     allgather, reduce_scatter, alltoall, gather, scatter, scan, exscan, barrier, their i-forms

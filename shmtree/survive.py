@@ -461,6 +461,8 @@ DEAD_LOOK_S = 0.002         # a member that died between calls: looked at again 
 JOIN_LOOK_S = (0.001, 0.1)  # members that have not joined yet: looked for after 1 ms, then
                             # twice as long each time, up to 100 ms
 
+UNWATCH_S = 1.0             # how long a closing communicator waits for the sentinel's thread
+
 _SENTINEL = None
 
 
@@ -476,6 +478,7 @@ class _Entry:
         self.unseen = set(self.ranks)   # ranks not watched yet (not joined, or no pidfd yet)
         self.look_s = JOIN_LOOK_S[0]    # when to look for them again
         self.dropped = False
+        self.gone = threading.Event()   # set once its descriptors are closed
 
 
 class _Sentinel:
@@ -495,6 +498,16 @@ class _Sentinel:
             pass
 
     def _run(self):
+        try:
+            self._loop()
+        finally:
+            for fd in (self.wake_r, self.wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _loop(self):
         poller = select.poll()
         poller.register(self.wake_r, select.POLLIN)
         polled = {}             # fd -> (entry, rank), as registered with the poller
@@ -509,19 +522,23 @@ class _Sentinel:
                 if e.dropped:
                     continue
                 group = e.group()
-                if group is None or group._closed or group.aborted():
+                try:
+                    if group is None or group._closed or group.aborted():
+                        e.dropped = True
+                        continue
+                    for r in list(e.unseen):
+                        fd = _pidfd_of(group, r)
+                        if fd is not None:
+                            e.unseen.discard(r)
+                            if fd >= 0:
+                                e.fds[r] = fd
+                                polled[fd] = (e, r)
+                                poller.register(fd, select.POLLIN)
+                            elif fd == -1:
+                                e.dead.add(r)        # (gone already)
+                except Exception:                    # (its group closed meanwhile)
                     e.dropped = True
-                    continue
-                for r in list(e.unseen):
-                    fd = _pidfd_of(group, r)
-                    if fd is not None:
-                        e.unseen.discard(r)
-                        if fd >= 0:
-                            e.fds[r] = fd
-                            polled[fd] = (e, r)
-                            poller.register(fd, select.POLLIN)
-                        else:
-                            e.dead.add(r)        # (gone already)
+                del group
             for e in entries:
                 if e.dropped:
                     self._drop(e, poller, polled)
@@ -549,36 +566,30 @@ class _Sentinel:
                 if got is None:
                     continue
                 e, r = got
-                poller.unregister(fd)
-                os.close(fd)
-                e.fds.pop(r, None)
-                e.dead.add(r)
+                poller.unregister(fd)           # (closed with its entry: the descriptors a
+                e.dead.add(r)                   # communicator holds do not follow its peers)
             for e in live:
                 if e.dead and not e.dropped:
                     _judge(e)
         for e in list(self.entries.values()):
             self._drop(e, poller, polled)
-        for fd in (self.wake_r, self.wake_w):
-            os.close(fd)
 
     def _drop(self, e, poller, polled):
         for r, fd in list(e.fds.items()):
-            polled.pop(fd, None)
-            try:
+            if polled.pop(fd, None) is not None:
                 poller.unregister(fd)
-            except (KeyError, ValueError):
-                pass
             os.close(fd)
         e.fds.clear()
         e.unseen.clear()
         e.dead.clear()
         with self.lock:
             self.entries.pop(id(e), None)
+        e.gone.set()
 
 
 def _pidfd_of(group, r):
     """A pidfd of rank r's process (checked to be the process that joined), -1 when that
-    process is gone already, None when r has not joined yet (or no pidfd can be had)."""
+    process is gone already, -2 when no pidfd can be had, None when r has not joined yet."""
     joined, pid, ctime = group.member(r)
     if not joined:
         return None
@@ -589,7 +600,7 @@ def _pidfd_of(group, r):
     except ProcessLookupError:
         return -1
     except OSError:
-        return None
+        return -2                           # (no pidfds here: the ranks' own checks serve)
     import psutil
     try:
         same = abs(psutil.Process(pid).create_time() - ctime) <= CTIME_SLACK_S
@@ -624,7 +635,7 @@ def _judge(e):
                 group.abort(ABORT_DIED, r)
                 e.dropped = True
                 return
-    except ShmtreeError:                         # (the group was closed meanwhile)
+    except Exception:                            # (the group was closed meanwhile)
         e.dropped = True
 
 
@@ -665,11 +676,13 @@ def unwatch(comm):
         if last:
             s.stop = True
     s.poke()
+    if s.thread is threading.current_thread():
+        return
+    entry.gone.wait(UNWATCH_S)          # (its descriptors are closed when close() returns)
     if last:
         if _SENTINEL is s:
             _SENTINEL = None
-        if s.thread is not threading.current_thread():
-            s.thread.join(1.0)
+        s.thread.join(UNWATCH_S)
 
 
 def _sentinel_after_fork():
