@@ -215,6 +215,11 @@ def _spmd_part(fn, args, kwargs):
 #                                where map, map_async, starmap and starmap_async all go
 #   Pool._help_stuff_finish(inqueue, task_handler, size)   (static; inqueue._rlock, ._reader)
 #                                called by terminate() to drain the task queue
+#   Pool._setup_queues           makes _inqueue, _outqueue, _quick_put, _quick_get (a pool
+#                                that heals makes its own task queue, heal.TaskQueue)
+#   Pool.Process(ctx, ...)       what the worker handler starts a worker with (a shrinking
+#                                pool: heal.Vacant places), and multiprocessing.pool.worker's
+#                                locals job and i (heal._task_ids: the task a worker runs)
 #   Pool._task_handler, Pool._worker_handler (threads with a ._state: RUN / TERMINATE),
 #   Pool._change_notifier, Pool._outqueue._wlock
 #                                the handlers' last steps, before terminate() kills workers
@@ -250,12 +255,15 @@ class _PoolInternals(multiprocessing.pool.Pool):
         return [p for p in self._pool if p.pid is not None]     # (not heal.Vacant places)
 
     def _setup_queues(self):
-        super()._setup_queues()
-        if getattr(self, "_shm_heals", None) is not None:
-            # a pool that heals: its workers wait for a task without holding the task queue's
-            # read lock (heal.TaskQueue), so that a worker killed while idle does not keep it
-            self._inqueue = heal.TaskQueue(ctx=self._ctx)
-            self._quick_put = self._inqueue._writer.send
+        if getattr(self, "_shm_heals", None) is None:
+            return super()._setup_queues()
+        # a pool that heals: its workers wait for a task without holding the task queue's read
+        # lock (heal.TaskQueue), so that a worker killed while idle does not keep it from the
+        # others (multiprocessing's _setup_queues, with that queue)
+        self._inqueue = heal.TaskQueue(ctx=self._ctx)
+        self._outqueue = self._ctx.SimpleQueue()
+        self._quick_put = self._inqueue._writer.send
+        self._quick_get = self._outqueue._reader.recv
 
     def _map_async(self, func, iterable, mapper, chunksize=None, callback=None,
                    error_callback=None):

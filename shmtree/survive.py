@@ -666,6 +666,7 @@ def unwatch(comm):
     """comm is closing: its entry goes (its descriptors, in the sentinel's thread), and the
     thread ends with the last entry."""
     global _SENTINEL
+    comm.__dict__.pop("_sv_region", None)       # (its mapping goes with the communicator's)
     s = _SENTINEL
     entry = comm.__dict__.pop("_sv_entry", None)
     if s is None or s.pid != os.getpid() or entry is None:
