@@ -166,11 +166,19 @@ def chaos_rank(comm, op, fault, victim, at, delay):
     for i in range(MAX_OPS):
         if me == victim and i == at:
             _strike(fault, delay)
+        # split takes no timeout: against a stopped rank, a watchdog revokes the communicator
+        watchdog = threading.Timer(STOP_TIMEOUT_S, comm.revoke) \
+            if op == "split" and fault == "stop" else None
+        if watchdog is not None:
+            watchdog.start()
         try:
             one_op(comm, op, i, timeout, shared)
         except (shmtree.PeerLostError, shmtree.CollectiveTimeoutError) as exc:
             error = type(exc).__name__
             break
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
     if error is None:
         return ("no error after", MAX_OPS)
     try:
