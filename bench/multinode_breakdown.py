@@ -62,7 +62,8 @@ class Trace:
         return timed
 
     def install(self, c):
-        from shmtree import calls, inter, pipelines
+        from shmtree import calls
+        from shmtree.internode import inter, pipelines
         local = c.local
         labels = {calls.REDUCE_SCATTER: "rs/red", calls.REDUCE: "rs/red",
                   calls.ALLREDUCE: "rs/red", calls.ALLGATHER: "ag/bc", calls.BROADCAST: "ag/bc"}

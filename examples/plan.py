@@ -1,6 +1,6 @@
 """What a group runs: its plan (trees, schedule, chunks, pinning), for this machine or another."""
 import shmtree
-from shmtree.plan import plan_group
+from shmtree.machine.plan import plan_group
 
 if __name__ == "__main__":
     with shmtree.Group(2) as group:                       # this machine, detected from sysfs

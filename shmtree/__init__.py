@@ -11,9 +11,10 @@ pipelined chunk by chunk through lock-free rings in shared memory (Patarasuk & Y
     shmtree.run(step, 4)        # -> four arrays of [6., 6., 6., 6.]
 """
 from ._version import __version__
+from . import _moved  # noqa: F401  (the old import paths of the moved modules: issue 36)
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, RevokedError,
                      ShmtreeError, WorkerError)
-from .topology import Topology
+from .machine.topology import Topology
 from .api import (Communicator, Group, Persistent, Pool, Request, allgather, allreduce, barrier,
                   broadcast, current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
                   ireduce, ireduce_scatter, rank, reduce, reduce_scatter, run, size, wait_all,
@@ -22,8 +23,8 @@ from .api import (Communicator, Group, Persistent, Pool, Request, allgather, all
                   iexscan, allreduce_init, broadcast_init, reduce_init, allgather_init,
                   reduce_scatter_init, alltoall_init, gather_init, scatter_init, scan_init,
                   exscan_init, barrier_init)
-from .multinode import from_mpi
-from .messages import ANY_SOURCE, ANY_TAG, Status
+from .internode.multinode import from_mpi
+from .p2p.records import ANY_SOURCE, ANY_TAG, Status
 
 __all__ = [
     "__version__",

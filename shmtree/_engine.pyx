@@ -15,6 +15,7 @@ and the primitives inline into the algorithms):
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
     other collectives), alg_direct (the single copies of shared arrays, no rings).
+  * engine/scan.pxi: the fold of scan and exscan (rows in rank order, numpy's bits).
   * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
     selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
     call whole (its first round's layout, building and reading it, the hand-over to the data);
@@ -34,7 +35,11 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from shmtree._kernels cimport reduce_fn, get_kernel, DT_F2, DT_BF16, DT_U1, OP_BOR, OP_MAX
+from shmtree._kernels cimport (reduce_fn, get_kernel, DT_BOOL, DT_I1, DT_I2, DT_I4, DT_I8,
+                               DT_U1, DT_U2, DT_U4, DT_U8, DT_F2, DT_F4, DT_F8, DT_C8, DT_C16,
+                               DT_BF16, N_DTYPES, OP_SUM, OP_PROD, OP_MIN, OP_MAX, OP_BAND,
+                               OP_BOR, OP_BXOR, N_OPS)
+from libc.math cimport INFINITY
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport numpy as cnp
 from cpython.pythread cimport PyThread_get_thread_ident
@@ -88,6 +93,7 @@ include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 include "engine/alg_exchange.pxi"
+include "engine/scan.pxi"
 
 import pickle
 
@@ -321,12 +327,16 @@ _register(COLL_ALLTOALL, ALG_RING, xchg_setup, xchg_ready, xchg_step, xchg_done)
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
+    COLL_SCAN = 9           # (Engine.call: scan and exscan, an allgather of the inputs and the
+    COLL_EXSCAN = 10        # fold of the rows this rank needs: msg_scan; calls.py's numbers)
     COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
-# the collectives by number, for the Python layer (calls.py numbers them alike)
+# the collectives by number, for the Python layer (calls.py numbers them alike; ERROR is the
+# engine's own)
 ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
     COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALLGATHER,
     COLL_ALLTOALL, COLL_BARRIER, COLL_ERROR)
+SCAN, EXSCAN = COLL_SCAN, COLL_EXSCAN
 SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
 
@@ -617,6 +627,15 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef Xv xv                        # alltoall(counts=): its first round carries the counts
+    cdef object xv_buf, xv_a, xv_out, xv_B    # (engine/msg.pxi, msg_alltoallv): the round
+                                      # (reused), the input, the output, the byte matrix B
+    cdef ScanFold scan                # a scan's fold, run when the call ends (msg_scan)
+    cdef object scan_out              # its output (held to the end)
+    cdef object scan_stack            # the scans' stack of every rank's row (uint8), kept from
+                                      # call to call (no fresh pages each call)
+    cdef object scan_bounds           # their blocks by ring position (the blocks algorithm),
+    cdef uint64_t scan_bounds_block   # for blocks of this many bytes
     # a scatter's call (engine/scatter.pxi): its mode (0: the call is no scatter), root, the
     # root's array, this rank's output (None: made once the round has said its shape), the
     # byte matrix of its exchange
@@ -629,8 +648,10 @@ cdef class Engine:
     def __cinit__(self):
         memset(&self.e, 0, sizeof(Eng))
         memset(&self.bc, 0, sizeof(Bcast))
+        memset(&self.xv, 0, sizeof(Xv))
         self.bc.root = -1
         self.bc.room = 64
+        self.scan.upto = -1
         self.share_keep = []
 
     def __init__(self, Segment seg, int rank, list channels, dict selection, int64_t spin_ns=20000,
@@ -719,16 +740,19 @@ cdef class Engine:
              dims=None, offs=None):
         """Start a collective and run its first time slice; the one way into a call.
 
-        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST or
-        ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
+        coll: ALLREDUCE (array None: a barrier), REDUCE, REDUCE_SCATTER, ALLGATHER, BROADCAST,
+        ALLTOALL, SCAN, EXSCAN or ERROR; root: the root's rank (broadcast, reduce); kind: the descriptor's (KIND_* +
         KIND_ROOT_STEP * root, which every rank compares); timeout: the first slice's limit
         (None or seconds, a float or int >= 0: the slice is the engine's slice_ns or less).
         array, out, op: the call's, as the collective takes them (engine/msg.pxi): a plain
         ndarray call of a supported dtype is taken as it is (the hot path: one C call);
         op is an op name or ufunc, or (op code, dtype code) already checked by the parse;
-        tag: ALLGATHER's dtype digest, BROADCAST's BC_DATA_ONLY; dims: the descriptor's
+        tag: ALLGATHER's, ALLTOALL's, SCAN's and EXSCAN's dtype digest, BROADCAST's
+        BC_DATA_ONLY; dims: the descriptor's
         shape when it is not the array's; offs: ALLGATHER's block bounds by ring position
-        (bytes, 2P uint64) when the blocks differ.  Which algorithm runs is the selection's
+        (bytes, 2P uint64) when the blocks differ; ALLTOALL's byte matrix B (with dims), or
+        its counts (without dims: alltoall(counts=), engine/msg.pxi's msg_alltoallv).  Which
+        algorithm runs is the selection's
         (engine/msg.pxi, select).  Returns (rc, result) - rc as progress's, result the output
         array when it is known from the start (None: take_result() once the call is DONE) - or
         None when the call cannot be taken as it is (the caller normalises it first:
@@ -750,6 +774,8 @@ cdef class Engine:
             rc = msg_broadcast(self, array, out, root, kind, tag)
         elif coll == COLL_ALLTOALL:
             rc = msg_alltoall(self, array, out, kind, tag, dims, offs)
+        elif coll == COLL_SCAN or coll == COLL_EXSCAN:
+            rc = msg_scan(self, array, out, op, kind, coll == COLL_EXSCAN, tag)
         elif coll == COLL_SCATTER:
             rc = msg_scatter(self, array, out, root, kind, tag)
         elif coll == COLL_ERROR:
@@ -942,6 +968,8 @@ cdef class Engine:
         cdef uint64_t lo
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
             return scatter_handover(self) if self.sc_mode else bcast_handover(self)
+        if rc == RC_DONE and self.phase == 0 and self.xv.pending:
+            return RC_XV_ROUND        # (alltoall(counts=): _progress reads the round)
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
@@ -978,8 +1006,13 @@ cdef class Engine:
             self.e.slice_end = 0
             self.e.slice_ns = budget_ns
             rc = self._run_call()
-            if rc != RC_STALLED and rc != RC_NEED_OUT and self.e.nt:
+            if rc != RC_STALLED and rc != RC_NEED_OUT and rc != RC_XV_ROUND and self.e.nt:
                 shm_store_fence()             # the output's streaming stores are complete
+            if rc == RC_DONE and self.scan.upto >= 0:       # (a scan: its fold, in C)
+                fold_prefix(self.scan.op, self.scan.dtype, self.scan.rows, self.scan.stride,
+                            self.scan.upto, self.scan.out, self.scan.n)
+        if rc == RC_XV_ROUND:                 # (the counts are in: the data, inline or not)
+            rc = xv_handover(self)
         if rc == RC_NEED_OUT:                 # (a broadcast's data follows: give_output)
             if self.sc_mode:
                 self.result = sc_said(self, <const uint8_t *>cnp.PyArray_DATA(
@@ -1012,6 +1045,10 @@ cdef class Engine:
         self.src_ref = self.dst_ref = self.offs_ref = self.fin_ref = None
         self.bc_result = self.bc_out = None
         self.x_full = self.x_out = None
+        self.xv_a = self.xv_out = None
+        self.xv.pending = 0
+        self.scan_out = None
+        self.scan.upto = -1
         self.place_keep = self.place_keep_out = None
         self.fin_n = 0
         self.bc.root = -1
@@ -1054,4 +1091,4 @@ include "engine/shares.pxi"
 include "engine/msg.pxi"
 include "engine/bcast.pxi"
 include "engine/scatter.pxi"
-include "engine/survive.pxi"     # (survive.py: the survive region's words)
+include "engine/survive.pxi"     # (groups/survive.py: the survive region's words)

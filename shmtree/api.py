@@ -36,12 +36,12 @@ from .communicator import (Communicator, Persistent, Request, allgather, allredu
                            iscatter, iscan, iexscan, allreduce_init, broadcast_init,
                            reduce_init, allgather_init, reduce_scatter_init, alltoall_init,
                            gather_init, scatter_init, scan_init, exscan_init, barrier_init)
-from .group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
-from . import joining  # noqa: F401  (registers Group.join's maker)
+from .groups.group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
+from .launching import joining  # noqa: F401  (registers Group.join's maker)
 from . import subcomm  # noqa: F401  (registers Front.split's makers)
-from . import heal  # noqa: F401  (registers comm.shrink's maker)
-from .launch import run
-from .pool import Pool
+from .launching import shrink  # noqa: F401  (registers comm.shrink's maker)
+from .launching.launch import run
+from .launching.pool import Pool
 
 __all__ = ["Group", "Communicator", "Pool", "run", "allreduce", "broadcast", "reduce",
            "allgather", "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce",

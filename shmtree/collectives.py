@@ -24,11 +24,12 @@ import pickle
 
 import numpy as np
 
-from . import _engine, _kernels, _moving, calls
+from . import _engine, _moving, calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, EXSCAN, GATHER, REDUCE,
                     REDUCE_SCATTER, SCAN, SCATTER, CallSpec)
-from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_BARRIER, KIND_COUNTS,
-                    KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name, ranks_text)
+from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL, KIND_BARRIER,
+                    KIND_COUNTS, KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name,
+                    ranks_text)
 from .errors import CollectiveMismatchError
 from .ops import OP_NAMES, dtype_words as _dtype_words
 
@@ -50,6 +51,8 @@ def _plain(a):
 
 
 WORK_BYTES = 64 << 20       # Executors._work: scratch kept up to this size
+KIND_A2AV = KIND_COUNTS + KIND_ROOT_STEP * KIND_ALLTOALL    # alltoall(counts=)'s call: its
+                            # first round carries the counts (engine/alg_exchange.pxi)
 
 
 class Executors:
@@ -184,6 +187,10 @@ class Executors:
     # the wrong length) is said in place of the next round (_said), so every rank's call ends.
 
     def _alltoall(self, spec):
+        """alltoall: equal blocks, the engine's own form; counts=, one engine call whose first
+        round carries every rank's counts (engine/msg.pxi, msg_alltoallv: out= given is checked
+        there on every rank, by its own length) - or, in a group too large for the counts to
+        fit that round, a counts round first and then the exchange."""
         a, out, deadline, kind = spec.array, spec.out, spec.deadline, spec.kind
         me = self.rank
         digest = calls.dtype_digest(a.dtype)
@@ -192,6 +199,16 @@ class Executors:
             src = _apart(_plain(a), result)
             self._call(ALLTOALL, src, result, None, 0, kind, deadline, digest)
             return calls.finish(result, copy_back)
+        if self._counts_travel():
+            dst, copy_back = out, None
+            if out is not None and not (out.flags.c_contiguous and out.flags.aligned):
+                dst, copy_back = np.empty(out.shape, out.dtype), out   # (its length: its claim)
+            src = _plain(a) if dst is None else _apart(_plain(a), dst)
+            got = self._call(ALLTOALL, src, dst, None, 0, KIND_A2AV, deadline, 0, None,
+                             spec.counts)
+            if type(got) is tuple:
+                self._counts_disagree(got[1], a, out, deadline)
+            return calls.finish(got, copy_back)
         rest = a.shape[1:]
         table, said = self._counts_round(spec.counts, a, None, kind, deadline)
         n = sum(row[me] for row in said)
@@ -307,26 +324,27 @@ class Executors:
         return result
 
     def _scan(self, spec):
-        """scan / exscan.  Small: one allgather of the inputs, each rank folds the rows it
-        needs.  Else the transpose scheme: exchange 1 sends block b (np.array_split of the
-        items into P) of every rank to rank b, which folds its P rows in rank order; exchange 2
-        sends prefix row r back to rank r.  Bytes sent per rank: 2(P-1)/P x."""
+        """scan / exscan.  Small (scan_gathers): the engine's own call (Engine.call's SCAN,
+        EXSCAN: one allgather of the inputs, each rank folding the rows it needs in C), the
+        very call the quick path and a persistent call make.  Else the transpose scheme:
+        exchange 1 sends block b (np.array_split of the items into P) of every rank to rank b,
+        which folds its P rows in rank order; exchange 2 sends prefix row r back to rank r.
+        Bytes sent per rank: 2(P-1)/P x."""
         a, deadline, kind = spec.array, spec.deadline, spec.kind
         P, me = self.size, self.rank
         dt = a.dtype
         exclusive = spec.coll == EXSCAN
         result, dst, copy_back = calls.destination(a, spec.out)
         src = _plain(a)
-        shape = a.shape if a.ndim <= 32 else (a.size,)
-        dims = shape + (spec.opc, dt.itemsize, calls.dtype_digest(dt))
+        digest = calls.dtype_digest(dt)
         if scan_gathers(a.nbytes, P, self._plan.small_bytes):
-            stack = self._work(0, (P,) + a.shape, dt)
-            self._call(ALLGATHER, calls.bytes_of(src), calls.bytes_of(stack), None, 0, kind,
-                       deadline, 0, dims, self._even_positions(a.nbytes))
-            prefix_of(stack, me if exclusive else me + 1, spec.opc, dst)
+            self._call(spec.coll, src, dst.reshape(src.shape), (spec.opc, spec.dtc), 0, kind,
+                       deadline, digest)
             if copy_back is not None:
                 copy_back[...] = dst.reshape(copy_back.shape)
             return result
+        shape = a.shape if a.ndim <= 32 else (a.size,)
+        dims = shape + (spec.opc, dt.itemsize, digest)
         n = a.size
         b = calls.split_bounds(n, P)
         sizes = np.array([b[q + 1] - b[q] for q in range(P)], np.uint64) * dt.itemsize
@@ -335,12 +353,9 @@ class Executors:
         self._exchange(_apart(src, dst).reshape(-1), rows, np.tile(sizes, P), kind, dims,
                        deadline)
         if exclusive:
-            prefix = self._work(1, (P, m), dt)
-            prefix[0] = _identity(spec.opc, dt, ())
-            if P > 1:
-                _fold(rows[:P - 1], spec.opc, prefix[1:])
+            prefix = _engine.fold(rows, spec.opc, self._work(1, (P, m), dt), True)
         else:
-            prefix = _fold(rows, spec.opc, rows)          # (in place)
+            prefix = _engine.fold(rows, spec.opc, rows)   # (in place)
         self._exchange(prefix, dst.reshape(-1), np.repeat(sizes, P), KIND_SCAN_BACK, dims,
                        deadline)
         if copy_back is not None:
@@ -368,9 +383,46 @@ class Executors:
         dims the descriptor's shape, the same on every rank."""
         self._call(ALLTOALL, src, dst, None, 0, kind, deadline, 0, list(dims), B)
 
+    _counts_inline = None       # (_counts_travel's answer, once asked)
+
+    def _counts_travel(self):
+        """Does alltoall(counts=) send its counts in the call's first round here (one engine
+        call: _engine.counts_in_round, a matter of the group's size)?"""
+        got = self._counts_inline
+        if got is None:
+            got = self._counts_inline = bool(_engine.counts_in_round(self._engine))
+        return got
+
+    def _counts_disagree(self, first, a, out, deadline):
+        """alltoall(counts=) whose first round (first: its bytes, engine/alg_exchange.pxi) says
+        the ranks disagree - every rank read the same round, so every rank comes here: the
+        dtypes or dimensions after the first differ (a round of words then names what each rank
+        passed), or a rank's out= has another length than the rows it receives.  Raises
+        CollectiveMismatchError."""
+        P, me = self.size, self.rank
+        rows = np.frombuffer(first, np.uint64, P * (P + 2)).reshape(P, P + 2)
+        if (rows[:, 0] != rows[0, 0]).any():
+            said = self._words_round(f"shape {a.shape} and dtype {_dtype_words(a.dtype)}",
+                                     deadline)
+            raise CollectiveMismatchError(
+                "shmtree: ranks disagree on the collective call: alltoall: the dtype or the "
+                "dimensions after the first differ: "
+                + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
+        got = rows[:, 2:].sum(axis=0).tolist()          # the rows each rank receives
+        said = [f"alltoall: out has {int(rows[r, 1]) - 1} rows; this rank receives {got[r]}"
+                for r in range(P)]
+        bad = [r for r in range(P) if rows[r, 1] and int(rows[r, 1]) - 1 != got[r]]
+        if me in bad:                 # (as the others say it: the words of a ValueError)
+            raise CollectiveMismatchError(f"shmtree: {said[me]}")
+        raise CollectiveMismatchError(
+            "shmtree: " + "; ".join(f"rank {r} raised ValueError: {said[r]} in "
+                                    f"{kind_name(KIND_A2AV)}" for r in bad)
+            + " (a local error of its arguments), so the call cannot complete on any rank")
+
     def _counts_round(self, counts, a, root, kind, deadline):
-        """A round of counts before a call whose blocks differ in size (alltoall(counts=),
-        gather(axis=0)): every rank's counts, as a (P, len(counts)) uint64 table and as lists by
+        """A round of counts before a call whose blocks differ in size (gather(axis=0); and
+        alltoall(counts=) where its counts do not travel in its own first round): every rank's
+        counts, as a (P, len(counts)) uint64 table and as lists by
         rank, after checking that every rank passed the same root, dtype and dimensions after
         the first (else CollectiveMismatchError on every rank, naming what each passed)."""
         P, me = self.size, self.rank
@@ -492,8 +544,6 @@ class Executors:
 
 
 _NOTHING = np.empty(0, np.uint8)
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 def error_words(exc) -> bytes:
@@ -516,42 +566,26 @@ def _row_bytes(a):
 
 
 def _fold(rows, opc, out=None):
-    """The inclusive prefixes of rows (axis 0) in rank order, into out (rows itself: in
-    place; None: a new array): numpy's accumulate, bit for bit (float16 and bfloat16 rounded
-    after every step), except complex products, which follow allreduce's kernel (the textbook
-    formula, DESIGN section 11)."""
-    name = OP_NAMES[opc]
-    dt = rows.dtype
+    """The inclusive prefixes of rows (axis 0, any layout) in rank order, into out (rows
+    itself: in place; None: a new array): the engine's fold (_engine.fold, in C: numpy's
+    accumulate bit for bit - float16 and bfloat16 rounded after every step, min and max by
+    numpy's rule - except complex products, which follow allreduce's kernel, the textbook
+    formula, DESIGN section 11, and the NaN two NaNs give, the kernels' left one)."""
+    src = _plain(rows)
     if out is None:
-        out = np.empty_like(rows)
-    if len(rows) and out is not rows:
-        out[0] = rows[0]
-    if name == "prod" and dt.kind == "c":
-        for r in range(1, len(rows)):
-            row = rows[r].copy() if out is rows else np.ascontiguousarray(rows[r])
-            _kernels.reduce_into(out[r], (out[r - 1], row), "prod")
-        return out
-    # row by row (out[r] = op(out[r - 1], rows[r]): what accumulate computes, bit for bit):
-    # accumulate along axis 0 runs its inner loop over the P rows of each column, element by
-    # element (a 2 MiB float32 scan at P=2 spent 9 ms in it: 0.1 ms this way)
-    ufunc = _UFUNCS[name]
-    for r in range(1, len(rows)):
-        ufunc(out[r - 1], rows[r], out=out[r], dtype=dt)
+        return _engine.fold(src, opc, np.empty(src.shape, src.dtype))
+    dst = out if out is src else _plain(out) if out.flags.writeable else None
+    if dst is None or (dst is not src and np.may_share_memory(src, dst)):
+        dst = np.empty(src.shape, src.dtype)
+    _engine.fold(src, opc, dst)
+    if dst is not out:
+        out[...] = dst
     return out
 
 
-SCAN_GATHER_BYTES = 256 << 10   # scan_gathers: up to this many bytes in all (P x the input)
-
-
-def scan_gathers(nbytes, P, small_bytes):
-    """Does a scan of nbytes per rank run as one allgather of the inputs, each rank folding
-    the rows it needs (else the transpose scheme: two exchanges)?  Up to SCAN_GATHER_BYTES in
-    all (P x nbytes), or small_bytes where that is more: one round against two, and the P - 1
-    rows a rank receives cost less than the second round until then (beyond, the transpose
-    scheme's 2(P-1)/P of the message per rank wins, P = 2 included: 2 MiB at P = 2, 0.29 ms
-    against 0.42).  The rule of the parsed call and the quick one alike."""
-    whole = nbytes * P
-    return whole <= small_bytes or whole <= SCAN_GATHER_BYTES
+SCAN_GATHER_BYTES = _engine.SCAN_GATHER_BYTES   # scan_gathers: up to this many bytes in all
+scan_gathers = _engine.scan_gathers             # (the one rule, the engine's: it declines a
+                                                # larger scan, and the parsed call asks it)
 
 
 GATHER_ALL_BYTES = 64 << 10     # gather_gathers: up to this many bytes in all, at P <= 4
@@ -565,32 +599,6 @@ def gather_gathers(nbytes, P, small_bytes):
     The rule of the parsed call, the quick one and a persistent one alike."""
     whole = nbytes * P
     return whole <= small_bytes or (P <= 4 and whole <= GATHER_ALL_BYTES)
-
-
-def prefix_of(stack, upto, opc, dst=None):
-    """The fold of stack[0], ..., stack[upto - 1] in rank order (the op's identity when upto
-    is 0): the last row of _fold(stack[:upto]), bit for bit, without its other rows; into dst,
-    or (None) into stack's own rows, returning the row that holds it.  The small scan's rule,
-    for the parsed call (Executors._scan) and the quick one (Communicator._quick) alike."""
-    dt = stack.dtype
-    if upto == 0:
-        if dst is None:
-            return _identity(opc, dt, stack.shape[1:])
-        dst[...] = _identity(opc, dt, ())
-        return dst
-    name = OP_NAMES[opc]
-    if name == "prod" and dt.kind == "c":
-        row = _fold(stack[:upto], opc)[-1]
-    else:
-        ufunc = _UFUNCS[name]
-        row = stack[0]
-        for r in range(1, upto):
-            ufunc(row, stack[r], out=stack[r])
-            row = stack[r]
-    if dst is None:
-        return row
-    dst[...] = row
-    return dst
 
 
 def _identity(opc, dt, shape):

@@ -20,7 +20,9 @@ import time
 
 import numpy as np
 
-from . import _engine, _kernels, plan as _plan, session
+from . import _engine, _kernels
+from .groups import session
+from .machine import plan as _plan
 from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
@@ -31,15 +33,15 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostErr
 from . import calls
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import Executors, error_words, gather_gathers, prefix_of, scan_gathers
-from .calls import bytes_of as _bytes_of
+from .collectives import KIND_A2AV, Executors, error_words, gather_gathers
 from .front import DECLINED, Front, Persistent
-from .group import Group
-from .ops import OP_NAMES, OPS, dtype_name, reduction_codes as _reduction_codes
+from .groups.group import Group
+from .ops import OP_NAMES, OPS, dtype_name
 from .requests import Progress, Request, wait_all
-from .shared import SharedArrays
-from .messages import Messages                       # point-to-point (issue 24)
-from .survive import Survive, lost_error, unwatch, watch  # revoke, agree, shrink (issue 38)
+from .groups.shared import SharedArrays
+from .p2p.methods import Messages  # point-to-point (issue 24)
+from .groups.survive import Survive, lost_error  # revoke, agree, shrink (issue 38)
+from .groups.sentinel import unwatch, watch     # a member's death, at once (issue 38)
 
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
@@ -96,9 +98,9 @@ class Communicator(Survive, Messages, Front, Executors):
         self._engine.direct_order(list(tree.ring), None if plan.large_schedule == "ring" else
                                   [list(c) for c in tree.children], tree.root)
         self._positions = {}                 # block offsets by ring position, per call shape
-        self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather
-        self._scan_codes = {}                # (op, dtype) -> op code, of the quick scans
-        watch(self)                          # (survive.py: the members' deaths, at once)
+        self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather,
+                                             # alltoall, scan
+        watch(self)                          # (groups/sentinel.py: the members' deaths)
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -118,7 +120,7 @@ class Communicator(Survive, Messages, Front, Executors):
         progress = self._progress
         if progress is not None and (progress.outstanding or progress.is_current_thread()):
             return DECLINED
-        if coll in _SMALL_ONLY:               # gather, scan, exscan: small ones only
+        if coll == calls.GATHER:              # (small ones only)
             return self._quick_small(eng, coll, array, op, out, root, timeout)
         if coll == calls.SCATTER:             # (axis=None: front.scatter)
             if type(root) is not int or not 0 <= root < self.size:
@@ -136,9 +138,11 @@ class Communicator(Survive, Messages, Front, Executors):
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
-        elif coll == ALLGATHER or coll == ALLTOALL:
+        elif coll in _DIGESTED:               # allgather, alltoall, scan, exscan
             if type(array) is not np.ndarray:
                 return DECLINED
+            if coll == ALLTOALL and op is not None:     # alltoall(counts=): op is the counts
+                return self._quick_alltoallv(eng, array, op, out, timeout)
             dt = array.dtype
             if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
                 self._digest_of = (dt, _dtype_digest(dt))
@@ -162,58 +166,51 @@ class Communicator(Survive, Messages, Front, Executors):
                                         None if start is None else start + timeout)
         return result
 
+    def _quick_alltoallv(self, eng, a, counts, out, timeout):
+        """_quick of alltoall(counts=): the one engine call the executor makes
+        (Executors._alltoall), the counts in its first round; DECLINED where the engine cannot
+        take the arguments as they are (the parse then says what is wrong, or normalises)."""
+        if not (self._counts_inline or self._counts_travel()):
+            return DECLINED
+        try:
+            start = None if timeout is None else time.monotonic()
+            got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
+            if got is None:
+                return DECLINED
+            rc, result = got
+            if rc != _engine.DONE:
+                result = self._finish(eng, rc, None if start is None else start + timeout,
+                                      result)
+        except BaseException as exc:
+            self._interrupted(eng, exc)
+            raise
+        if type(result) is tuple:             # (the round says the ranks disagree)
+            self._counts_disagree(result[1], a, out,
+                                  None if start is None else start + timeout)
+        return result
+
     def _quick_small(self, eng, coll, a, op, out, root, timeout):
-        """_quick of a small gather (axis=None), scan or exscan: the one engine allgather their
-        executors run (Executors._gather, _scan: the same descriptor), then, for a scan, the
-        fold of the rows this rank needs (collectives.prefix_of).  DECLINED for anything else
-        (a large call, an argument the parse must look at first)."""
+        """_quick of a small gather (axis=None): the one engine allgather its executor runs
+        (Executors._gather: the same descriptor).  DECLINED for anything else (a large call,
+        an argument the parse must look at first).  (Scan and exscan are the engine's own
+        calls: Engine.call's SCAN, EXSCAN, which decline what they do not take.)"""
         P = self.size
         if type(a) is not np.ndarray or not a.flags.c_contiguous:
             return DECLINED
-        if coll == calls.GATHER:
-            if not gather_gathers(a.nbytes, P, self._plan.small_bytes):
-                return DECLINED
-        elif not scan_gathers(a.nbytes, P, self._plan.small_bytes):
+        if not gather_gathers(a.nbytes, P, self._plan.small_bytes):
             return DECLINED
         dt = a.dtype
         if dt is not self._digest_of[0]:
             self._digest_of = (dt, _dtype_digest(dt))
-        if coll == calls.GATHER:
-            if type(root) is not int or not 0 <= root < P:
-                return DECLINED
-            mine = root == self.rank
-            if mine and out is not None and type(out) is not np.ndarray:
-                return DECLINED
-            got = self._quick_call(eng, ALLGATHER, a, out if mine else None, None,
-                                   KIND_GATHER + KIND_ROOT_STEP * root, timeout,
-                                   self._digest_of[1])
-            return got if got is DECLINED or mine else None
-        if out is not None or a.ndim > 32:
+        if type(root) is not int or not 0 <= root < P:
             return DECLINED
-        key = (op, dt)
-        codes = self._scan_codes.get(key)
-        if codes is None:
-            try:
-                codes = _reduction_codes(op, dt)[0]
-                hash(op)
-            except Exception:                  # (the parse says what is wrong)
-                return DECLINED
-            if len(self._scan_codes) < 64:
-                self._scan_codes[key] = codes
-        opc = codes
-        small = a.nbytes * P <= self._plan.small_bytes
-        # small: the result is a row of the stack; else the stack is the executors' scratch
-        # (no page faults of P fresh rows per call) and the result a copy of one row
-        stack = np.empty((P,) + a.shape, dt) if small else self._work(0, (P,) + a.shape, dt)
-        dims = a.shape + (opc, dt.itemsize, self._digest_of[1])
-        got = self._quick_call(eng, ALLGATHER, _bytes_of(a), _bytes_of(stack), None,
-                               KIND_SCAN if coll == calls.SCAN else KIND_EXSCAN, timeout, 0,
-                               dims, self._even_positions(a.nbytes))
-        if got is DECLINED:
-            return got
-        me = self.rank
-        return prefix_of(stack, me if coll == calls.EXSCAN else me + 1, opc,
-                         None if small else np.empty(a.shape, dt))
+        mine = root == self.rank
+        if mine and out is not None and type(out) is not np.ndarray:
+            return DECLINED
+        got = self._quick_call(eng, ALLGATHER, a, out if mine else None, None,
+                               KIND_GATHER + KIND_ROOT_STEP * root, timeout,
+                               self._digest_of[1])
+        return got if got is DECLINED or mine else None
 
     def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
                     root=0):
@@ -242,15 +239,18 @@ class Communicator(Survive, Messages, Front, Executors):
         a, out, timeout = spec.array, spec.out, spec.timeout
         if coll == calls.GATHER:
             return self._bind_gather(spec, slow)
-        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None) or (
-                coll == ALLTOALL and spec.counts is not None):
+        if coll == calls.SCATTER:
+            return self._bind_scatter(spec, slow)
+        if coll == ALLTOALL and spec.counts is not None:
+            return self._bind_alltoallv(spec, slow)
+        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None):
             return None
         if (a is not None and type(a) is not np.ndarray) or \
                 (out is not None and type(out) is not np.ndarray):
             return None
         if coll == BROADCAST and a is None and out is None:
             return None                       # (its output is the first call's: not bound yet)
-        tag = _dtype_digest(a.dtype) if coll == ALLGATHER or coll == ALLTOALL else 0
+        tag = _dtype_digest(a.dtype) if coll in _DIGESTED else 0
         root = spec.root or 0
         op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
         eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
@@ -283,6 +283,34 @@ class Communicator(Survive, Messages, Front, Executors):
             return result
         return run
 
+    def _bind_alltoallv(self, spec, slow):
+        """_bind of alltoall(counts=) with its out= bound (given, or the first call's result):
+        the one engine call of _quick_alltoallv, its arguments prebound."""
+        a, out, counts = spec.array, spec.out, spec.counts
+        if type(a) is not np.ndarray or type(out) is not np.ndarray \
+                or spec.timeout is not None or not self._counts_travel():
+            return None
+        eng, group, done = self._engine, self.group, _engine.DONE
+
+        def run():
+            progress = self._progress
+            if self._closed or group._closed or self._gen != session._fork_gen or (
+                    progress is not None and (progress.outstanding
+                                              or progress.is_current_thread())):
+                return slow()
+            try:
+                got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, None, 0, None, counts)
+                if got is None:
+                    return slow()
+                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
+            except BaseException as exc:
+                self._interrupted(eng, exc)
+                raise
+            if type(result) is tuple:
+                self._counts_disagree(result[1], a, out, None)
+            return result
+        return run
+
     def _bind_gather(self, spec, slow):
         """_bind of a small gather (axis=None, what Executors._gather runs as one allgather):
         that one engine call, into the root's bound output or a scratch array elsewhere."""
@@ -295,6 +323,25 @@ class Communicator(Survive, Messages, Front, Executors):
         dst = out if mine else np.empty((P,) + a.shape, a.dtype)
         return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
                                slow, dst if mine else None)
+
+    def _bind_scatter(self, spec, slow):
+        """_bind of a scatter (axis=None, no timeout): the one engine call of the quick path,
+        its round's rare outcomes (a tuple) finished as the quick path does."""
+        root, out = spec.root, spec.out
+        a = spec.array if self.rank == root else None
+        if spec.axis is not None or spec.timeout is not None or (
+                self.rank == root and type(a) is not np.ndarray) or type(out) is not np.ndarray:
+            return None                       # (out None: the first call's result, bound then)
+        bound = self._bound_run(calls.SCATTER, a, out, None, root, spec.kind,
+                                _engine.SCATTER_ROWS, slow)
+
+        def run():
+            got = bound()
+            if type(got) is tuple:
+                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, spec.kind,
+                                          None)
+            return got
+        return run
 
     def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
         """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
@@ -684,11 +731,13 @@ class Communicator(Survive, Messages, Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
-_SMALL_ONLY = (calls.GATHER, calls.SCAN, calls.EXSCAN)      # (_quick_small's)
-_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER)
-                                                   # (the engine collectives a Persistent binds)
+_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER,
+          calls.SCAN, calls.EXSCAN)        # (the engine collectives a Persistent binds)
+_DIGESTED = (ALLGATHER, ALLTOALL, calls.SCAN, calls.EXSCAN)  # (their descriptors carry the
+                                                             # dtype's digest: Engine.call's tag)
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
-          KIND_ALLTOALL, KIND_BARRIER)                       # (by collective number: calls.ALLREDUCE ...)
+          KIND_ALLTOALL, KIND_BARRIER, KIND_GATHER, KIND_SCATTER, KIND_SCAN, KIND_EXSCAN)
+                                                   # (by collective number: calls.ALLREDUCE ...)
 
 
 def _engine_name(coll):
@@ -727,7 +776,7 @@ _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on t
                "communicator; collectives of one rank must not overlap")
 
 # this process's communicator lives in shmtree.session (a leaf: the membership state)
-from .session import current  # noqa: E402
+from .groups.session import current  # noqa: E402
 
 # allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
 from .front import module_functions as _module_functions  # noqa: E402

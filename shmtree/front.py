@@ -514,10 +514,9 @@ class Front:
         >>> shmtree.run(step, 2)
         [([0, 10], [0, 100]), ([1, 11], [1, 2])]
         """
-        if counts is None:
-            got = self._quick(ALLTOALL, array, None, out, 0, timeout)
-            if got is not DECLINED:
-                return got
+        got = self._quick(ALLTOALL, array, counts, out, 0, timeout)     # (op: the counts)
+        if got is not DECLINED:
+            return got
         if _foreign(array, out):
             return _arrays.call(self.alltoall, array, out, "alltoall", counts=counts,
                                 timeout=timeout)

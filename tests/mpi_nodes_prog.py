@@ -587,7 +587,7 @@ def mode_earlyclose(c):
     communicator (its node's group with it) while rank 1's lane (with rank 3, held back until
     rank 0 has closed) still folds: rank 1's step needs nothing of the node any more and ends
     with the right sum instead of taking the closed group for a failure."""
-    from shmtree.inter import Link
+    from shmtree.internode.inter import Link
     P, me = c.size, c.rank
     assert c.nodes == 2 and c.node_size == 2 and c._lane is not None
     if me == 3:
@@ -837,8 +837,8 @@ def main_formfail(node_size):
     """One process of the last node cannot form its node's group (PROG_FAIL=create: its
     creator, join: its last member): every rank of every node raises the same ShmtreeError
     naming that node and rank (none waits in a global step), and from_mpi works again."""
-    import shmtree.group as sg
-    import shmtree.nodes as sn
+    import shmtree.groups.group as sg
+    import shmtree.internode.nodes as sn
     P, me = W.size, W.rank
     last = list(range(P))[(P - 1) // node_size * node_size:]
     victim = last[0] if os.environ["PROG_FAIL"] == "create" else last[-1]
@@ -900,7 +900,7 @@ def main_orphans():
     array of leader 0)."""
     import gc
     import threading
-    from shmtree.inter import Link, TAG_RS
+    from shmtree.internode.inter import Link, TAG_RS
     me = W.rank
     stub = _StubGroup()
     link = Link(W.Dup(), stub)
@@ -938,7 +938,7 @@ def main_closebusy():
     that thread, the other leader told) and returns, instead of acting on the link's MPI
     requests under the running step and leaving it to spin for ever."""
     import threading
-    from shmtree.inter import Link
+    from shmtree.internode.inter import Link
     me = W.rank
     stub = _StubGroup()
     link = Link(W.Dup(), stub)

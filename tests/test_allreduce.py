@@ -271,7 +271,7 @@ def test_chunk_bytes_not_a_multiple_of_the_itemsize(tree, chunk_bytes):
 
 
 def topology_json_files():
-    d = os.path.join(os.path.dirname(shmtree.__file__), "fixtures")
+    d = os.path.join(os.path.dirname(shmtree.__file__), "machine", "fixtures")
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".json")) \
         if os.path.isdir(d) else []
 
@@ -281,7 +281,7 @@ def topology_json_files():
 def test_topology_from_json_file_p8(path):
     """topology= a JSON file's path (the machine models shipped with the package)."""
     if path is None:
-        pytest.skip("no topology JSON files shipped in shmtree/fixtures")
+        pytest.skip("no topology JSON files shipped in shmtree/machine/fixtures")
     cases = [(d, op, (n,)) for d in ("int32", "float64")
              for op in valid_ops(d) for n in (7, 4099)]
     cases += [("float32", "sum", (big_n(4),))]

@@ -57,7 +57,9 @@ def test_public_names():
 def test_api_module_reexports():
     """shmtree.api is the public face of the split modules: the same objects, and
     _rebuild_group, which Group pickles of older versions name as shmtree.api._rebuild_group."""
-    from shmtree import api, communicator, group, launch, pool
+    from shmtree import api, communicator
+    from shmtree.launching import launch, pool
+    from shmtree.groups import group
     assert api.Group is shmtree.Group is group.Group
     assert api.Communicator is shmtree.Communicator is communicator.Communicator
     assert api.run is shmtree.run is launch.run and api.Pool is shmtree.Pool is pool.Pool

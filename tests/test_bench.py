@@ -519,16 +519,19 @@ def test_reproduce_quick(tmp_path):
 # --- compare --collective ------------------------------------------------------------------
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-NEW = ("alltoall", "gather", "scatter", "scan", "exscan")     # the complete set (DESIGN 11)
-ALL = COLLECTIVES + NEW
+NEW = ("alltoall", "alltoallv", "gather", "scatter", "scan", "exscan")   # the complete set
+ALL = COLLECTIVES + NEW                                                  # (DESIGN 11)
 TITLES = {"broadcast": "broadcast (root 0)", "reduce": "reduce (root 0)",
-          "gather": "gather (root 0)", "scatter": "scatter (root 0)"}
+          "gather": "gather (root 0)", "scatter": "scatter (root 0)",
+          "alltoallv": "alltoallv (alltoall with counts=)"}
 
 
 def _has_calls():
     try:
         import shmtree
-        return all(hasattr(shmtree.Communicator, c) for c in NEW + ("allreduce_init",))
+        from shmtree.bench.compare import CALLS
+        return all(hasattr(shmtree.Communicator, CALLS.get(c, c))
+                   for c in NEW + ("allreduce_init",))
     except (ImportError, AttributeError):
         return False
 
@@ -579,6 +582,7 @@ def test_collective_layouts_are_whole_buffers():
     assert whole_bytes("allgather", 8, "float32", 4) == 16
     assert layout("alltoall", 4096, "float32", 4) == (1024, 1024)
     assert layout("alltoall", 1 << 20, "float32", 3) == (262143, 262143)
+    assert layout("alltoallv", 1 << 20, "float32", 3) == (262143, 262143)   # (alltoall's)
     assert layout("gather", 4096, "float32", 4) == (256, 1024)
     assert layout("scatter", 4096, "float32", 4) == (1024, 256)
     assert layout("scan", 4096, "float32", 4) == layout("exscan", 4096, "float32", 4) == \
@@ -609,26 +613,28 @@ def test_collective_checks_catch_wrong_results():
         bufs = Buffers(n_in, "int32", rank=1, out_count=n_out)
         with pytest.raises(RuntimeError, match=f"wrong {name} result"):
             check(name, "sum", 0 if name in ("reduce", "gather") else 1, 2, bufs, "test")
-    # alltoall: block s of rank r's result is block r of rank s's input (a tag per pair), so a
-    # block from the wrong rank, or the wrong block of the right rank, is caught
+    # alltoall (and alltoallv, its counts= form of equal blocks): block s of rank r's result is
+    # block r of rank s's input (a tag per pair), so a block from the wrong rank, or the wrong
+    # block of the right rank, is caught
     P = 3
-    sent = []
-    for r in range(P):
-        b = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
-        fill("alltoall", r, P, b.inputs)
-        sent.append(b.inputs[0].reshape(P, 3))
-    assert len({int(sent[r][d][0]) for r in range(P) for d in range(P)}) == P * P
-    for r in range(P):
-        bufs = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
-        got = bufs.outputs[0].reshape(P, 3)
-        got[:] = [sent[s][r] for s in range(P)]
-        check("alltoall", "sum", r, P, bufs, "test")
-        got[[0, 1]] = got[[1, 0]]
-        with pytest.raises(RuntimeError, match="block 0"):
-            check("alltoall", "sum", r, P, bufs, "test")
-        got[:] = [sent[s][(r + 1) % P] for s in range(P)]
-        with pytest.raises(RuntimeError, match="wrong alltoall result"):
-            check("alltoall", "sum", r, P, bufs, "test")
+    for name in ("alltoall", "alltoallv"):
+        sent = []
+        for r in range(P):
+            b = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
+            fill(name, r, P, b.inputs)
+            sent.append(b.inputs[0].reshape(P, 3))
+        assert len({int(sent[r][d][0]) for r in range(P) for d in range(P)}) == P * P
+        for r in range(P):
+            bufs = Buffers(3 * P, "int16", rank=r, out_count=3 * P)
+            got = bufs.outputs[0].reshape(P, 3)
+            got[:] = [sent[s][r] for s in range(P)]
+            check(name, "sum", r, P, bufs, "test")
+            got[[0, 1]] = got[[1, 0]]
+            with pytest.raises(RuntimeError, match="block 0"):
+                check(name, "sum", r, P, bufs, "test")
+            got[:] = [sent[s][(r + 1) % P] for s in range(P)]
+            with pytest.raises(RuntimeError, match=f"wrong {name} result"):
+                check(name, "sum", r, P, bufs, "test")
     # scatter: the root's block d holds d + 1, rank r gets r + 1; gather: the root's block r
     # holds r + 1; scan: 1 + ... + (r + 1); exscan: 1 + ... + r, rank 0 unchecked (MPI leaves
     # it undefined)
@@ -688,6 +694,7 @@ def test_compare_collective_copy_without_shmtree(tmp_path, collective):
 @pytest.mark.parametrize("collective", [_shmtree_case(c) for c in ALL])
 def test_compare_collective_runs_for_shmtree(tmp_path, capsys, collective):
     from shmtree.bench.measure import MOVES_ONLY
+    from shmtree.bench.compare import DETAILS
     doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree,copy"]
                 + TINY)
     out = capsys.readouterr().out
@@ -697,7 +704,8 @@ def test_compare_collective_runs_for_shmtree(tmp_path, capsys, collective):
     assert "shmtree (us)" in out and "shmtree/copy" in out
     assert doc["collective"] == collective and doc["options"]["collective"] == collective
     assert doc["methods"]["shmtree"] == {"label": "shmtree", "status": "ok",
-                                         "detail": f"comm.{collective}"}
+                                         "detail": DETAILS.get(collective,
+                                                               f"comm.{collective}")}
     assert [(r["size"], r["count"]) for r in doc["rows"]] == [(8, 2), (4096, 1024)]
     for r in doc["rows"]:
         assert r["shmtree_us"] > 0 and r["copy_us"] > 0 and r["shmtree_vs_copy"] > 0
@@ -745,7 +753,7 @@ def test_shared_adds_the_shared_twin_of_each_given_method():
 @timeout
 @pytest.mark.parametrize("collective, nprocs", [(c, 2) for c in ALL]
                          + [("allreduce", 3), ("reduce_scatter", 3), ("allgather", 3),
-                            ("alltoall", 3), ("scatter", 3), ("exscan", 3)])
+                            ("alltoall", 3), ("alltoallv", 3), ("scatter", 3), ("exscan", 3)])
 def test_compare_mpi_on_allocate_shared_memory(tmp_path, collective, nprocs):
     """The MPI column on MPI.Win.Allocate_shared memory: the single copy, checked, then timed
     (P = 3: parts and blocks that do not divide the sizes)."""
@@ -785,9 +793,9 @@ def test_compare_shared_prints_mpi_on_shared_memory_beside_the_others(tmp_path, 
 @timeout
 @pytest.mark.parametrize("collective, nprocs", [
     pytest.param(c, n, marks=needs_calls, id=f"{c}-{n}")
-    for c, n in [(c, 2) for c in NEW] + [("alltoall", 3), ("scatter", 3)]])
+    for c, n in [(c, 2) for c in NEW] + [("alltoall", 3), ("alltoallv", 3), ("scatter", 3)]])
 def test_compare_new_collectives_on_shared_arrays(tmp_path, collective, nprocs):
-    """alltoall, gather, scatter, scan, exscan of shared inputs (comm.empty) into private
+    """alltoall(v), gather, scatter, scan, exscan of shared inputs (comm.empty) into private
     outputs, checked (which block went where) then timed, beside the private call."""
     doc = _json(tmp_path, ["compare", "--collective", collective, "--methods", "shmtree",
                            "--shared", "--sizes", "8,4K", "-n", str(nprocs), "--iters", "2",

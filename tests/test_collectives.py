@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.plan
+import shmtree.machine.plan
 from procutil import run_ok
 
 REDUCING = ["bool", "int8", "uint16", "int32", "uint64", "float16", "float32", "float64",
@@ -581,7 +581,7 @@ def test_ring_algorithms_send_the_minimum(P, tree):
     X = n * 8
     # under a tree the collectives other than allreduce run on a ring channel of their own
     outs = run_ok(bytes_worker, P, args=(n,), tree=tree, topology="2x2", chunk_bytes=16384)
-    plan = shmtree.plan.plan_group(P, tree=tree, topology="2x2")
+    plan = shmtree.machine.plan.plan_group(P, tree=tree, topology="2x2")
     order = list(plan.large_tree.ring)
     small = plan.small_tree             # the broadcast's first round goes up and down it
     for rank, got in enumerate(outs):

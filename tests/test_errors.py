@@ -333,11 +333,11 @@ def never_called(comm, *args, **kwargs):
 
 def _refused_before_any_process(monkeypatch):
     """Make starting a group fail loudly: run must refuse before it creates one."""
-    import shmtree.launch
+    import shmtree.launching.launch
 
     def no_group(*args, **kwargs):
         raise AssertionError("run created a group for a call it should have refused")
-    monkeypatch.setattr(shmtree.launch, "Group", no_group)
+    monkeypatch.setattr(shmtree.launching.launch, "Group", no_group)
 
 
 @pytest.mark.parametrize("options,match", [
@@ -394,11 +394,11 @@ def test_run_still_takes_a_list_of_args():
                                           r"positional arguments, got int 5"),
 ])
 def test_pool_checks_its_arguments_before_starting_workers(monkeypatch, kw, match):
-    import shmtree.pool
+    import shmtree.launching.pool
 
     def no_group(*args, **kwargs):
         raise AssertionError("Pool created a group for a call it should have refused")
-    monkeypatch.setattr(shmtree.pool, "Group", no_group)
+    monkeypatch.setattr(shmtree.launching.pool, "Group", no_group)
     with pytest.raises(TypeError, match=match):
         shmtree.Pool(2, **kw)
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.transport as transport
+import shmtree.groups.transport as transport
 from procutil import run_ok
 
 LIMIT = 8 << 20                 # the file-size limit the workers set
@@ -252,7 +252,7 @@ CGROUP_LIMIT = 96 << 20
 def _own_memory_cgroup():
     """(directory of this process's memory cgroup, 'v1' or 'v2', its limit file), or a reason
     why none can be used."""
-    from shmtree.sysfs import _proc_cgroups
+    from shmtree.machine.sysfs import _proc_cgroups
     paths = _proc_cgroups("memory")
     if "memory" in paths:
         d = Path("/sys/fs/cgroup/memory", *[p for p in paths["memory"].split("/") if p])

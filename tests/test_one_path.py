@@ -9,9 +9,9 @@ import pytest
 import shmtree
 from shmtree import _engine, calls, front
 from shmtree.communicator import Communicator
-from shmtree.group import Group
-from shmtree.nodes import Spanning
-from shmtree.plan import ENGINE_ORDER, plan_group
+from shmtree.groups.group import Group
+from shmtree.internode.nodes import Spanning
+from shmtree.machine.plan import ENGINE_ORDER, plan_group
 
 from procutil import run_ok
 

@@ -824,7 +824,7 @@ def test_any_source_gets_every_message_with_its_status(P):
     for (src, tag), ks in seen.items():
         assert ks == list(range(tag, per, 2)), (src, tag, ks)     # never reordered
     # first contact is found when the sender counts its new channel in rank 0's home, not by
-    # the periodic look (messages.LOOK_S, 5 s)
+    # the periodic look (p2p.records.LOOK_S, 5 s)
     for src in range(1, P):
         assert first_at[src] - results[src] < 2.0, (src, first_at[src] - results[src])
 
@@ -1245,7 +1245,7 @@ def test_no_direct_copy_where_yama_forbids_reading_a_sibling(monkeypatch, tmp_pa
     memory: then large messages must stream through the ring, not abort on process_vm_readv."""
     import builtins
 
-    from shmtree import messages
+    from shmtree.p2p import records
     real_open = builtins.open
     for scope, allowed in (("0\n", True), ("1\n", False), ("2\n", False), (None, True)):
         def fake_open(path, *a, _scope=scope, **k):
@@ -1257,5 +1257,5 @@ def test_no_direct_copy_where_yama_forbids_reading_a_sibling(monkeypatch, tmp_pa
                 return real_open(f, *a, **k)
             return real_open(path, *a, **k)
         monkeypatch.setattr(builtins, "open", fake_open)
-        assert messages._yama_allows() is allowed, scope
+        assert records._yama_allows() is allowed, scope
         monkeypatch.setattr(builtins, "open", real_open)

@@ -1,4 +1,4 @@
-"""Pinning and unpinning a member (shmtree.plan.pin_to / unpin; issue 21, item 19).
+"""Pinning and unpinning a member (shmtree.machine.plan.pin_to / unpin; issue 21, item 19).
 
 A member is pinned in the thread that joins; the threads it starts while pinned inherit the one
 core.  Leaving the group gives every such thread the original mask back, whichever thread

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import shmtree
-from shmtree.plan import plan_group
-from shmtree.topology import Topology
+from shmtree.machine.plan import plan_group
+from shmtree.machine.topology import Topology
 
 MACHINES = ["2x4", "2x2x4", "1x8"] + Topology.fixtures()
 TREES = [None, "chain", "binary", "flat", "ring", "topology", 3]
@@ -89,7 +89,7 @@ QUOTA_SYSFS = Path(__file__).resolve().parent / "fixtures_sysfs"
 
 
 def test_usable_count_is_limited_by_the_cpu_quota():
-    import shmtree.plan as plan
+    import shmtree.machine.plan as plan
     cpus = len(os.sched_getaffinity(0))
     assert plan.usable_count(QUOTA_SYSFS / "cgroup_v2_unlimited") == cpus
     assert plan.usable_count(QUOTA_SYSFS / "cgroup_v1_quota") == 1         # 0.5 CPU: one
@@ -101,7 +101,7 @@ def test_usable_count_is_limited_by_the_cpu_quota():
 def test_a_group_in_a_container_with_a_quota_is_oversubscribed(monkeypatch):
     """A container limited to 2 CPUs on a 64-core host: Pool(os.cpu_count()) planned as if it
     had 64 cores (spinning, the small inline limit, pinning).  Here: a quota of half a CPU."""
-    import shmtree.plan as plan
+    import shmtree.machine.plan as plan
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two usable CPUs to tell the quota from the mask")
     monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v2_unlimited"))
@@ -123,7 +123,7 @@ def _pool_size_task(_):
 @pytest.mark.timeout(120)
 def test_pool_without_a_size_has_one_worker_per_core_the_quota_allows(monkeypatch):
     """Pool() sizes itself by the cores it can keep busy: the CPU quota, not only the mask."""
-    import shmtree.plan as plan
+    import shmtree.machine.plan as plan
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two usable CPUs to tell the quota from the mask")
     monkeypatch.setattr(plan, "SYSFS_ROOT", str(QUOTA_SYSFS / "cgroup_v1_quota"))

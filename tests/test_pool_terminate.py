@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from shmtree import pool as _pool
+from shmtree.launching import pool as _pool
 
 
 def _task(_):

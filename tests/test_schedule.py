@@ -1,4 +1,5 @@
-"""Tests for shmtree.schedule: every tree kind for P = 1..64, topology trees on every fixture.
+"""Tests for shmtree.machine.schedule: every tree kind for P = 1..64, topology trees on every
+fixture.
 
 Pure data, no processes. The topology-tree property checked everywhere: each socket (and each
 NUMA node within a socket, and each L3 group within a node) that does not hold the root is
@@ -11,7 +12,7 @@ import re
 
 import pytest
 
-from shmtree.schedule import (
+from shmtree.machine.schedule import (
     AUTO_FLAT_MAX_SIZE,
     SMALL_MESSAGE_BYTES,
     TREE_KINDS,
@@ -19,7 +20,7 @@ from shmtree.schedule import (
     build_tree,
     parse_tree_kind,
 )
-from shmtree.topology import Topology
+from shmtree.machine.topology import Topology
 
 SIZES = range(1, 65)
 SYNTHETIC = ["2x4", "2x2x4", "4x8", "8x4", "2x2x2x4:2"]

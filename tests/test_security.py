@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.plan
+import shmtree.machine.plan
 from shmtree import api
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -166,7 +166,7 @@ def tamper(case, group):
     elif case == "plan":                             # same geometry, another plan
         plan = dataclasses.replace(plan, spin_ns=plan.spin_ns + 1000)
     elif case == "size":
-        plan = shmtree.plan.plan_group(plan.size + 1, chunk_bytes=plan.chunk_bytes)
+        plan = shmtree.machine.plan.plan_group(plan.size + 1, chunk_bytes=plan.chunk_bytes)
     elif case == "other_group":
         other = shmtree.Group(group.size, chunk_bytes=group.chunk_bytes)
         os.close(fd)
@@ -249,7 +249,7 @@ def test_closed_group_cannot_be_pickled():
 @pytest.mark.parametrize("kw", [dict(chunk_bytes=2 ** 40), dict(slots=2 ** 30),
                                 dict(chunk_bytes=2 ** 36, slots=64)])
 def test_group_larger_than_free_memory(kw):
-    from shmtree.transport import available_memory
+    from shmtree.groups.transport import available_memory
 
     fds = set(open_fds())
     with pytest.raises(shmtree.ShmtreeError) as info:
@@ -381,8 +381,8 @@ def test_a_rendezvous_token_is_parsed_never_executed(tmp_path):
 def test_the_rendezvous_token_carries_every_plan(options):
     """The plan goes through the token's JSON unchanged (the header's digest would refuse it)."""
     import json
-    from shmtree.group import _plan_from_data, _plan_to_data
-    from shmtree.plan import plan_group
+    from shmtree.groups.token import _plan_from_data, _plan_to_data
+    from shmtree.machine.plan import plan_group
     plan = plan_group(**options)
     again = _plan_from_data(json.loads(json.dumps(_plan_to_data(plan))))
     assert again == plan and again.digest() == plan.digest() and again.topology == plan.topology

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.plan
+import shmtree.machine.plan
 from procutil import run_ok
 from test_collectives import make, ops_for, same_bytes
 
@@ -114,7 +114,7 @@ def test_single_copy_from_small_bytes(P, tree):
     are empty - with the private path's bits, blocking and nonblocking; so do broadcast and
     allgather into shared outs, reduce into the root's input and reduce_scatter of shared
     inputs (in place)."""
-    small = shmtree.plan.plan_group(P, tree=tree).small_bytes
+    small = shmtree.machine.plan.plan_group(P, tree=tree).small_bytes
     cases = []
     for dt, ops in [("float32", ("sum", "max")), ("float16", ("sum", "prod")),
                     ("int64", ("sum", "bxor")), ("complex128", ("prod",)),
@@ -573,7 +573,7 @@ def check_matrix(P, cases, outs, small_bytes):
 def run_matrix(P, cases, tree=None):
     with shmtree.Group(P) as other:
         outs = run_ok(matrix_worker, P, args=(cases, other), tree=tree)
-    check_matrix(P, cases, outs, shmtree.plan.plan_group(P, tree=tree).small_bytes)
+    check_matrix(P, cases, outs, shmtree.machine.plan.plan_group(P, tree=tree).small_bytes)
 
 
 def every_dtype_op():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.transport as transport
+import shmtree.groups.transport as transport
 from procutil import run_ok
 from shmtree import _engine
 from shmtree.codes import ABORT_FAILED

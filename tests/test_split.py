@@ -55,7 +55,7 @@ PATTERNS = {
 
 
 def test_sub_plan_lies_on_the_members_slots():
-    from shmtree.plan import plan_group
+    from shmtree.machine.plan import plan_group
     from shmtree.subcomm import sub_plan
     parent = plan_group(4, topology="2x2", ncpus=4)       # sockets {0, 1} and {2, 3}
     across = sub_plan(parent, [2, 0])                      # one rank on each socket
@@ -69,7 +69,7 @@ def test_sub_plan_lies_on_the_members_slots():
 
 
 def test_sub_plan_takes_its_own_sizes_defaults_unless_the_parent_was_given_values():
-    from shmtree.plan import DEFAULT_SMALL_BYTES, OVERSUBSCRIBED_SMALL_BYTES, plan_group
+    from shmtree.machine.plan import DEFAULT_SMALL_BYTES, OVERSUBSCRIBED_SMALL_BYTES, plan_group
     from shmtree.subcomm import sub_plan
     over = plan_group(4, topology="4", ncpus=2)           # 4 ranks on 2 cores: no spinning
     assert over.spin_ns == 0 and over.small_bytes == OVERSUBSCRIBED_SMALL_BYTES

@@ -1,4 +1,4 @@
-"""Tests for shmtree.topology: sysfs detection, specs, JSON, fixtures and placement.
+"""Tests for shmtree.machine.topology: sysfs detection, specs, JSON, fixtures and placement.
 
 Detection runs against small fake sysfs trees in tests/fixtures_sysfs/ and against sysfs trees
 written on the fly from the shipped machine fixtures (detect(write(fixture)) == fixture).
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shmtree.topology import Slot, Topology, parse_cpulist
+from shmtree.machine.topology import Slot, Topology, parse_cpulist
 
 SYSFS = Path(__file__).resolve().parent / "fixtures_sysfs"
 FIXTURES = Topology.fixtures()
@@ -343,11 +343,11 @@ def test_placement_errors_and_empty():
     ("two_socket_smt", None, None),                 # no cgroup tree at all
 ])
 def test_cpu_quota(tree, cgroup, quota):
-    from shmtree.topology import cpu_quota
+    from shmtree.machine.topology import cpu_quota
     assert cpu_quota(SYSFS / tree, cgroup) == quota
 
 
 def test_cpu_quota_of_the_live_machine_reads_this_process_cgroup():
-    from shmtree.topology import cpu_quota
+    from shmtree.machine.topology import cpu_quota
     got = cpu_quota()
     assert got is None or got > 0

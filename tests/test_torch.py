@@ -160,7 +160,7 @@ def test_ddp_trains_as_with_gloo(tmp_path):
 
 
 def test_non_cpu_and_non_tensor_inputs_are_refused():
-    from shmtree.torch import _view
+    from shmtree.torch.tensors import _view
     with pytest.raises(TypeError, match="torch.Tensor"):
         _view(np.ones(2))
     with pytest.raises(ValueError, match="CPU tensors"):

@@ -310,7 +310,7 @@ def value_after_wait_worker(rank, store_path, outdir):
 
     import torch.distributed as dist
 
-    import shmtree.torch as st
+    import shmtree.torch.backend as st           # (its _work makes the futures' values)
 
     settle = st._settle
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import shmtree
-import shmtree.plan
+import shmtree.machine.plan
 from shmtree import api
 from procutil import run_ok, stop_processes, wait_aborted, wait_in_call
 
@@ -75,11 +75,12 @@ def test_spawned_member_runs_the_creators_plan(options):
 
 
 def test_plan_pickles_with_its_digest():
-    plan = shmtree.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192)
+    plan = shmtree.machine.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192)
     again = pickle.loads(pickle.dumps(plan))
     assert again.digest() == plan.digest()
     assert again.large_tree == plan.large_tree and again.small_tree == plan.small_tree
-    other = shmtree.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192, ncpus=1)
+    other = shmtree.machine.plan.plan_group(4, topology="2x2", tree="ring", chunk_bytes=8192,
+                                            ncpus=1)
     assert other.digest() != plan.digest()       # planned for another machine: another digest
 
 
@@ -98,8 +99,8 @@ def test_cpu_mask_restored_after_membership(how):
     try:
         assert len(os.sched_getaffinity(0)) == 1, "rank 0 was not pinned"
         # planning inside a member sees the cores the process had, not shmtree's pin
-        assert shmtree.plan.plan_group(2).ncpus == len(before)
-        assert shmtree.plan.usable_cpus() == sorted(before)
+        assert shmtree.machine.plan.plan_group(2).ncpus == len(before)
+        assert shmtree.machine.plan.usable_cpus() == sorted(before)
     finally:
         if how == "comm.close":
             comm.close()

@@ -19,6 +19,10 @@ Layout (one job per module):
 
 Nothing here imports shmtree's compiled parts at import time: the parts that do not need the
 library (baselines, copy limit, NUMA matrix, parsing, output) work without it.
+
+The top layer of shmtree (tests/test_import_graph.py): it may import every layer below it, and
+nothing in shmtree imports it.  The scripts that reproduce the docs' tables are the top-level
+bench/ folder's (bench/README.md); this package is the tool they run (README.md here).
 """
 __all__ = ["main"]
 

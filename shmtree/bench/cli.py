@@ -4,7 +4,7 @@
     shmtree-bench allreduce [...]      sizes x shmtree allreduce, with the memory-copy limit
     shmtree-bench compare [...]        shmtree vs numpy+shared_memory, Pipe, MPI, gloo, copy
     shmtree-bench compare --collective broadcast|reduce|allgather|reduce_scatter|alltoall|
-                          gather|scatter|scan|exscan [...]
+                          alltoallv|gather|scatter|scan|exscan [...]
                                        that collective: shmtree vs MPI and the copy
     shmtree-bench persistent [...]     p() of allreduce_init beside the plain allreduce
     shmtree-bench numa [...]           node x node copy bandwidth; shmtree's placement knobs
@@ -161,7 +161,8 @@ def build_parser():
     p.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
                    help="the collective to measure (default allreduce), root 0; a size is the "
                         "whole buffer, as in nccl-tests: allgather's and gather's result, "
-                        "reduce_scatter's, scatter's and alltoall's input, each of P blocks")
+                        "reduce_scatter's, scatter's and alltoall's input, each of P blocks; "
+                        "alltoallv: alltoall with counts= (MPI_Alltoallv) of P equal blocks")
     p = sub.add_parser("numa", help="NUMA copy-bandwidth matrix and shmtree's placement knobs")
     _measure_arguments(p, "numa", "processes for the allreduce part (default: usable cores)")
     _group_arguments(p)
@@ -220,7 +221,7 @@ def build_parser():
                    help="timed calls per size at 8 MiB and above (more below; default 5)")
     p.add_argument("--segment", type=_arg(_positive_size),
                    help="bytes per pipelined segment across the node boundary (default: "
-                        "shmtree.nodes.SEGMENT_BYTES)")
+                        "shmtree.internode.nodes.SEGMENT_BYTES)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     _scaling_parser(sub)
     p2p.add_parser(sub, _arg, _positive)             # point-to-point (issue 24)

@@ -133,6 +133,7 @@ def cmd_allreduce(args):
 COMPARE_TITLES = {"allreduce": "allreduce", "broadcast": "broadcast (root 0)",
                   "reduce": "reduce (root 0)", "allgather": "allgather",
                   "reduce_scatter": "reduce_scatter", "alltoall": "alltoall",
+                  "alltoallv": "alltoallv (alltoall with counts=)",
                   "gather": "gather (root 0)", "scatter": "scatter (root 0)", "scan": "scan",
                   "exscan": "exscan"}
 WHOLE_BUFFER = {
@@ -141,6 +142,8 @@ WHOLE_BUFFER = {
                       "nccl-tests",
     "alltoall": "# size = each rank's whole input (P blocks of size/P, one per rank; the "
                 "output is as large), as in nccl-tests",
+    "alltoallv": "# size = each rank's whole input (counts: P equal blocks of size/P, one per "
+                 "rank; the output is as large), as in nccl-tests",
     "gather": "# size = the root's whole gathered result (P blocks of size/P), as in "
               "nccl-tests",
     "scatter": "# size = the root's whole input (P blocks of size/P), as in nccl-tests",
@@ -291,7 +294,7 @@ def cmd_topology(args):
     options = options_of(args)
     try:
         import shmtree
-        from shmtree.plan import plan_group
+        from shmtree.machine.plan import plan_group
         topo = shmtree.Topology.resolve(args.topology)
         nprocs = args.nprocs or (topo.ncpus if args.topology else usable())
         group_plan = plan_group(nprocs, **options)

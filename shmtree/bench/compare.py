@@ -17,9 +17,10 @@ Methods (columns), each measured with the same protocol (``measure.py``), sizes,
 - ``gloo``: torch.distributed (``gloo.py``).
 
 ``--collective`` (``run_all(..., collective=...)``) measures broadcast, reduce, allgather,
-reduce_scatter, alltoall, gather, scatter, scan or exscan instead of allreduce: shmtree's call
-(``sweep.collective_call``) beside MPI's (``mpi_worker.FUNCTIONS``: Bcast, Reduce, Allgather,
-Reduce_scatter_block, Alltoall, Gather, Scatter, Scan, Exscan, root 0) and the copy of the
+reduce_scatter, alltoall, alltoallv (alltoall with counts=), gather, scatter, scan or exscan
+instead of allreduce: shmtree's call (``sweep.collective_call``) beside MPI's
+(``mpi_worker.FUNCTIONS``: Bcast, Reduce, Allgather, Reduce_scatter_block, Alltoall, Alltoallv,
+Gather, Scatter, Scan, Exscan, root 0) and the copy of the
 whole buffer; numpy-shm, pipe and gloo are allreduce loops and are not offered for the others.
 A size is the whole buffer, as in nccl-tests (``measure.layout``): allgather's and gather's
 result, reduce_scatter's and scatter's input, alltoall's input, of P blocks, so the rows'
@@ -100,6 +101,10 @@ class Column:
         return meta
 
 
+CALLS = {"alltoallv": "alltoall"}     # the collectives measured through another's method
+DETAILS = {"alltoallv": "comm.alltoall(counts=)"}
+
+
 def missing_call(collective):
     """Why the installed shmtree cannot make `collective` (its Communicator has no such method:
     a shmtree older than the call), or None (also when shmtree cannot be imported: the
@@ -108,9 +113,10 @@ def missing_call(collective):
         import shmtree
     except ImportError:
         return None
-    if hasattr(shmtree.Communicator, collective):
+    name = CALLS.get(collective, collective)
+    if hasattr(shmtree.Communicator, name):
         return None
-    return f"n/a (no comm.{collective} in shmtree {getattr(shmtree, '__version__', '?')})"
+    return f"n/a (no comm.{name} in shmtree {getattr(shmtree, '__version__', '?')})"
 
 
 def _guarded(key, label, run):
@@ -132,7 +138,7 @@ def run_shmtree(sizes, nprocs, plan, options, collective="allreduce"):
         status = f"error: {type(exc).__name__}: {exc}"
         return Column("shmtree", "shmtree", status=status), None
     return (Column("shmtree", "shmtree", {s: m[collective] for s, m in measured.items()},
-                   detail=f"comm.{collective}"),
+                   detail=DETAILS.get(collective, f"comm.{collective}")),
             Column("copy", "copy", {s: m["copy"] for s, m in measured.items()},
                    detail="measured in the shmtree workers"))
 

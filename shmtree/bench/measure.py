@@ -26,6 +26,9 @@ hold and what the first call must have produced.  A size is the whole buffer, as
 counts it: the message of allreduce, broadcast, reduce, scan and exscan; allgather's and
 gather's result, reduce_scatter's and scatter's input, alltoall's input (and output), each P
 blocks of size / P bytes (rounded down to whole items, at least one item per block).
+``alltoallv`` is alltoall with counts (shmtree's ``alltoall(x, counts=...)``, MPI_Alltoallv):
+the same buffers, blocks and check as alltoall, the counts P equal blocks of items (the FFT
+transpose's case), so that its table reads beside alltoall's.
 
 This module imports only the standard library and numpy: ``mpi_worker.py`` loads it by path in
 another interpreter (another virtualenv) where shmtree itself may not be importable.
@@ -144,11 +147,13 @@ def verify(result, op, size, what, collective="allreduce"):
 
 
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter",
-               "alltoall", "gather", "scatter", "scan", "exscan")
-MOVES_ONLY = ("broadcast", "allgather", "alltoall", "gather", "scatter")   # no op: bytes only
+               "alltoall", "alltoallv", "gather", "scatter", "scan", "exscan")
+EXCHANGES = ("alltoall", "alltoallv")   # alltoallv: alltoall(counts=) / MPI_Alltoallv of P
+                                        # equal counts (the FFT transpose), alltoall's layout
+MOVES_ONLY = ("broadcast", "allgather") + EXCHANGES + ("gather", "scatter")   # no op: bytes
 GATHERING = ("allgather", "gather")               # input: one block; output: P blocks
 SPLITTING = ("reduce_scatter", "scatter")         # input: P blocks; output: one block
-BLOCKED = GATHERING + SPLITTING + ("alltoall",)   # sizes rounded to P equal blocks
+BLOCKED = GATHERING + SPLITTING + EXCHANGES       # sizes rounded to P equal blocks
 
 
 def layout(collective, nbytes, dtype, nprocs):
@@ -185,14 +190,14 @@ def tag(source, dest, nprocs):
 def fill(collective, rank, nprocs, inputs):
     """Give the input arrays (each laid out by `layout`) what `check` expects of `collective`
     where Buffers' "every input holds rank + 1" does not say which block went where: alltoall's
-    block d of rank r holds tag(r, d); the root's (rank 0's) scatter input holds d + 1 in block
+    (and alltoallv's) block d of rank r holds tag(r, d); the root's (rank 0's) scatter input holds d + 1 in block
     d.  Other collectives' inputs are left as they are."""
-    if collective not in ("alltoall", "scatter") or (collective == "scatter" and rank != 0):
+    if collective not in EXCHANGES + ("scatter",) or (collective == "scatter" and rank != 0):
         return
     for x in inputs:
         blocks = x.reshape(nprocs, -1)
         for d in range(nprocs):
-            blocks[d] = tag(rank, d, nprocs) if collective == "alltoall" else d + 1
+            blocks[d] = tag(rank, d, nprocs) if collective in EXCHANGES else d + 1
 
 
 def check(collective, op, rank, nprocs, bufs, what):
@@ -209,10 +214,10 @@ def check(collective, op, rank, nprocs, bufs, what):
         _same(x, 1, what, collective, "")          # the root's (rank 0's) value, in place
     elif collective == "scatter":
         _same(out, rank + 1, what, collective, "")
-    elif collective in ("allgather", "alltoall") or (collective == "gather" and rank == 0):
+    elif collective in ("allgather",) + EXCHANGES or (collective == "gather" and rank == 0):
         blocks = out.reshape(nprocs, -1)
         for r in range(nprocs):
-            want = tag(r, rank, nprocs) if collective == "alltoall" else r + 1
+            want = tag(r, rank, nprocs) if collective in EXCHANGES else r + 1
             _same(blocks[r], want, what, collective, f"block {r} ")
 
 

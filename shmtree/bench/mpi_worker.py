@@ -4,7 +4,9 @@ Every rank builds the same buffers as shmtree's workers (``measure.Buffers``, la
 ``measure.layout``), checks one call against the expected value (``measure.check``), then times
 it with the protocol of ``measure.py``.  The call is the one ``--collective`` names, root 0:
 ``Allreduce(x, out, op)``, ``Bcast(x)`` in place, ``Reduce(x, out, op)``, ``Allgather(x, out)``,
-``Reduce_scatter_block(x, out, op)``, ``Alltoall(x, out)``, ``Gather(x, out)``,
+``Reduce_scatter_block(x, out, op)``, ``Alltoall(x, out)``, ``Alltoallv`` (``alltoallv``: P
+equal counts and their displacements, given as lists, as a program that computes them would),
+``Gather(x, out)``,
 ``Scatter(x, out)`` (equal blocks, as ``measure.layout`` makes them, filled by
 ``measure.fill``), ``Scan(x, out, op)`` or ``Exscan(x, out, op)``.
 Rank 0 gathers the ranks' summaries and prints one line, ``SHMTREE-BENCH-MPI {json}``, which
@@ -78,8 +80,8 @@ def parse_args(argv):
 # the MPI function measured for each collective (mpi4py's buffer spelling)
 FUNCTIONS = {"allreduce": "Allreduce", "broadcast": "Bcast", "reduce": "Reduce",
              "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
-             "alltoall": "Alltoall", "gather": "Gather", "scatter": "Scatter", "scan": "Scan",
-             "exscan": "Exscan"}
+             "alltoall": "Alltoall", "alltoallv": "Alltoallv", "gather": "Gather",
+             "scatter": "Scatter", "scan": "Scan", "exscan": "Exscan"}
 
 
 def mpi_call(comm, collective, op, bufs):
@@ -103,6 +105,15 @@ def mpi_call(comm, collective, op, bufs):
         def call(i):
             x, out = bufs.pair(i)
             comm.Alltoall(x, out)
+    elif collective == "alltoallv":
+        P = comm.size
+        block = bufs.count // P
+        counts = [block] * P                          # (items; the datatype is the array's)
+        displs = [block * q for q in range(P)]
+
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.Alltoallv([x, (counts, displs)], [out, (counts, displs)])
     elif collective == "gather":
         def call(i):
             x, out = bufs.pair(i)
@@ -137,7 +148,8 @@ def one_size(comm, mpi, size, args):
 
 
 CHUNK_BYTES = 256 << 10        # a part is reduced (or moved) this much at a time, in cache
-SOURCES_SHARED = ("alltoall", "gather", "scatter", "scan", "exscan")   # shared in, private out
+SOURCES_SHARED = ("alltoall", "alltoallv", "gather", "scatter", "scan",
+                  "exscan")                                             # shared in, private out
 SHARED_FUNCTIONS = {c: "single copy on MPI_Win_allocate_shared (numpy, 2x MPI_Barrier)"
                     for c in FUNCTIONS}
 
@@ -190,6 +202,7 @@ class SharedCollective:
         self.work = {"allreduce": self._allreduce, "broadcast": self._broadcast,
                      "reduce": self._reduce, "allgather": self._allgather,
                      "reduce_scatter": self._reduce_scatter, "alltoall": self._alltoall,
+                     "alltoallv": self._alltoall,
                      "gather": self._gather, "scatter": self._scatter, "scan": self._scan,
                      "exscan": self._exscan}[collective]
         self._sync()

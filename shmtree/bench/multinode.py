@@ -8,8 +8,8 @@ rank of float32 sum allreduces:
   hier    shmtree.from_mpi(COMM_WORLD, node_size=k).allreduce(x, out=o): the whole hierarchy;
   mpi     COMM_WORLD.Allreduce(x, o) on the same processes;
   intra   the node's own shmtree allreduce alone (every node at once): the in-node part;
-  inter   the leaders' inter-node step alone (shmtree.inter.Link.allreduce, one leader per node,
-          the other ranks waiting in their node's barrier): the between-nodes part;
+  inter   the leaders' inter-node step alone (shmtree.internode.inter.Link.allreduce, one
+          leader per node, the other ranks waiting in their node's barrier): the between-nodes part;
 and hier/mpi and hier/max(intra, inter): at 1 the pipeline hides the smaller part completely.
 """
 import argparse

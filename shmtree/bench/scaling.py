@@ -2,7 +2,7 @@
 
 For every P in ``--nprocs`` (default 2, 4, 8, 16: those up to ``--max-procs``, by default the
 usable cores, at least 2; P given with ``--nprocs`` are all measured, oversubscribed if need
-be) and every collective in ``--collectives`` (default all ten, less those the installed
+be) and every collective in ``--collectives`` (default all eleven, less those the installed
 shmtree has no call for: ``compare.missing_call``), one ``compare.run_all`` of
 the methods ``shmtree``, ``shared``, ``mpi`` and ``mpi_shared``: the same measurements as
 ``shmtree-bench compare --collective C --shared --methods shmtree,mpi -n P`` (same protocol,
@@ -11,8 +11,8 @@ row is one (P, collective, size, arrays) cell:
 
 - ``private``: the call on numpy arrays (``comm.<collective>``) beside MPI's own function
   (``MPI_Allreduce``, ``MPI_Bcast``, ``MPI_Reduce``, ``MPI_Allgather``,
-  ``MPI_Reduce_scatter_block``, ``MPI_Alltoall``, ``MPI_Gather``, ``MPI_Scatter``,
-  ``MPI_Scan``, ``MPI_Exscan``);
+  ``MPI_Reduce_scatter_block``, ``MPI_Alltoall``, ``MPI_Alltoallv`` (``alltoallv``:
+  ``comm.alltoall(counts=)``), ``MPI_Gather``, ``MPI_Scatter``, ``MPI_Scan``, ``MPI_Exscan``);
 - ``shared``: the call on shmtree's shared arrays (``comm.empty``, the single-copy paths)
   beside the single copy on MPI-3 shared memory (``MPI.Win.Allocate_shared``,
   ``mpi_worker --shared``).

@@ -17,6 +17,7 @@ busbw is comparable with the memory bandwidth a process sees), and the ratio to 
 ``comm.broadcast(x, 0, out=x)`` in place on every rank (the root passes its array, the others
 None), ``comm.reduce(x, op, 0, out=y)``, ``comm.allgather(x, out=y)`` into a (P, block) view,
 ``comm.reduce_scatter(x, op, out=y)``, ``comm.alltoall(x, out=y)`` on (P, block) views,
+``comm.alltoall(x, counts=[block] * P, out=y)`` on the flat arrays (alltoallv),
 ``comm.gather(x, 0, out=y)`` into a (P, block) view on the root (out=None elsewhere),
 ``comm.scatter(x, 0, out=y)`` from a (P, block) view on the root (None elsewhere),
 ``comm.scan(x, op, out=y)``, ``comm.exscan(x, op, out=y)``.  The copy beside it copies the
@@ -90,6 +91,12 @@ def collective_call(comm, collective, plan, bufs):
         def call(i):
             x, out = pairs[i % len(pairs)]
             comm.alltoall(x, out=out, timeout=timeout)
+    elif collective == "alltoallv":
+        counts = [bufs.count // P] * P
+
+        def call(i):
+            x, out = bufs.pair(i)
+            comm.alltoall(x, counts=counts, out=out, timeout=timeout)
     elif collective == "gather":
         root = comm.rank == 0
         gathered = [out.reshape(P, -1) if root else None for out in bufs.outputs]
@@ -240,23 +247,28 @@ def _shared_call(comm, collective, plan, size):
     return call, check
 
 
-SOURCES_SHARED = ("alltoall", "gather", "scatter", "scan", "exscan")
+SOURCES_SHARED = ("alltoall", "alltoallv", "gather", "scatter", "scan", "exscan")
 
 
 def _shared_sources(comm, collective, plan, n_in, n_out):
-    """(call, check) of alltoall, gather, scatter, scan or exscan reading shared inputs
+    """(call, check) of alltoall(v), gather, scatter, scan or exscan reading shared inputs
     (comm.empty: the ranks' sources, where the others can read them straight) and writing
     private outputs, laid out and filled as in the private measurement (measure.fill)."""
     P, r, timeout = comm.size, comm.rank, plan.timeout
-    blocked = collective in ("alltoall", "scatter")
+    blocked = collective in ("alltoall", "alltoallv", "scatter")
     x = comm.empty((P, n_in // P) if blocked else n_in, plan.dtype)
     x[...] = r + 1
     fill(collective, r, P, [x])
-    out = np.zeros((P, n_out // P) if collective in ("alltoall", "gather") else n_out,
-                   plan.dtype)
+    out = np.zeros((P, n_out // P) if collective in ("alltoall", "alltoallv", "gather")
+                   else n_out, plan.dtype)
     if collective == "alltoall":
         def call(i):
             comm.alltoall(x, out=out, timeout=timeout)
+    elif collective == "alltoallv":
+        flat, got, counts = x.reshape(-1), out.reshape(-1), [n_in // P] * P
+
+        def call(i):
+            comm.alltoall(flat, counts=counts, out=got, timeout=timeout)
     elif collective == "gather":
         def call(i):
             comm.gather(x, 0, out=out if r == 0 else None, timeout=timeout)

@@ -21,7 +21,7 @@
 # the producer, after a fence that pairs with the sleeper's.
 
 cdef enum:
-    XC_OWN = 1                # copy this rank's own block
+    XC_OWN = 1                # copy a piece of this rank's own block
     XC_SEND = 2               # publish the next item
     XC_RECV = 3               # take the next item from rank (action - XC_RECV)
 
@@ -93,7 +93,9 @@ cdef void xchg_setup(Eng *e, Chan *c, Call *k) noexcept nogil:
     xchg_skip_empty(e, x)
     for p in range(e.nranks):
         x.got[p] = 0
-    x.own_done = x.B[e.rank * e.nranks + e.rank] == 0
+    x.own_off = 0
+    x.own_done = x.B[e.rank * e.nranks + e.rank] == 0 or (
+        k.dst + x.dst_at[e.rank] == k.src + x.to_at[e.rank])      # (in place)
     x.src_next = (e.rank + e.nranks - 1) % e.nranks     # (round 1's sender first)
 
 
@@ -101,8 +103,6 @@ cdef int xchg_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
     cdef Xchg *x = &e.x
     cdef int P = e.nranks, i, p
     cdef uint64_t j
-    if not x.own_done:
-        return XC_OWN
     if x.sent < x.nsend and shm_load_acquire64(&xslot(x, e.rank, x.sent).freed) \
             == x.last[x.sent % x.nslots]:
         return XC_SEND
@@ -112,6 +112,8 @@ cdef int xchg_ready(Eng *e, Chan *c, Call *k) noexcept nogil:
             j = x.first[p] + x.got[p]
             if shm_load_acquire64(&xslot(x, p, j).ready) == x.base + j + 1:
                 return XC_RECV + p
+    if not x.own_done:                # (its own block fills the waits: the others' items
+        return XC_OWN                 # come first)
     return 0
 
 
@@ -120,11 +122,12 @@ cdef int xchg_step(Eng *e, Chan *c, Call *k, int action) noexcept nogil:
     cdef int P = e.nranks, me = e.rank, p, q
     cdef uint64_t j, lo, n, nb, ticket
     cdef shm_slot_hdr *slot
-    if action == XC_OWN:
-        n = x.B[me * P + me]
-        if k.dst + x.dst_at[me] != k.src + x.to_at[me]:
-            memcpy(k.dst + x.dst_at[me], k.src + x.to_at[me], n)
-        x.own_done = 1
+    if action == XC_OWN:              # a piece of the own block (as large as an item)
+        nb = x.B[me * P + me]
+        n = nb - x.own_off if nb - x.own_off < k.chunk else k.chunk
+        memcpy(k.dst + x.dst_at[me] + x.own_off, k.src + x.to_at[me] + x.own_off, n)
+        x.own_off += n
+        x.own_done = x.own_off == nb
         return RC_DONE
     if action == XC_SEND:
         q = (me + x.round) % P
@@ -185,3 +188,115 @@ cdef void xchg_inline_finish(Eng *e, const char *full, char *dst) noexcept nogil
             memcpy(dst + x.dst_at[p], full + row + x.from_at[p], n)
         for q in range(P):
             row += x.B[p * P + q]
+
+
+# ---- alltoall(counts=): the counts travel in the call's first round ----
+#
+# An alltoall whose blocks have sizes of their own (counts=) needs every rank's counts before
+# its blocks can move: B[p*P + q] = counts_p[q] x the row's bytes.  They travel in the call's
+# first round (the channel-0 round every call starts with: a bitwise or of uint8), each rank
+# writing only its own row, with its data beside them when the data fits the round's room:
+#   [0, XV_HEAD)                 rank r's row at 8 (P + 2) r, uint64:
+#                                  +0 its claim (dtype and dimensions after the first: the low
+#                                     bit set, bcast.pxi's _claim_c)
+#                                  +8 the rows of its out= plus 1 (0: no out=)
+#                                  +16 its counts[P] (rows to each rank)
+#   [XV_HEAD, XV_HEAD + P room)  rank r's whole send buffer at XV_HEAD + r room, when every
+#                                rank's fits the room (else it is not read)
+# Every rank reads the same round, so every rank decides alike (xv_handover, msg.pxi): a claim
+# or an out= that disagrees ends the call (the caller says it in words: collectives.py); data
+# that fit the room is taken out of the round (one round in all); else the exchange above runs
+# on B in the same call.  The room of the next round is what this one needed (xv_next_room):
+# a loop of calls of one size sends each in one round of about its own size.
+
+cdef enum:
+    RC_XV_ROUND = 16          # (_run_call -> _progress: the round is in, read it with the GIL)
+    XV_MIN_ROOM = 64
+
+
+cdef struct Xv:
+    int ready                 # room set (the first call of the group: XV_MIN_ROOM, or none)
+    int pending               # the first round of an alltoall(counts=) runs
+    uint64_t row              # bytes per row (this rank's: the claims say whether all agree)
+    uint64_t room             # the data room of the next round (every rank agrees)
+    uint64_t used_room        # the room of the round in progress
+
+
+cdef inline uint64_t xv_head(int P) noexcept nogil:
+    """Bytes of the rows of the counts round (before the data room)."""
+    return <uint64_t>8 * P * (P + 2)
+
+
+cdef inline uint64_t xv_cap(uint64_t payload, uint64_t limit, int P) noexcept nogil:
+    """The largest data room a round of P ranks may have: the round fits one chunk of channel 0
+    (payload), and its data the inline limit; in whole 64-byte lines (0: none)."""
+    cdef uint64_t head = xv_head(P), n
+    if head >= payload:
+        return 0
+    n = payload - head
+    if limit < n:
+        n = limit
+    return n // <uint64_t>P // 64 * 64
+
+
+cdef inline uint64_t xv_next_room(uint64_t most, uint64_t cap) noexcept nogil:
+    """The room of the group's next round, from the most bytes a rank sent in this one: the
+    power of two (at least XV_MIN_ROOM) that holds it, or cap if that is less; XV_MIN_ROOM when
+    the data was larger than cap (it could not have come inline anyway); 0 when cap is less
+    than XV_MIN_ROOM."""
+    cdef uint64_t room = XV_MIN_ROOM
+    if cap < XV_MIN_ROOM:
+        return 0
+    if most > cap:
+        return XV_MIN_ROOM
+    while room < most:
+        room <<= 1
+    return room if room < cap else cap
+
+
+cdef bint xv_agreed(const uint64_t *rows, int P) noexcept nogil:
+    """Did every rank pass the same claim, and an out= (where one did) of the rows it
+    receives?"""
+    cdef int r, p
+    cdef uint64_t n
+    for r in range(P):
+        if rows[r * (P + 2)] != rows[0]:
+            return False
+        if rows[r * (P + 2) + 1]:
+            n = 0
+            for p in range(P):
+                n += rows[p * (P + 2) + 2 + r]
+            if rows[r * (P + 2) + 1] != n + 1:
+                return False
+    return True
+
+
+cdef uint64_t xv_matrix(const uint64_t *rows, int P, uint64_t row, uint64_t *B) noexcept nogil:
+    """B from the round's counts (rows x row bytes); returns the most bytes a rank sends."""
+    cdef int p, q
+    cdef uint64_t sent, most = 0
+    for p in range(P):
+        sent = 0
+        for q in range(P):
+            B[p * P + q] = rows[p * (P + 2) + 2 + q] * row
+            sent += B[p * P + q]
+        if sent > most:
+            most = sent
+    return most
+
+
+cdef void xv_inline_finish(Eng *e, const char *data, uint64_t room, const char *src,
+                           char *dst) noexcept nogil:
+    """The blocks of a round whose data came inline (every rank's sends at data + p room),
+    into this rank's receives in source order; its own block straight from its input."""
+    cdef Xchg *x = &e.x
+    cdef int P = e.nranks, me = e.rank, p
+    cdef uint64_t n
+    for p in range(P):
+        n = x.B[p * P + me]
+        if not n:
+            continue
+        if p == me:
+            memcpy(dst + x.dst_at[me], src + x.to_at[me], n)
+        else:
+            memcpy(dst + x.dst_at[p], data + <uint64_t>p * room + x.from_at[p], n)

@@ -291,6 +291,173 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
     return RC_DONE
 
 
+# ---- scan and exscan: one allgather of the inputs, the fold of the rows this rank needs ----
+
+cdef enum:
+    SCAN_GATHER_LIMIT = 256 << 10   # scan_gathers: up to this many bytes in all (P x the input)
+    SCAN_MAX_NDIM = 32              # a deeper input's descriptor carries its size, not its shape
+SCAN_GATHER_BYTES = SCAN_GATHER_LIMIT
+
+
+cdef inline bint _scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes) noexcept:
+    cdef uint64_t whole = nbytes * P
+    return P == 1 or whole <= small_bytes or whole <= SCAN_GATHER_LIMIT
+
+
+def scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes):
+    """Does a scan or exscan of nbytes per rank run as one allgather of the inputs, each rank
+    folding the rows it needs (Engine.call's SCAN, EXSCAN; else the transpose scheme of two
+    exchanges, Executors._scan)?  Up to SCAN_GATHER_BYTES in all (P x nbytes), or small_bytes
+    where that is more: one round against two, and the P - 1 rows a rank receives cost less
+    than the second round until then (beyond, the transpose scheme's 2(P-1)/P of the message
+    per rank wins, P = 2 included: 2 MiB at P = 2, 0.29 ms against 0.42).  In a group of one,
+    any size (the call is the copy, or exscan's identity: no round).  The one rule: the engine
+    declines a larger scan with it, and the parsed call asks it."""
+    return _scan_gathers(nbytes, P, small_bytes)
+
+
+cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
+                  uint64_t digest) except -2:
+    """scan (exclusive False) and exscan: array a plain C-contiguous aligned ndarray whose
+    dtype and op have a kernel (op a name or ufunc, or the parse's (op code, dtype code)); out
+    None (a new array) or an ndarray of its type and shape, C-contiguous, writable, aligned
+    (it may be the input or overlap it: the input is read when the call begins, the output
+    written when it ends); digest: the dtype's (calls.dtype_digest).  The call is an allgather
+    of every rank's input into the engine's own stack (engine bytes, kept from call to call),
+    with the descriptor of the parsed path's (Executors._scan: the input's shape - its size
+    past SCAN_MAX_NDIM dimensions - then op code, item size, digest; kind KIND_SCAN or
+    KIND_EXSCAN), so a rank on either path meets the others in one call; when it ends, rows
+    0 .. rank (exscan: 0 .. rank - 1) are folded into the output (engine/scan.pxi).  In a
+    group of one the call is whole at once (Engine.alone).  Declined (-1) beyond
+    scan_gathers: the transpose scheme (Executors._scan) takes it."""
+    cdef int P = self.e.nranks, me = self.e.rank, opc, dtc, nd, i, rc, q, alg
+    cdef cnp.ndarray a, res, stack, bounds
+    cdef uint64_t block, total
+    cdef uint64_t *bp
+    cdef int64_t given[SCAN_MAX_NDIM + 3]
+    cdef char *base
+    if type(array) is not _NDARRAY:
+        return -1
+    a = <cnp.ndarray>array
+    if not _codes(a, op, &opc, &dtc) or not fold_supported(opc, dtc):
+        return -1
+    block = cnp.PyArray_NBYTES(a)
+    if not _scan_gathers(block, P, self.sel_limit[COLL_ALLGATHER]):
+        return -1
+    nd = cnp.PyArray_NDIM(a)
+    if out is None:
+        res = <cnp.ndarray>empty_like(a, -1)
+    else:
+        if type(out) is not _NDARRAY:
+            return -1
+        res = <cnp.ndarray>out
+        if (cnp.PyArray_TYPE(res) != cnp.PyArray_TYPE(a) or cnp.PyArray_NDIM(res) != nd
+                or memcmp(cnp.PyArray_DIMS(res), cnp.PyArray_DIMS(a),
+                          nd * sizeof(cnp.npy_intp)) != 0
+                or not cnp.PyArray_IS_C_CONTIGUOUS(res) or not cnp.PyArray_ISWRITEABLE(res)
+                or not cnp.PyArray_ISALIGNED(res)
+                or cnp.PyArray_ISNOTSWAPPED(res) != cnp.PyArray_ISNOTSWAPPED(a)):
+            return -1
+    if P == 1:                            # (one rank: the copy, or exscan's identity; no round)
+        self.result = res
+        rc = self.may_begin()
+        if rc != RC_DONE:
+            return rc
+        if exclusive:
+            fold_identity(opc, dtc, <char *>cnp.PyArray_DATA(res), cnp.PyArray_SIZE(a))
+        elif block and cnp.PyArray_DATA(res) != cnp.PyArray_DATA(a):
+            memmove(cnp.PyArray_DATA(res), cnp.PyArray_DATA(a), block)
+        return self.alone(res, res)
+    if nd > SCAN_MAX_NDIM:
+        given[0] = cnp.PyArray_SIZE(a)
+        nd = 1
+    else:
+        for i in range(nd):
+            given[i] = cnp.PyArray_DIMS(a)[i]
+    given[nd] = opc
+    given[nd + 1] = cnp.PyArray_ITEMSIZE(a)
+    given[nd + 2] = <int64_t>digest
+    nd += 3
+    total = block * P
+    alg = select(self, COLL_ALLGATHER, total)
+    # (what the call uses is made before it begins: an allocation may let another thread in)
+    if self.scan_stack is None or <uint64_t>cnp.PyArray_NBYTES(self.scan_stack) < total:
+        self.scan_stack = np.empty(max(total, <uint64_t>4096), np.uint8)
+    stack = <cnp.ndarray>self.scan_stack
+    if alg == ALG_RING and (self.scan_bounds is None or self.scan_bounds_block != block):
+        bounds = np.empty(2 * P, np.uint64)       # (equal blocks: rank r's at r * block)
+        bp = <uint64_t *>cnp.PyArray_DATA(bounds)
+        for q in range(P):
+            bp[2 * q] = <uint64_t>self.e.dir.order[q] * block
+            bp[2 * q + 1] = bp[2 * q] + block
+        self.scan_bounds = bounds
+        self.scan_bounds_block = block
+    self.result = res
+    rc = self.may_begin()
+    if rc != RC_DONE:
+        return rc
+    base = <char *>cnp.PyArray_DATA(stack)
+    memcpy(base + me * block, cnp.PyArray_DATA(a), block)   # (the input is read here only)
+    if alg != ALG_RING:                   # (inline, or the allreduce of the zero-padded stack)
+        memset(base, 0, me * block)
+        memset(base + (me + 1) * block, 0, total - (me + 1) * block)
+        self.begin_call(stack, stack, base, base, total, 1, OP_BOR, DT_U1, kind, nd, given,
+                        COLL_ALLREDUCE,
+                        select(self, COLL_ALLREDUCE, total) if total else ALG_INLINE)
+    else:                                 # (the blocks algorithm, this rank's block in place)
+        self.offs_ref = self.scan_bounds
+        self.e.call.offs = <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>self.scan_bounds)
+        self.e.call.root = 0
+        self.begin_call(stack, stack, NULL, base, total, 1, OP_BOR, DT_U1, kind, nd, given,
+                        COLL_ALLGATHER, ALG_RING)
+    self.scan_out = res
+    self.scan.rows = base
+    self.scan.out = <char *>cnp.PyArray_DATA(res)
+    self.scan.stride = block
+    self.scan.n = cnp.PyArray_SIZE(a)
+    self.scan.upto = me if exclusive else me + 1
+    self.scan.op = opc
+    self.scan.dtype = dtc
+    return RC_DONE
+
+
+def fold(rows, int opc, out, bint exclusive=False):
+    """The prefixes of rows (axis 0) in rank order into out (engine/scan.pxi, numpy's
+    accumulate bit for bit): inclusive (out[r] = rows[0] op ... op rows[r]; out may be rows
+    itself) or exclusive (out[0] the op's identity, out[r] = rows[0] op ... op rows[r - 1]).
+    rows and out: C-contiguous, aligned arrays of at least one dimension, of one dtype with a
+    kernel for op (op code opc), of the same shape; out writable and, unless it is rows, clear
+    of it.  The transpose scheme's fold (Executors._scan, nodes.py); returns out."""
+    cdef cnp.ndarray r = rows, o = out
+    cdef int dtc = _kernels.dtype_code(r.dtype)
+    cdef int m
+    cdef int64_t n
+    cdef uint64_t stride
+    if (cnp.PyArray_NDIM(r) < 1 or cnp.PyArray_NDIM(o) != cnp.PyArray_NDIM(r)
+            or memcmp(cnp.PyArray_DIMS(o), cnp.PyArray_DIMS(r),
+                      cnp.PyArray_NDIM(r) * sizeof(cnp.npy_intp)) != 0
+            or not cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(r),
+                                          <cnp.dtype>cnp.PyArray_DESCR(o))
+            or not cnp.PyArray_IS_C_CONTIGUOUS(r) or not cnp.PyArray_IS_C_CONTIGUOUS(o)
+            or not cnp.PyArray_ISALIGNED(r) or not cnp.PyArray_ISALIGNED(o)
+            or not cnp.PyArray_ISWRITEABLE(o)):
+        raise ValueError("shmtree: fold: rows and out must be C-contiguous aligned arrays of "
+                         "one shape and dtype, out writable")
+    if not fold_supported(opc, dtc):
+        raise TypeError(f"shmtree: fold: no kernel for op {opc} and dtype {r.dtype}")
+    if o is not r and cnp.PyArray_NBYTES(o) and _ranges_overlap(r, o):
+        raise ValueError("shmtree: fold: out overlaps rows without being them")
+    if exclusive and o is r and r.shape[0] > 1:
+        raise ValueError("shmtree: fold: an exclusive fold cannot run in place")
+    m = cnp.PyArray_DIMS(r)[0]
+    n = cnp.PyArray_SIZE(r) // m if m else 0
+    stride = n * cnp.PyArray_ITEMSIZE(r)
+    with nogil:
+        fold_rows(opc, dtc, <const char *>cnp.PyArray_DATA(r), stride, m,
+                  <char *>cnp.PyArray_DATA(o), stride, n, exclusive)
+    return o
+
+
 cdef int msg_error(Engine self, int kind, bytes text) except -2:
     """A call that tells the other ranks this rank raised a local error in its collective of
     descriptor kind `kind` (DESIGN section 6: an error only the root can see must not leave the
@@ -344,12 +511,15 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
     source order, dims the descriptor's shape (the same on every rank).  array and out share no
     memory (an in-place call is copied first by the caller).  Selection: inline (one bitwise-or
     round of every rank's sends; the blocks are taken out at the end), the exchange, or the
-    single copy when every rank's input lies in a shared array."""
+    single copy when every rank's input lies in a shared array.  offs given without dims:
+    alltoall(counts=), offs the counts (msg_alltoallv)."""
     cdef int P = self.e.nranks, me = self.e.rank, i, p, nd, rc, alg
     cdef cnp.ndarray a, o, bmat
     cdef uint64_t *bp
     cdef uint64_t total = 0, sent = 0, got = 0, row = 0, block
     cdef int64_t given[MAX_NDIM]
+    if offs is not None and dims is None:
+        return msg_alltoallv(self, array, out, kind, offs)
     if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY):
         return -1
     a = <cnp.ndarray>array
@@ -427,3 +597,198 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
                     <char *>cnp.PyArray_DATA(o) if got else NULL, total, 1, OP_BOR, DT_U1, kind,
                     nd, given, COLL_ALLTOALL, ALG_RING)
     return RC_DONE
+
+
+# ---- alltoall(counts=): one call, the counts in its first round (alg_exchange.pxi) ----
+
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+
+def counts_in_round(Engine eng):
+    """Can this group's alltoall(counts=) send its counts in the call's first round (its rows
+    fit one chunk of channel 0: up to about 22 ranks at the default small_bytes)?  Else the
+    caller sends them in a round of their own first (collectives.py)."""
+    return xv_head(eng.e.nranks) <= eng.e.chans[0].payload
+
+
+cdef int msg_alltoallv(Engine self, array, out, int kind, counts) except -2:
+    """alltoall(counts=): array a C-contiguous, aligned ndarray without Python objects, of at
+    least one dimension; counts a list or tuple of P ints >= 0 (or a 1-D int64, int32 or
+    uint64 ndarray) that sum to array.shape[0]; out None or a writable C-contiguous, aligned
+    ndarray of its dtype and dimensions after the first, clear of array, whose length the round
+    checks (every rank's, on every rank).  The call's first round carries every rank's counts,
+    claim and out= length, and its data when every rank's fits the room; xv_handover reads it
+    (msg.pxi).  The descriptor: (the round's bytes,), kind as given (KIND_COUNTS + KIND_ROOT_STEP
+    x KIND_ALLTOALL)."""
+    cdef int P = self.e.nranks, me = self.e.rank, nd, i, rc
+    cdef cnp.ndarray a, o, f, c
+    cdef uint64_t head = xv_head(P), room, n0, total = 0, row, sent, v
+    cdef uint64_t *w
+    cdef int64_t dims[1]
+    cdef long long iv
+    cdef int overflow
+    cdef cnp.npy_intp nbytes
+    if type(array) is not _NDARRAY or head > self.e.chans[0].payload:
+        return -1
+    a = <cnp.ndarray>array
+    nd = cnp.PyArray_NDIM(a)
+    if (nd < 1 or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+            or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1):
+        return -1
+    if out is not None:
+        if type(out) is not _NDARRAY:
+            return -1
+        o = <cnp.ndarray>out
+        if (cnp.PyArray_NDIM(o) != nd
+                or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a) + 1,
+                          (nd - 1) * sizeof(cnp.npy_intp))
+                or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
+                or not cnp.PyArray_ISWRITEABLE(o)
+                or not cnp.PyArray_EquivTypes(<cnp.dtype>cnp.PyArray_DESCR(a),
+                                              <cnp.dtype>cnp.PyArray_DESCR(o))
+                or (cnp.PyArray_NBYTES(a) and cnp.PyArray_NBYTES(o) and _ranges_overlap(a, o))):
+            return -1
+    row = cnp.PyArray_ITEMSIZE(a)
+    for i in range(1, nd):
+        row *= cnp.PyArray_DIMS(a)[i]
+    n0 = cnp.PyArray_DIMS(a)[0]
+    if not self.xv.ready:                 # (the group's first: every rank starts alike)
+        self.xv.room = xv_next_room(0, xv_cap(self.e.chans[0].payload,
+                                              self.sel_limit[COLL_ALLTOALL], P))
+        self.xv.ready = 1
+    room = self.xv.room
+    nbytes = head + <uint64_t>P * room
+    f = self.xv_buf
+    if f is not None and cnp.PyArray_SIZE(f) == nbytes:
+        memset(cnp.PyArray_DATA(f), 0, nbytes)
+    else:
+        f = cnp.PyArray_ZEROS(1, &nbytes, cnp.NPY_UINT8, 0)
+    w = <uint64_t *>cnp.PyArray_DATA(f) + me * (P + 2)
+    if type(counts) is list or type(counts) is tuple:
+        if len(counts) != P:
+            return -1
+        for i in range(P):
+            x = counts[i]
+            if type(x) is not int:
+                return -1
+            iv = PyLong_AsLongLongAndOverflow(x, &overflow)
+            if overflow or iv < 0 or <uint64_t>iv > n0:
+                return -1
+            w[2 + i] = <uint64_t>iv
+            total += w[2 + i]
+    elif type(counts) is _NDARRAY:
+        c = <cnp.ndarray>counts
+        if (cnp.PyArray_NDIM(c) != 1 or cnp.PyArray_DIMS(c)[0] != P
+                or not cnp.PyArray_IS_C_CONTIGUOUS(c) or not cnp.PyArray_ISNOTSWAPPED(c)):
+            return -1
+        for i in range(P):
+            if cnp.PyArray_TYPE(c) == cnp.NPY_INT64:
+                if (<int64_t *>cnp.PyArray_DATA(c))[i] < 0:
+                    return -1
+                v = <uint64_t>(<int64_t *>cnp.PyArray_DATA(c))[i]
+            elif cnp.PyArray_TYPE(c) == cnp.NPY_INT32:
+                if (<int32_t *>cnp.PyArray_DATA(c))[i] < 0:
+                    return -1
+                v = <uint64_t>(<int32_t *>cnp.PyArray_DATA(c))[i]
+            elif cnp.PyArray_TYPE(c) == cnp.NPY_UINT64:
+                v = (<uint64_t *>cnp.PyArray_DATA(c))[i]
+            else:
+                return -1
+            if v > n0:
+                return -1
+            w[2 + i] = v
+            total += v
+    else:
+        return -1
+    if total != n0:
+        return -1                         # (the parse says what is wrong)
+    w[0] = _claim_c(_key(<object>cnp.PyArray_DESCR(a))[0], nd - 1,
+                    <const int64_t *>cnp.PyArray_DIMS(a) + 1)
+    w[1] = 0 if out is None else <uint64_t>cnp.PyArray_DIMS(o)[0] + 1
+    sent = total * row
+    if sent and sent <= room:
+        memcpy(<char *>cnp.PyArray_DATA(f) + head + me * room, cnp.PyArray_DATA(a), sent)
+    rc = self.may_begin()
+    if rc != RC_DONE:
+        return rc
+    self.xv_buf = f                       # (the next round's, once this call is over)
+    dims[0] = nbytes
+    self.begin_call(f, f, <const char *>cnp.PyArray_DATA(f), <char *>cnp.PyArray_DATA(f),
+                    nbytes, 1, OP_BOR, DT_U1, kind, 1, dims, COLL_ALLREDUCE, ALG_INLINE)
+    place(self, self.cur_seq, <const char *>cnp.PyArray_DATA(a), <char *>cnp.PyArray_DATA(a),
+          sent, True)                     # (the single copy reads every rank's input)
+    self.xv.pending = 1
+    self.xv.row = row
+    self.xv.used_room = room
+    self.xv_a = a
+    self.xv_out = out
+    return RC_DONE
+
+
+cdef object rows_like(cnp.ndarray a, cnp.npy_intp n):
+    """A new C-contiguous array of a's dtype and dimensions after the first, of n rows: made in
+    C for numpy's plain numeric types, by np.empty for any other dtype."""
+    cdef int nd = cnp.PyArray_NDIM(a), num = cnp.PyArray_TYPE(a)
+    cdef cnp.npy_intp dims[MAX_NDIM]
+    memcpy(dims, cnp.PyArray_DIMS(a), nd * sizeof(cnp.npy_intp))
+    dims[0] = n
+    if (num < cnp.NPY_OBJECT or num == cnp.NPY_FLOAT16) and cnp.PyArray_ISNOTSWAPPED(a):
+        return cnp.PyArray_EMPTY(nd, dims, num, 0)
+    return np.empty((n,) + tuple((<object>a).shape[1:]), a.dtype)
+
+
+cdef int xv_handover(Engine self) except -1:
+    """alltoall(counts=) after its first round (msg_alltoallv): every rank reads the same
+    round.  A claim or an out= that disagrees: the call ends, its result ("mismatch", the
+    round) for the caller to say (collectives.py, every rank alike).  Else B from the counts,
+    this rank's output (out=, or made here), and the data: taken out of the round when every
+    rank's came in it, else the exchange (or the single copy) on B in the same call.  The
+    room of the next round follows (every rank agrees)."""
+    cdef int P = self.e.nranks, me = self.e.rank, ch, alg, rc, p
+    cdef cnp.ndarray f = self.xv_buf, a = self.xv_a, o, bm
+    cdef const uint64_t *rows = <const uint64_t *>cnp.PyArray_DATA(f)
+    cdef uint64_t head = xv_head(P), most, total = 0, n = 0
+    cdef uint64_t *B
+    self.xv.pending = 0
+    if not xv_agreed(rows, P):
+        self.result = ("mismatch", f.copy())
+        return RC_DONE
+    bm = self.xv_B
+    if bm is None:
+        bm = self.xv_B = np.empty(P * P, np.uint64)
+    B = <uint64_t *>cnp.PyArray_DATA(bm)
+    most = xv_matrix(rows, P, self.xv.row, B)
+    self.xv.room = xv_next_room(most, xv_cap(self.e.chans[0].payload,
+                                             self.sel_limit[COLL_ALLTOALL], P))
+    for p in range(P):
+        n += rows[p * (P + 2) + 2 + me]
+        total += B[p * P + me]
+    out = self.xv_out
+    if out is None:
+        out = self.xv_out = rows_like(a, n)
+    o = <cnp.ndarray>out
+    self.result = out
+    self.offs_ref = bm
+    self.e.x.m = xchg_tables(&self.e, B)
+    if P == 1 or most <= self.xv.used_room:     # (the data came in the round)
+        xv_inline_finish(&self.e, <const char *>rows + head, self.xv.used_room,
+                         <const char *>cnp.PyArray_DATA(a), <char *>cnp.PyArray_DATA(o))
+        return RC_DONE
+    total = 0
+    for p in range(P * P):
+        total += B[p]
+    self.coll = COLL_ALLTOALL
+    self.phase = 1
+    self.msg_nbytes = total
+    self.src_p = <const char *>cnp.PyArray_DATA(a) if cnp.PyArray_NBYTES(a) else NULL
+    self.dst_p = <char *>cnp.PyArray_DATA(o) if cnp.PyArray_NBYTES(o) else NULL
+    self.direct = direct_agreed(self)
+    self.e.dir.mode = COLL_ALLTOALL
+    self.e.dir.pairwise = 0
+    self.e.nt = not self.direct and self.nt_bytes > 0 and total >= self.nt_bytes
+    alg = self._phase1(&ch)
+    self._start_phase(ch, alg, self.src_p, self.dst_p, total)
+    with nogil:
+        rc = drive(&self.e, self._alg())
+        if rc != RC_STALLED and self.e.nt:
+            shm_store_fence()
+    return rc

@@ -1,4 +1,4 @@
-# The words of a group's survive region (shmtree/survive.py: agree's votes, proposals and
+# The words of a group's survive region (shmtree/groups/survive.py: agree's votes, proposals and
 # decisions, a shrink's offer, a Pool worker's task), read and written by their byte offset in the
 # segment, and a futex wait / wake on one of them.  Nothing of the engine's calls touches the
 # region: it works the same after the group is aborted (revoked), which is what agree needs.

@@ -191,6 +191,7 @@ cdef struct Xchg:
     uint64_t nsend, sent  # items this rank sends, and has sent
     int round, in_round   # the next item to send: destination me + round, its index there
     int own_done          # this rank's own block copied
+    uint64_t own_off      # how much of it (a piece at a time, when nothing else is ready)
     int src_next          # the source looked at first by the next ready() (round robin)
 
 

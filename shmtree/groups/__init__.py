@@ -1,0 +1,17 @@
+"""The groups layer: a group of ranks, its shared memory, and this process's membership.
+
+    transport   the group's segment (one memfd), laid out per tree edge: header, rank
+                blocks, rings
+    group       Group: its plan, its segment, admitting a member (Group.join), liveness of
+                the members, aborting and saying why
+    token       the rendezvous token (Group.rendezvous_token / from_token): plain data,
+                parsed and checked, never unpickled
+    subgroup    sub_plan and SubGroup: the plan and the group of a sub-communicator
+    session     this process's membership: shmtree.current(), the fork generation
+    shared      the memory of shared arrays (comm.empty / comm.zeros): SharedArrays
+
+It makes no communicator: Group.join hands the admitted rank to the function that
+shmtree.launching.joining registers.  It may import: the machine layer, the engine
+(shmtree._engine, _moving), the leaves (shmtree.codes, errors, ops), and within this layer;
+never the front end, p2p, internode, launching or torch.
+"""
