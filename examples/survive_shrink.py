@@ -29,5 +29,5 @@ if __name__ == "__main__":
 # Output:
 # (0, 3, [2], [1.0, 1.0, 1.0])
 # (1, 3, [2], [1.0, 1.0, 1.0])
-# WorkerError('rank 2 failed: exited with code 1 without reporting a result')
+# rank 2 failed: exited with code 1 without reporting a result
 # (2, 3, [2], [1.0, 1.0, 1.0])

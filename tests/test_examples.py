@@ -35,7 +35,7 @@ EXAMPLES = sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".p
 EXAMPLE_TIMEOUT_S = 150             # each example takes a few seconds on 2 cores
 API_MODULES = ("shmtree.front", "shmtree.api", "shmtree.launching.launch", "shmtree.launching.pool",
                "shmtree.errors", "shmtree.persistent", "shmtree.requests",
-               "shmtree.launching.joining")
+               "shmtree.launching.joining", "shmtree.groups.survive")
 
 
 def _import_root():

@@ -325,7 +325,7 @@ def test_agree_leaves_a_stopped_rank_out_after_its_timeout_and_it_learns_it():
 def revoke_rank(comm, who, how):
     """`who` revokes (how: "main" - from its main thread; "thread" - from another thread while
     its main thread waits for a message) while the others wait for it in a collective."""
-    import shmtree.survive as sv
+    import shmtree.groups.sentinel as sv
     comm.barrier()
     out = {}
     if comm.rank == who and how == "thread":
