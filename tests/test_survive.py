@@ -559,10 +559,18 @@ def test_pool_loses_a_worker_during_map_and_goes_on(tmp_path, mode):
             if i != victim_task:
                 assert g[0] == i * i, (i, g)
         assert pool.group.size == want
+        # the tasks given now run in the new group, on every worker
+        nonce = pool.group._nonce.hex()
+        assert pool.map(_pool_nonce, range(3 * want)) == [(nonce, want)] * (3 * want)
         # the healed pool: SPMD and per-task collectives are right
         assert pool.run(_pool_check) == [(33, True, "ok")] * want
         tri = want * (want + 1) / 2
         assert pool.map(_pool_collective, range(2 * want)) == [(tri, want)] * (2 * want)
+
+
+def _pool_nonce(i):
+    time.sleep(0.005)
+    return shmtree.current().group._nonce.hex(), shmtree.size()
 
 
 def _pool_task_star(args):
