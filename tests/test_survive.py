@@ -776,3 +776,21 @@ def test_torch_abort_error_state_and_shrink_group(tmp_path):
         assert got[r]["error"] is True and got[r]["state"] == "ErrorType.REMOTE_ERROR", got[r]
     assert got[0]["new"] == (0, 2, [4.0] * 3) and got[2]["new"] == (1, 2, [4.0] * 3)
     assert got[2]["aborted"] is True and got[2]["aborted_state"] == "ErrorType.REMOTE_ERROR"
+
+
+# ---------------------------------------------------------------------------------------------
+# shmtree-bench survive
+
+
+@pytest.mark.timeout(180)
+def test_bench_survive_prints_its_figures(capsys):
+    from shmtree.bench.cli import main
+    assert main(["survive", "-n", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    import re
+    for what in ("detect (SIGKILL", "revoke (call", "agree over the survivors",
+                 "shrink 3 -> 2 (last in", "shrink 3 -> 2 (slowest", "Pool respawn", "Pool shrink"):
+        rows = [line for line in out.splitlines() if what in line]
+        assert len(rows) == 1, (what, out)
+        cells = re.split(r"\s{2,}", rows[0].strip())
+        assert float(cells[1]) > 0 and float(cells[2]) >= float(cells[1]), (what, rows[0])

@@ -23,6 +23,7 @@ Each figure is given as the median and the largest of the rounds.  The targets (
 """
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import signal
@@ -65,7 +66,7 @@ def _rank(group, rank, q, kill_at):
         comm.barrier()
         if rank == P - 1:
             time.sleep(0.02)
-            kill_at.value = _now()            # (shared memory: nothing left to flush)
+            kill_at[:8] = _now().to_bytes(8, "little")    # (shared memory: nothing to flush)
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             comm.barrier()
@@ -92,7 +93,7 @@ def measure_round(nprocs):
     from .harness import BenchError
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    kill = ctx.RawValue("q", 0)
+    kill = mmap.mmap(-1, 8)             # (anonymous, shared with the forked ranks: no descriptor)
     with shmtree.Group(nprocs) as group:
         procs = [ctx.Process(target=_rank, args=(group, r, q, kill)) for r in range(nprocs)]
         for p in procs:
@@ -108,7 +109,8 @@ def measure_round(nprocs):
     errors = [g["error"] for g in got if "error" in g]
     if errors:
         raise BenchError(f"survive: a rank failed: {errors[0]}")
-    kill_at = kill.value
+    kill_at = int.from_bytes(kill[:8], "little")
+    kill.close()
     revoke_at = next(g["revoke_at"] for g in got if "revoke_at" in g)
     rest = [g for g in got if "detected" in g]
     ms = 1e-6

@@ -11,7 +11,8 @@ The methods here are a mixin of every communicator (Communicator, and the one ac
 
       control line   commit[2] (by epoch parity: epoch << 16 | winner + 1), the bell
       per rank r     a line of words: vote (epoch << 1 | flag), a Pool task (job + 1, item),
-                     a shrink's offer (epoch, pid, descriptor, nonce)
+                     a shrink's offer (epoch, pid, descriptor, nonce), whether the Pool worker
+                     holds its result queue's write lock
                      two proposals (by epoch parity): tag (epoch), value, failed bitmask
 
   Every rank's k-th agree on a communicator is epoch k.  A rank writes its vote and rings the
@@ -50,7 +51,8 @@ WAIT_S = 0.002              # agree: the longest sleep on the bell between two l
 WAIT_NS = int(WAIT_S * 1e9)
 
 # the words of a rank's line (byte offsets)
-VOTE, TASK_JOB, TASK_ITEM, OFFER_TAG, OFFER_PID, OFFER_FD, OFFER_NONCE = 0, 8, 16, 24, 32, 40, 48
+VOTE, TASK_JOB, TASK_ITEM, OFFER_TAG, OFFER_PID, OFFER_FD, OFFER_NONCE, SENDING = \
+    0, 8, 16, 24, 32, 40, 48, 64
 BELL = 16                   # the control line's bell (after the two commit words)
 
 
@@ -174,6 +176,13 @@ class Region:
         worker dies while it runs (heal.py)."""
         _engine.sv_store(self.seg, self.word(r, TASK_ITEM), item)
         _engine.sv_store(self.seg, self.word(r, TASK_JOB), job)
+
+    def set_sending(self, r, holds):
+        """A Pool worker holds its pool's result queue's write lock (heal.ResultQueue)."""
+        _engine.sv_store(self.seg, self.word(r, SENDING), int(holds))
+
+    def sending_of(self, r):
+        return _engine.sv_load(self.seg, self.word(r, SENDING)) != 0
 
     def task_of(self, r):
         job = _engine.sv_load(self.seg, self.word(r, TASK_JOB))

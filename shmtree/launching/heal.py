@@ -215,6 +215,11 @@ class Healer:
             task = reg.task_of(r)
             if task is not None:
                 tasks.append((r, how, task))
+            if reg.sending_of(r):             # (killed holding the result queue's write lock)
+                try:
+                    pool._outqueue._wlock.release()
+                except (ValueError, AttributeError):
+                    pass
         if size == 0:
             self.broken = (f"every worker is gone ({', '.join(f'rank {r}: {how}' for r, how in sorted(dead.items()))})")
             new = None
@@ -321,6 +326,13 @@ class _Member:
             group._seg.set_state(rank, ST_IDLE)
 
     gen_started = None
+    _region = None
+
+    def region(self):
+        """The current group's survive region (survive.Region), made once per group."""
+        if self._region is None or self._region.seg is not self.group._seg:
+            self._region = survive.Region(self.group)
+        return self._region
 
 
 def worker_start(control, mode, initializer, initargs):
@@ -431,6 +443,28 @@ class TaskQueue(multiprocessing.queues.SimpleQueue):
                     continue                    # (another worker took it)
                 res = self._reader.recv_bytes()
             return ForkingPickler.loads(res)
+
+
+class ResultQueue(multiprocessing.queues.SimpleQueue):
+    """The result queue of a pool that heals: while a worker holds the queue's write lock, its
+    survive words say so, so that the pool releases the lock of a worker killed while it held
+    it (its result sent, or not yet: the others would wait for the lock for ever)."""
+
+    def put(self, obj):
+        data = ForkingPickler.dumps(obj)
+        member = _MEMBER
+        group = member.group if member is not None else None
+        region = rank = None
+        if group is not None and not group.closed:
+            region, rank = member.region(), member.rank
+        with self._wlock:
+            if region is not None:
+                region.set_sending(rank, True)
+            try:
+                self._writer.send_bytes(data)
+            finally:
+                if region is not None:
+                    region.set_sending(rank, False)
 
 
 class Vacant:

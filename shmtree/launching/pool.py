@@ -237,10 +237,11 @@ class _PoolInternals(multiprocessing.pool.Pool):
         if getattr(self, "_shm_heals", None) is None:
             return super()._setup_queues()
         # a pool that heals: its workers wait for a task without holding the task queue's read
-        # lock (heal.TaskQueue), so that a worker killed while idle does not keep it from the
-        # others (multiprocessing's _setup_queues, with that queue)
+        # lock (heal.TaskQueue), and say when they hold the result queue's write lock
+        # (heal.ResultQueue), so that a worker killed while idle or sending a result does not
+        # keep either from the others (multiprocessing's _setup_queues, with those queues)
         self._inqueue = heal.TaskQueue(ctx=self._ctx)
-        self._outqueue = self._ctx.SimpleQueue()
+        self._outqueue = heal.ResultQueue(ctx=self._ctx)
         self._quick_put = self._inqueue._writer.send
         self._quick_get = self._outqueue._reader.recv
 
