@@ -9,8 +9,9 @@ and ring neighbours in larger ones.  A member that dies between calls is remembe
 looked at again every DEAD_LOOK_S, until some member enters a call it has not completed (a
 member that closed its communicator first is no loss).  Only the sentinel's thread opens and
 closes its pidfds: a descriptor number closed under a poll() could name another process's pidfd
-next.  The thread starts with the first communicator of the process that has peers
-(Communicator's constructor: watch) and ends with the last one's close (unwatch).
+next.  A process watched for several communicators (a sub-communicator's members are its
+parent's) has one pidfd.  The thread starts with the first communicator of the process that has
+peers (Communicator's constructor: watch) and ends with the last one's close (unwatch).
 """
 from __future__ import annotations
 
@@ -41,12 +42,22 @@ class _Entry:
         self.size = comm.size
         ranks = range(comm.size) if comm.size <= SENTINEL_ALL else comm._neighbours
         self.ranks = [r for r in ranks if r != comm.rank]
-        self.fds = {}           # rank -> pidfd (the sentinel's thread opens and closes them)
+        self.keys = {}          # rank -> its process's key in the sentinel's pidfds
         self.dead = set()       # ranks that died between calls
         self.unseen = set(self.ranks)   # ranks not watched yet (not joined, or no pidfd yet)
         self.look_s = JOIN_LOOK_S[0]    # when to look for them again
         self.dropped = False
         self.gone = threading.Event()   # set once its descriptors are closed
+
+
+class _Pidfd:
+    """One watched process: its pidfd (shared by every entry that watches it: the members of a
+    sub-communicator are the parent's processes), who watches it, whether it has exited."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.watchers = set()   # (entry, rank)
+        self.dead = False
 
 
 class _Sentinel:
@@ -66,9 +77,16 @@ class _Sentinel:
             pass
 
     def _run(self):
+        self.poller = select.poll()
+        self.pidfds = {}        # (pid, create time) -> _Pidfd
+        self.by_fd = {}         # fd -> (pid, create time), of the pidfds polled
         try:
             self._loop()
         finally:
+            for e in list(self.entries.values()):
+                self._drop(e)
+            for rec in list(self.pidfds.values()):
+                os.close(rec.fd)
             for fd in (self.wake_r, self.wake_w):
                 try:
                     os.close(fd)
@@ -76,40 +94,20 @@ class _Sentinel:
                     pass
 
     def _loop(self):
-        poller = select.poll()
+        poller = self.poller
         poller.register(self.wake_r, select.POLLIN)
-        polled = {}             # fd -> (entry, rank), as registered with the poller
         while True:
             with self.lock:
                 entries = list(self.entries.values())
                 stop = self.stop
             if stop:
-                break
-            # the descriptors of dropped entries go; new members get theirs
-            for e in entries:
+                return
+            for e in entries:                    # new members get watched
+                if not e.dropped:
+                    self._look(e)
+            for e in entries:                    # the descriptors of dropped entries go
                 if e.dropped:
-                    continue
-                group = e.group()
-                try:
-                    if group is None or group._closed or group.aborted():
-                        e.dropped = True
-                        continue
-                    for r in list(e.unseen):
-                        fd = _pidfd_of(group, r)
-                        if fd is not None:
-                            e.unseen.discard(r)
-                            if fd >= 0:
-                                e.fds[r] = fd
-                                polled[fd] = (e, r)
-                                poller.register(fd, select.POLLIN)
-                            elif fd == -1:
-                                e.dead.add(r)        # (gone already)
-                except Exception:                    # (its group closed meanwhile)
-                    e.dropped = True
-                del group
-            for e in entries:
-                if e.dropped:
-                    self._drop(e, poller, polled)
+                    self._drop(e)
             live = [e for e in entries if not e.dropped]
             timeout = None
             if any(e.dead for e in live):
@@ -130,24 +128,60 @@ class _Sentinel:
                     except OSError:
                         pass
                     continue
-                got = polled.pop(fd, None)
-                if got is None:
+                key = self.by_fd.pop(fd, None)
+                if key is None:
                     continue
-                e, r = got
-                poller.unregister(fd)           # (closed with its entry: the descriptors a
-                e.dead.add(r)                   # communicator holds do not follow its peers)
+                poller.unregister(fd)            # (it has exited; the descriptor stays open
+                rec = self.pidfds[key]           # with its watchers: the descriptors a
+                rec.dead = True                  # communicator holds do not follow its peers)
+                for e, r in rec.watchers:
+                    e.dead.add(r)
             for e in live:
                 if e.dead and not e.dropped:
                     _judge(e)
-        for e in list(self.entries.values()):
-            self._drop(e, poller, polled)
 
-    def _drop(self, e, poller, polled):
-        for r, fd in list(e.fds.items()):
-            if polled.pop(fd, None) is not None:
-                poller.unregister(fd)
-            os.close(fd)
-        e.fds.clear()
+    def _look(self, e):
+        """Watch e's members that have joined since it last looked."""
+        group = e.group()
+        try:
+            if group is None or group._closed or group.aborted():
+                e.dropped = True
+                return
+            for r in list(e.unseen):
+                joined, pid, ctime = group.member(r)
+                if not joined:
+                    continue
+                e.unseen.discard(r)
+                key = (pid, ctime)
+                rec = self.pidfds.get(key)
+                if rec is None:
+                    fd = _pidfd_of(pid, ctime)
+                    if fd == -1:
+                        e.dead.add(r)            # (gone already)
+                    if fd < 0:
+                        continue
+                    rec = self.pidfds[key] = _Pidfd(fd)
+                    self.by_fd[fd] = key
+                    self.poller.register(fd, select.POLLIN)
+                rec.watchers.add((e, r))
+                e.keys[r] = key
+                if rec.dead:
+                    e.dead.add(r)
+        except Exception:                        # (its group closed meanwhile)
+            e.dropped = True
+
+    def _drop(self, e):
+        for r, key in e.keys.items():
+            rec = self.pidfds.get(key)
+            if rec is None:
+                continue
+            rec.watchers.discard((e, r))
+            if not rec.watchers:                 # (nobody watches that process any more)
+                del self.pidfds[key]
+                if self.by_fd.pop(rec.fd, None) is not None:
+                    self.poller.unregister(rec.fd)
+                os.close(rec.fd)
+        e.keys.clear()
         e.unseen.clear()
         e.dead.clear()
         with self.lock:
@@ -155,20 +189,17 @@ class _Sentinel:
         e.gone.set()
 
 
-def _pidfd_of(group, r):
-    """A pidfd of rank r's process (checked to be the process that joined), -1 when that
-    process is gone already, -2 when no pidfd can be had, None when r has not joined yet."""
-    joined, pid, ctime = group.member(r)
-    if not joined:
-        return None
+def _pidfd_of(pid, ctime):
+    """A pidfd of process pid (checked to be the one that started at ctime), -1 when that
+    process is gone already, -2 when no pidfd can be had (the ranks' own checks serve)."""
     if not hasattr(os, "pidfd_open"):
-        return None
+        return -2
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return -1
     except OSError:
-        return -2                           # (no pidfds here: the ranks' own checks serve)
+        return -2
     import psutil
     try:
         same = abs(psutil.Process(pid).create_time() - ctime) <= CTIME_SLACK_S
@@ -260,7 +291,7 @@ def _sentinel_after_fork():
     s, _SENTINEL = _SENTINEL, None
     if s is None:
         return
-    fds = [s.wake_r, s.wake_w] + [fd for e in s.entries.values() for fd in e.fds.values()]
+    fds = [s.wake_r, s.wake_w] + [rec.fd for rec in getattr(s, "pidfds", {}).values()]
     for fd in fds:
         try:
             os.close(fd)
