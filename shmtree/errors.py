@@ -52,10 +52,12 @@ class CollectiveMismatchError(ShmtreeError, ValueError):
 class PeerLostError(ShmtreeError):
     """A member of the group died, or the group was aborted (by an error or timeout elsewhere).
 
-    Every rank waiting in a collective raises it: typically within tens of milliseconds of a
-    death (a tree neighbour checks every 20 ms), at most about a second later (every member is
-    checked once a second).  A zombie counts as dead.  Once the group is aborted every later
-    call raises it at once.
+    Every rank waiting in a collective raises it: within milliseconds of a death (a thread of
+    each member process sleeps on its peers' pidfds and aborts the group when one it waits for
+    exits), else at the end of an engine time slice (a tree neighbour checks every 20 ms), at
+    most about a second later (every member is checked once a second).  A zombie counts as
+    dead.  Once the group is aborted every later call raises it at once; ``agree`` and
+    ``shrink`` still work (a communicator of the survivors).
 
     Examples
     --------
