@@ -309,7 +309,8 @@ class Pool(_PoolInternals):
     the collective's number; a task that raises while others wait for it makes them fail at
     once, with its exception in the message; a worker that dies fails the outstanding jobs with
     `PeerLostError`.  After any of these the pool is broken: later calls raise
-    `PeerLostError`.
+    `PeerLostError` - unless it heals (``on_failure="shrink"`` or ``"respawn"``): then only
+    the tasks the failure reached fail, and the later ones run in a new group.
 
     Parameters
     ----------
