@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing.queues
 import os
+import select
 import sys
 import threading
 import time
@@ -183,7 +184,7 @@ class Healer:
             return
         t0 = time.monotonic()
         alive = {p.pid for p in list(pool._pool)
-                 if getattr(p, "pid", None) is not None and p.exitcode is None}
+                 if getattr(p, "pid", None) is not None and not _exited(p)}
         dead, live = {}, {}
         for r in range(group.size):
             joined, pid, _ = group.member(r)
@@ -508,10 +509,22 @@ def watch_pool(pool_ref, healer, stop, fail_jobs, watch_s):
         if healer.broken is not None:
             fail_jobs(pool, PeerLostError(f"shmtree.Pool: the pool is broken: "
                                           f"{healer.broken}"))
-        procs = [p for p in list(pool._pool) if hasattr(p, "sentinel") and p.exitcode is None]
+        procs = [p for p in list(pool._pool) if getattr(p, "pid", None) is not None
+                 and not _exited(p)]
         del pool
         wait([p.sentinel for p in procs], timeout=watch_s)
         del procs
+
+
+def _exited(proc):
+    """Has the worker process exited?  Its sentinel says so, without reaping it: the pool's
+    worker handler and terminate() reap the workers (Process.exitcode here, in another thread,
+    could reap one under a join() of theirs, which then leaves it in multiprocessing's list of
+    children for good, with its descriptors)."""
+    try:
+        return bool(select.select([proc.sentinel], [], [], 0)[0])
+    except (OSError, ValueError):             # (closed: it was joined)
+        return True
 
 
 class Starter:
