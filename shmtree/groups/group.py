@@ -231,8 +231,10 @@ class Group:
         rank = rank.__index__()
         self._verify_header()
         reason, _ = self._seg.abort_state()
-        if reason:
+        if reason and not (self.__dict__.get("_join_lost") and reason in (ABORT_DIED,
+                                                                       ABORT_REVOKED)):
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
+            # (run(on_failure="shrink") joins one a death revoked: its calls raise, it shrinks)
         if _joining is None:                        # (shmtree's __init__ imports joining)
             raise ShmtreeError("shmtree: Group.join needs shmtree.launching.joining "
                                "(import shmtree)")

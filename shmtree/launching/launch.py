@@ -150,12 +150,14 @@ class no_mpi_init:
                 os.environ["MPI4PY_RC_INITIALIZE"] = self.old
 
 
-def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
+def _run_worker(group, rank, fn, args, kwargs, conn, parent=None, shrink=False):
     die_with_parent()
     if parent is not None:
         start_parent_watch(parent)
     comm = None
     try:
+        if shrink:                          # (a rank that died before this one joined revoked
+            group._join_lost = True         # the group: join it all the same, and shrink)
         comm = group.join(rank)
         result = fn(comm, *args, **kwargs)
         if session._current is not comm and session._usable(session._current):
@@ -265,7 +267,8 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, on_failure="rais
             for r in range(group.size):
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_run_worker,
-                                args=(group, r, fn, args, kwargs, send, me),
+                                args=(group, r, fn, args, kwargs, send, me,
+                                      on_failure == "shrink"),
                                 name=f"shmtree-rank-{r}")
                 with no_mpi_init(group, ctx):
                     p.start()
