@@ -29,7 +29,8 @@ def ext(name):
 
 setup(
     ext_modules=cythonize(
-        [ext("_kernels"), ext("_engine"), ext("_moving"), ext("_p2p")],
+        [ext("_kernels"), ext("_engine"), ext("_moving"), ext("_p2p"), ext("_accum"),
+         ext("_rounding")],
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

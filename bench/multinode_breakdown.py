@@ -62,7 +62,7 @@ class Trace:
         return timed
 
     def install(self, c):
-        from shmtree import calls
+        from shmtree.frontend import calls
         from shmtree.internode import inter, pipelines
         local = c.local
         labels = {calls.REDUCE_SCATTER: "rs/red", calls.REDUCE: "rs/red",

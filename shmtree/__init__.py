@@ -25,6 +25,7 @@ from .api import (Communicator, Group, Persistent, Pool, Request, allgather, all
                   exscan_init, barrier_init)
 from .internode.multinode import from_mpi
 from .p2p.records import ANY_SOURCE, ANY_TAG, Status
+from .accumulator import Accumulator
 
 __all__ = [
     "__version__",
@@ -36,7 +37,7 @@ __all__ = [
     "ialltoall", "igather", "iscatter", "iscan", "iexscan",
     "allreduce_init", "broadcast_init", "reduce_init", "allgather_init", "reduce_scatter_init",
     "alltoall_init", "gather_init", "scatter_init", "scan_init", "exscan_init", "barrier_init",
-    "Request", "Persistent", "wait_all", "empty", "zeros", "from_mpi",
+    "Request", "Persistent", "wait_all", "empty", "zeros", "from_mpi", "Accumulator",
     "ANY_SOURCE", "ANY_TAG", "Status",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",

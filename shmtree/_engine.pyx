@@ -14,7 +14,9 @@ and the primitives inline into the algorithms):
   * engine/alg_*.pxi: one algorithm per file, written in the primitives: alg_inline (the
     channel-0 round with the call descriptor, and small messages), alg_tree (pipelined tree up +
     down), alg_ring (ring schedule: reduce-scatter + allgather), alg_chain and alg_blocks (the
-    other collectives), alg_direct (the single copies of shared arrays, no rings).
+    other collectives), alg_exchange (blocks between any pairs, through outboxes), alg_direct
+    (the single copies of shared arrays, no rings), alg_cma (the single copy of private buffers
+    by cross-memory attach, no rings).
   * engine/scan.pxi: the fold of scan and exscan (rows in rank order, numpy's bits).
   * engine/msg.pxi: the call's parser (one per collective, the C twin of calls.py) and the
     selection (which algorithm a call runs: the Plan's table); engine/bcast.pxi: broadcast's
@@ -93,8 +95,10 @@ include "engine/alg_chain.pxi"
 include "engine/alg_blocks.pxi"
 include "engine/alg_direct.pxi"
 include "engine/alg_exchange.pxi"
+include "engine/alg_cma.pxi"
 include "engine/scan.pxi"
 
+import os
 import pickle
 
 import numpy as np
@@ -102,7 +106,7 @@ from shmtree import _kernels
 
 cdef object _NDARRAY = np.ndarray    # (a C static: `type(x) is _NDARRAY` looks nothing up by
                                      # name, where `np.ndarray` reads a module attribute)
-from shmtree.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
+from shmtree.frontend.calls import _named_by_str    # (does dt.str name dt: one rule, calls.py's)
 
 # numpy type number -> DT_* code (-1: unsupported), for the fast path
 cdef int _TYPENUM_CODE[N_TYPENUMS]
@@ -249,7 +253,7 @@ def clash(a, b):
 
 
 MAGIC = 0x3130454552544d53   # "SMTREE01" little endian
-VERSION = 4
+VERSION = 5
 # the layout constants, for transport.py (one definition: layout.h)
 LINE_BYTES = SHM_LINE
 PAGE_BYTES = SHM_PAGE
@@ -295,7 +299,8 @@ cdef enum:
     ALG_TREE = 1
     ALG_RING = 2
     ALG_DIRECT = 3          # shared arrays: single copy
-    N_ALG = 4
+    ALG_CMA = 4             # private buffers: single copy by cross-memory attach
+    N_ALG = 5
 
 cdef Alg _ALGS[N_COLL][N_ALG]
 memset(_ALGS, 0, sizeof(_ALGS))
@@ -324,6 +329,10 @@ _register(COLL_REDUCE, ALG_RING, chain_setup, chain_ready, chain_step, chain_don
 _register(COLL_REDUCE_SCATTER, ALG_RING, blocks_setup, blocks_ready, rs_step, blocks_done)
 _register(COLL_ALLGATHER, ALG_RING, blocks_setup, blocks_ready, ag_step, blocks_done)
 _register(COLL_ALLTOALL, ALG_RING, xchg_setup, xchg_ready, xchg_step, xchg_done)
+_register(COLL_ALLGATHER, ALG_CMA, cma_setup, cma_ready, cma_step, cma_done)
+_register(COLL_ALLTOALL, ALG_CMA, cma_setup, cma_ready, cma_step, cma_done)
+from shmtree.codes import ABORT_FAILED as _ABORT_FAILED
+assert CMA_ABORT_FAILED == _ABORT_FAILED
 cdef enum:
     COLL_BARRIER = 6        # (Engine.call: an allreduce of nothing)
     COLL_ERROR = 7          # (Engine.call: a local error said in the call's round)
@@ -619,6 +628,10 @@ cdef class Engine:
                                       # meanwhile (Communicator.close, an array's finalizer,
                                       # interpreter exit)
     cdef int direct                   # the call in progress runs ALG_DIRECT in phase 1
+    cdef int cma                      # ... or ALG_CMA (alg_cma.pxi)
+    cdef public uint64_t cma_bytes    # a call offers ALG_CMA when its largest block is this
+    cdef public uint64_t cma_total    # large and its bytes in all this many (alg_cma.pxi:
+                                      # CMA_BYTES, CMA_TOTAL)
     cdef Bcast bc                     # a broadcast's call (engine/bcast.pxi)
     cdef object bc_buf                # the last first round (reused by the next)
     cdef object bc_result, bc_out     # its output (given before the round, or made after it)
@@ -682,6 +695,13 @@ cdef class Engine:
         self._select(selection)
         scratch_setup(self, maxchild)
         exchange_setup(self, exchange)
+        # the single copy of private buffers (alg_cma.pxi): probed once, as the first call
+        # begins or after its round; SHMTREE_CMA=0 switches it off (read once, here)
+        self.cma_bytes = CMA_BYTES
+        self.cma_total = CMA_TOTAL
+        cma_publish_probe(&self.e)
+        self.e.cma.state = (CMA_OFF if os.environ.get("SHMTREE_CMA", "1").strip() == "0"
+                            else CMA_NO if self.e.nranks == 1 else CMA_UNKNOWN)
 
     # the waiting policy (wait.pxi), in ns
     @property
@@ -864,6 +884,10 @@ cdef class Engine:
         self.alg = alg
         write_desc(self, seq, nbytes, kind, op, dtype, ndim, dims)
         self.direct = 0
+        self.cma = 0
+        if self.e.cma.state == CMA_UNKNOWN:
+            self.e.cma.state = cma_probe(&self.e, True)   # (where every peer has started)
+        cma_place(self, seq, coll, alg, src_p, dst_p)
         if coll == COLL_ALLREDUCE:
             place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
@@ -947,6 +971,9 @@ cdef class Engine:
         if self.direct:
             ch[0] = 1
             return ALG_DIRECT
+        if self.cma:
+            ch[0] = 1
+            return ALG_CMA
         if self.coll == COLL_ALLREDUCE:
             ch[0] = 1
             return ALG_RING if self.e.chans[1].ring and self.e.chans[1].parent >= 0 else ALG_TREE
@@ -966,6 +993,8 @@ cdef class Engine:
         cdef int ch, alg
         cdef const char *src
         cdef uint64_t lo
+        if rc == RC_DONE and self.phase == 0 and self.e.cma.state == CMA_UNKNOWN:
+            self.e.cma.state = cma_probe(&self.e, False)  # (once: every peer has started)
         if rc == RC_DONE and self.phase == 0 and self.bc.pending:
             return scatter_handover(self) if self.sc_mode else bcast_handover(self)
         if rc == RC_DONE and self.phase == 0 and self.xv.pending:
@@ -973,6 +1002,7 @@ cdef class Engine:
         if rc == RC_DONE and self.phase == 0 and self.alg != ALG_INLINE:
             self.phase = 1
             self.direct = direct_agreed(self)
+            self.cma = not self.direct and cma_agreed(self)
             self.e.dir.mode = self.coll
             if self.direct:
                 self.e.nt = False     # (measured: streaming stores slow the single copy down,
@@ -1076,6 +1106,29 @@ cdef class Engine:
         return {"calls": self.ncalls, "yields": self.e.n_yields, "sleeps": self.e.n_sleeps,
                 "sleep_timeouts": self.e.n_timeouts, "bytes_sent": self.e.n_sent}
 
+    def cma_counts(self):
+        """The single copy by cross-memory attach (alg_cma.pxi) since this rank joined: calls
+        that ran it, and the bytes this rank read out of its peers' buffers."""
+        return {"calls": self.e.cma.n_calls, "bytes": self.e.cma.n_bytes}
+
+    @property
+    def cma_state(self):
+        """The single copy of private buffers (alg_cma.pxi) in this group, as this rank found
+        it: "unknown" (not probed yet: after the first call's round), "yes", "no" (the kernel
+        does not let this rank read every peer's memory), or "off" (SHMTREE_CMA=0)."""
+        return ("unknown", "yes", "no", "off")[self.e.cma.state]
+
+    @property
+    def cma_chunk(self):
+        """Bytes the single copy by cross-memory attach reads at a time (alg_cma.pxi)."""
+        return self.e.cma.chunk
+
+    @cma_chunk.setter
+    def cma_chunk(self, uint64_t n):
+        if n < 1:
+            raise ValueError("shmtree: cma_chunk must be at least 1 byte")
+        self.e.cma.chunk = n
+
     @property
     def in_call(self):
         return bool(self.busy)
@@ -1089,6 +1142,8 @@ cdef class Engine:
 include "engine/setup.pxi"
 include "engine/shares.pxi"
 include "engine/msg.pxi"
+include "engine/msg_scan.pxi"
+include "engine/msg_alltoallv.pxi"
 include "engine/bcast.pxi"
 include "engine/scatter.pxi"
 include "engine/survive.pxi"     # (groups/survive.py: the survive region's words)

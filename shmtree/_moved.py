@@ -43,6 +43,17 @@ MOVED = {
     "shmtree.joining": ("shmtree.launching.joining",),
     "shmtree.launch": ("shmtree.launching.launch",),
     "shmtree.pool": ("shmtree.launching.pool",),
+    "shmtree.calls": ("shmtree.frontend.calls",),
+    "shmtree.requests": ("shmtree.frontend.requests",),
+    "shmtree.persistent": ("shmtree.frontend.persistent",),
+    "shmtree.front": ("shmtree.frontend.front", "shmtree.frontend.moves",
+                      "shmtree.frontend.forms", "shmtree.frontend.memory"),
+    "shmtree.collectives": ("shmtree.frontend.collectives", "shmtree.frontend.rounds"),
+    "shmtree.communicator": ("shmtree.communicators.communicator",
+                             "shmtree.communicators.quick"),
+    "shmtree.subcomm": ("shmtree.communicators.subcomm",),
+    "shmtree.repro": ("shmtree.frontend.repro",),
+    "shmtree.accumulating": ("shmtree.frontend.accumulating",),
 }
 
 

@@ -28,7 +28,7 @@ hands it to joining.join; Group(..., inter=) makes a multinode.NodeGroup.
 This module only re-exports them.  `_rebuild_group` stays importable here: Group pickles made by
 older versions name it as shmtree.api._rebuild_group.
 """
-from .communicator import (Communicator, Persistent, Request, allgather, allreduce, barrier,
+from .communicators.communicator import (Communicator, Persistent, Request, allgather, allreduce, barrier,
                            broadcast, current, empty, iallgather, iallreduce, ibarrier,
                            ibroadcast, ireduce, ireduce_scatter, rank, reduce, reduce_scatter,
                            size, wait_all, zeros,
@@ -38,7 +38,7 @@ from .communicator import (Communicator, Persistent, Request, allgather, allredu
                            gather_init, scatter_init, scan_init, exscan_init, barrier_init)
 from .groups.group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from .launching import joining  # noqa: F401  (registers Group.join's maker)
-from . import subcomm  # noqa: F401  (registers Front.split's makers)
+from .communicators import subcomm  # noqa: F401  (registers Front.split's makers)
 from .launching import shrink  # noqa: F401  (registers comm.shrink's maker)
 from .launching.launch import run
 from .launching.pool import Pool

@@ -25,7 +25,17 @@ KIND_COUNTS = 13               # a round of counts before a call whose blocks di
                                # kind of the call it precedes (KIND_COUNTS + KIND_ROOT_STEP *
                                # KIND_ALLTOALL), so the rounds of different calls differ
 KIND_SCAN_BACK = 14            # scan / exscan's second exchange (the prefixes going back)
+KIND_DETERMINISTIC = 15        # reproducible sums (repro.py): deterministic=True calls and
+                               # Accumulator allreduces; its "root step" says which (DET_*)
 KIND_ROOT_STEP = 16
+# the calls of KIND_DETERMINISTIC: kind = KIND_DETERMINISTIC + KIND_ROOT_STEP * DET_*, a
+# reduce's root added to DET_REDUCE (roots below DET_ROOTS; a larger root takes the last
+# code and says itself in the rounds' shapes)
+DET_ALLREDUCE, DET_REDUCE_SCATTER, DET_SCAN, DET_EXSCAN, DET_ACCUMULATE = range(5)
+DET_REDUCE = 8
+DET_ROOTS = 4095 - DET_REDUCE        # (roots from DET_ROOTS on share the code 4095)
+DET_NAMES = {DET_ALLREDUCE: "allreduce", DET_REDUCE_SCATTER: "reduce_scatter", DET_SCAN: "scan",
+             DET_EXSCAN: "exscan"}
 KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier", KIND_BROADCAST: "broadcast",
               KIND_REDUCE: "reduce", KIND_ALLGATHER: "allgather",
               KIND_REDUCE_SCATTER: "reduce_scatter", KIND_ALLGATHER_LENGTHS: "allgather",
@@ -33,11 +43,26 @@ KIND_NAMES = {KIND_ALLREDUCE: "allreduce", KIND_BARRIER: "barrier", KIND_BROADCA
               KIND_SCAN: "scan", KIND_EXSCAN: "exscan", KIND_COUNTS: "counts",
               KIND_SCAN_BACK: "scan"}
 ROOTED = (KIND_BROADCAST, KIND_REDUCE, KIND_GATHER, KIND_SCATTER)
+KIND_NAMES.update({KIND_DETERMINISTIC + KIND_ROOT_STEP * d: f"deterministic {name}"
+                   for d, name in DET_NAMES.items()})
+KIND_NAMES[KIND_DETERMINISTIC + KIND_ROOT_STEP * DET_ACCUMULATE] = "Accumulator allreduce"
+
+
+def det_kind(det, root=0) -> int:
+    """The descriptor kind of a reproducible call (DET_*; a deterministic reduce's root)."""
+    if det == DET_REDUCE:
+        det += min(root, DET_ROOTS)
+    return KIND_DETERMINISTIC + KIND_ROOT_STEP * det
 
 
 def kind_name(kind) -> str:
     """'allreduce', 'broadcast(root=2)', 'alltoall(counts)': a descriptor's kind for people."""
     base, root = kind % KIND_ROOT_STEP, kind // KIND_ROOT_STEP
+    if base == KIND_DETERMINISTIC:
+        if root >= DET_REDUCE:
+            return f"deterministic reduce(root={root - DET_REDUCE})" if root < 4095 else \
+                "deterministic reduce"
+        return KIND_NAMES.get(kind, "reproducible collective")
     if base == KIND_COUNTS and root:
         return f"{KIND_NAMES.get(root, 'collective')}(counts)"
     name = KIND_NAMES.get(base, "collective")

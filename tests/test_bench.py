@@ -865,6 +865,50 @@ def test_persistent_without_allreduce_init(monkeypatch, capsys):
 
 
 @timeout
+def test_repro_parses():
+    args = parse(["repro"])
+    assert args.command == "repro" and args.nprocs is None and args.sizes == [8, 32 << 10, 1 << 20]
+    assert args.repeats == 3 and args.dtype == np.float64 and args.op == "sum"
+    args = parse(["repro", "-n", "3,2", "--sizes", "8,1K", "--repeats", "2", "--tree", "ring"])
+    assert args.nprocs == [2, 3] and args.sizes == [8, 1024] and args.tree == "ring"
+    for bad in (["repro", "--repeats", "0"], ["repro", "-n", "0"], ["repro", "--fresh"]):
+        with pytest.raises(SystemExit) as stop:
+            parse(bad)
+        assert stop.value.code == 2
+
+
+@needs_shmtree
+@timeout
+def test_repro_beside_plain(tmp_path, capsys):
+    """P = 1 and 2, two rounds: every method timed, the ratios are theirs; the targets said."""
+    import shmtree
+    if not hasattr(shmtree, "Accumulator"):
+        pytest.skip("this shmtree has no Accumulator")
+    doc = _json(tmp_path, ["repro", "-n", "1,2", "--sizes", "8,40K", "--iters", "3",
+                           "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("# shmtree ") and "reproducible sums: P = 1, 2, float64 sum" in out
+    assert "deterministic (us)" in out and "Accumulator (us)" in out and "<= 1.15x" in out
+    assert doc["command"] == "repro"
+    assert [(r["nprocs"], r["size"]) for r in doc["rows"]] == [(1, 8), (1, 40960), (2, 8),
+                                                                (2, 40960)]
+    for r in doc["rows"]:
+        for m in ("deterministic", "accumulator", "reproducible"):
+            assert r[f"{m}_us"] > 0 and r[f"{m}_ratio"] == pytest.approx(
+                r[f"{m}_us"] / r["plain_us"])
+        assert r["accumulator_words"] >= 1
+
+
+@needs_shmtree
+@timeout
+def test_repro_without_an_accumulator(monkeypatch, capsys):
+    import shmtree
+    monkeypatch.delattr(shmtree, "Accumulator")
+    assert main(["repro", "-n", "1", "--iters", "3", "--repeats", "1"]) == 1
+    assert "has no Accumulator" in capsys.readouterr().err
+
+
+@timeout
 def test_numa_matrix_with_two_nodes(monkeypatch):
     """A two-node matrix (here: each CPU as its own "node"), so multi-node code paths run."""
     cpus = sorted(os.sched_getaffinity(0))

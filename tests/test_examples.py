@@ -33,9 +33,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(ROOT, "examples")
 EXAMPLES = sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".py"))
 EXAMPLE_TIMEOUT_S = 150             # each example takes a few seconds on 2 cores
-API_MODULES = ("shmtree.front", "shmtree.api", "shmtree.launching.launch", "shmtree.launching.pool",
-               "shmtree.errors", "shmtree.persistent", "shmtree.requests",
-               "shmtree.launching.joining", "shmtree.groups.survive")
+API_MODULES = ("shmtree.frontend.front", "shmtree.frontend.moves", "shmtree.frontend.scans",
+               "shmtree.frontend.forms", "shmtree.frontend.memory", "shmtree.api",
+               "shmtree.launching.launch", "shmtree.launching.pool", "shmtree.errors",
+               "shmtree.frontend.persistent", "shmtree.frontend.requests",
+               "shmtree.launching.joining", "shmtree.accumulator",
+               "shmtree.groups.survive")
 
 
 def _import_root():

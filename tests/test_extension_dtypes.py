@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import shmtree
-from shmtree import calls
+from shmtree.frontend import calls
 
 from procutil import run_ok
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import shmtree
-from shmtree import _engine, calls, front
-from shmtree.communicator import Communicator
+from shmtree import _engine
+from shmtree.frontend import calls, front
+from shmtree.communicators.communicator import Communicator
 from shmtree.groups.group import Group
 from shmtree.internode.nodes import Spanning
 from shmtree.machine.plan import ENGINE_ORDER, plan_group

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import shmtree
-from shmtree import _engine, calls, collectives
+from shmtree import _engine
+from shmtree.frontend import calls, collectives
 from shmtree.ops import reduction_codes
 
 from procutil import run_ok

@@ -458,9 +458,12 @@ def _outs(comm, other, kind, arg, shape, dtype):
 
 
 def _sent(comm, call):
-    before = comm.stats()["bytes_sent"]
+    """call's result, and the bytes it moved: sent into the rings, or read out of the peers'
+    private buffers by cross-memory attach (engine/alg_cma.pxi)."""
+    moved = lambda: comm.stats()["bytes_sent"] + comm._engine.cma_counts()["bytes"]  # noqa: E731
+    before = moved()
     got = call()
-    return got, comm.stats()["bytes_sent"] - before
+    return got, moved() - before
 
 
 def matrix_worker(comm, cases, other_group):

@@ -23,7 +23,7 @@ import shmtree.groups.transport as transport
 from procutil import run_ok
 from shmtree import _engine
 from shmtree.codes import ABORT_FAILED
-from shmtree.requests import Progress, Request
+from shmtree.frontend.requests import Progress, Request
 
 BIG = 16 << 20                  # float64 items: 128 MiB per array, a long single copy
 
@@ -589,7 +589,7 @@ def wait_all_in_child(requests, hold, posted_in_child=None):
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")      # (fork with a thread running)
 def test_wait_all_in_a_forked_child_with_a_lock_held_at_the_fork():
-    import shmtree.requests as requests
+    import shmtree.frontend.requests as requests
 
     progress = Progress("test", threading.Lock())
     r = Request("iallreduce", 1, progress)

@@ -56,7 +56,7 @@ PATTERNS = {
 
 def test_sub_plan_lies_on_the_members_slots():
     from shmtree.machine.plan import plan_group
-    from shmtree.subcomm import sub_plan
+    from shmtree.communicators.subcomm import sub_plan
     parent = plan_group(4, topology="2x2", ncpus=4)       # sockets {0, 1} and {2, 3}
     across = sub_plan(parent, [2, 0])                      # one rank on each socket
     assert across.size == 2 and across.topology.nsockets == 2
@@ -70,7 +70,7 @@ def test_sub_plan_lies_on_the_members_slots():
 
 def test_sub_plan_takes_its_own_sizes_defaults_unless_the_parent_was_given_values():
     from shmtree.machine.plan import DEFAULT_SMALL_BYTES, OVERSUBSCRIBED_SMALL_BYTES, plan_group
-    from shmtree.subcomm import sub_plan
+    from shmtree.communicators.subcomm import sub_plan
     over = plan_group(4, topology="4", ncpus=2)           # 4 ranks on 2 cores: no spinning
     assert over.spin_ns == 0 and over.small_bytes == OVERSUBSCRIBED_SMALL_BYTES
     two = sub_plan(over, [0, 1])                          # 2 ranks fit: a group of 2's defaults
@@ -537,7 +537,7 @@ def test_a_rank_that_never_splits_fails_the_others():
 def interrupt_worker(comm):
     """Rank 1 is interrupted between two rounds of the split (as it attaches): the others,
     waiting for it in the next round, fail at once instead of waiting for ever."""
-    from shmtree import subcomm
+    from shmtree.communicators import subcomm
     if comm.rank == 1:
         def attach(*args):
             raise KeyboardInterrupt

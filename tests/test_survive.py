@@ -666,7 +666,7 @@ def test_the_sentinel_aborts_when_a_waited_for_member_dies(monkeypatch):
     """With the engine's time slices made long (no liveness check of the ranks' own for 30 s),
     rank 0 still raises at once: the sentinel saw rank 1's pidfd."""
     import multiprocessing
-    import shmtree.communicator as communicator
+    import shmtree.communicators.communicator as communicator
     monkeypatch.setattr(communicator, "SLICE_NS", int(30e9))
     monkeypatch.setattr(communicator, "STALL_SLICE_S", 30.0)
     ctx = multiprocessing.get_context("fork")

@@ -11,7 +11,7 @@
  *                      abort word (own line) | rank claims (own line)
  *     4096             rank blocks, 1024 bytes each: bell + sleepers (own line) | join record,
  *                      calls completed, member state, call in progress | two call descriptors
- *                      (by call seq parity) | abort note
+ *                      (by call seq parity) | abort note | probe word's address
  *     then rings       (offsets computed by transport.py): head line | one tail line per
  *                      consumer, rounded up to a page | S slots of (slot header + payload)
  */
@@ -96,11 +96,20 @@ typedef struct shm_rank_block {
                                         call's first round, read by every rank after it */
     uint64_t direct;            /*  232 seq + 1 of the last single-copy call whose part this
                                         rank has written (into every rank's output) */
-    uint8_t pad2[16];           /*  240 */
+    uint64_t xsrc[2];           /*  240 single copy of private buffers (cross-memory attach,
+                                        alg_cma.pxi), by call seq parity: SHM_XSRC_OFFERED | the
+                                        address, in this rank's process, of what its peers read
+                                        (0: this rank does not offer it for this call); written
+                                        before the call's first round, read after it */
     shm_desc desc[2];           /*  256 call descriptors by call seq parity */
     uint32_t note_len;          /*  512 why this rank aborted the group (its own words) */
-    char note[508];             /*  516 */
+    char note[500];             /*  516 */
+    uint64_t probe;             /* 1016 the address, in this rank's process, of its probe word
+                                        (alg_cma.pxi: a peer reads it once with
+                                        process_vm_readv to learn whether it may); 0: none */
 } shm_rank_block;               /* 1024 */
+
+#define SHM_XSRC_OFFERED (1ull << 63)   /* (user-space addresses lie below 2^63) */
 
 #define SHM_NOTE_MAX ((uint32_t)sizeof(((shm_rank_block *)0)->note))
 
@@ -136,6 +145,8 @@ SHM_ASSERT_AT(shm_rank_block, state, 152);
 SHM_ASSERT_AT(shm_rank_block, call, 160);
 SHM_ASSERT_AT(shm_rank_block, place, 168);
 SHM_ASSERT_AT(shm_rank_block, direct, 232);
+SHM_ASSERT_AT(shm_rank_block, xsrc, 240);
+SHM_ASSERT_AT(shm_rank_block, probe, 1016);
 SHM_ASSERT_AT(shm_rank_block, desc, 256);
 SHM_ASSERT_AT(shm_rank_block, note_len, 512);
 SHM_ASSERT_AT(shm_rank_block, note, 516);

@@ -465,5 +465,6 @@ cdef int bcast_need_out(Engine self, dst) except -1:
     self.bc.need = 0
     self.result = None
     self.dst_p = <char *>cnp.PyArray_DATA(o)
-    self._start_phase(self._ring_channel(), ALG_RING, NULL, self.dst_p, self.msg_nbytes)
+    self._start_phase(self._ring_channel(), ALG_CMA if self.cma else ALG_RING, NULL, self.dst_p,
+                      self.msg_nbytes)            # (a scatter's may read by cross-memory attach)
     return 0

@@ -195,7 +195,8 @@ cdef int msg_scatter(Engine self, array, out, int root, int kind, uint64_t mode)
     self.sc_src_p = <const char *>cnp.PyArray_DATA(a) if a is not None else NULL
     self.sc_dst_p = <char *>cnp.PyArray_DATA(o) if o is not None else NULL
     self.sc_Bp = <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>self.sc_B)
-    return RC_DONE
+    cma_offer(self, self.cur_seq, self.sc_src_p, True)   # (alg_cma.pxi: decided from B after
+    return RC_DONE                                       # the round, in scatter_handover)
 
 
 cdef int scatter_handover(Engine self) noexcept nogil:
@@ -235,11 +236,12 @@ cdef int scatter_handover(Engine self) noexcept nogil:
     self.e.dir.mode = COLL_ALLTOALL
     self.e.dir.pairwise = 0
     self.e.nt = self.nt_bytes > 0 and B[root * P + me] >= self.nt_bytes
+    self.cma = cma_big(self, B) and cma_agreed(self)     # (every rank offered: alg_cma.pxi)
     if self.sc_dst_p == NULL:
         self.bc.need = 1
         return RC_NEED_OUT
     self.dst_p = self.sc_dst_p
-    self._start_phase(ch, ALG_RING, self.src_p, self.dst_p, n)
+    self._start_phase(ch, ALG_CMA if self.cma else ALG_RING, self.src_p, self.dst_p, n)
     return drive(&self.e, self._alg())
 
 

@@ -93,6 +93,11 @@ cdef scratch_setup(Engine self, int maxchild):
     if (x.to_at == NULL or x.from_at == NULL or x.dst_at == NULL or x.first == NULL
             or x.got == NULL or x.need == NULL or x.box == NULL):
         raise MemoryError()
+    cdef Cma *m = &self.e.cma
+    m.pids = <int *>calloc(P, sizeof(int))
+    m.src = <uint64_t *>calloc(P, sizeof(uint64_t))
+    if m.pids == NULL or m.src == NULL:
+        raise MemoryError()
 
 
 cdef exchange_setup(Engine self, exchange):
@@ -148,6 +153,8 @@ cdef void engine_free(Engine self) noexcept:
     free(x.need)
     free(x.box)
     free(x.last)
+    free(self.e.cma.pids)
+    free(self.e.cma.src)
 
 
 cdef direct_order_set(Engine self, list ring, list children, int root):

@@ -124,3 +124,75 @@ cdef bint direct_agreed(Engine self) noexcept nogil:
         d.outs[r] += theirs[3]
     return True
 
+
+
+# ---- the single copy of private buffers (alg_cma.pxi): the offer and the agreement ----
+
+cdef bint cma_big(Engine self, const uint64_t *B) noexcept nogil:
+    """Is the exchange of byte matrix B large enough for the single copy by cross-memory attach:
+    its bytes in all (the whole matrix, own blocks included) at least cma_total and its largest
+    block at least cma_bytes?  (The same answer on every rank: B is.)"""
+    cdef int P = self.e.nranks, p, q
+    cdef uint64_t most = 0, n, whole = 0
+    for p in range(P):
+        for q in range(P):
+            n = B[p * P + q]
+            whole += n
+            if p != q and n > most:
+                most = n
+    return most >= self.cma_bytes and whole >= self.cma_total
+
+
+cdef void cma_offer(Engine self, uint64_t seq, const char *at, bint big) noexcept nogil:
+    """This rank's word for call seq (xsrc): it offers the single copy (its probe said yes, and
+    big) and its source lies at `at` in its memory, or it does not (0).  Every call writes its
+    word (a stale one is never read)."""
+    self.seg.block(self.e.rank).xsrc[seq & 1] = (
+        SHM_XSRC_OFFERED | <uint64_t><uintptr_t>at if big and self.e.cma.state == CMA_YES
+        else 0)
+
+
+cdef void cma_place(Engine self, uint64_t seq, int coll, int alg, const char *src_p,
+                    char *dst_p) noexcept:
+    """begin_call's offer (cma_offer) of the single copy by cross-memory attach: a large
+    allgather - its bytes in all (every rank's output: P x its result) at least cma_total and
+    its largest block at least cma_bytes - or a large exchange (cma_big).  The source: the
+    allgather's own block (its input, or in place its row of the output), the exchange's
+    input.  (Scatter's call offers after its own round begins: msg_scatter.)"""
+    cdef int P = self.e.nranks, q
+    cdef uint64_t most = 0, n, whole = 0
+    cdef const uint64_t *o
+    cdef const char *at = src_p
+    if self.e.cma.state != CMA_YES or alg == ALG_INLINE or (coll != COLL_ALLGATHER
+                                                            and coll != COLL_ALLTOALL):
+        cma_offer(self, seq, NULL, False)
+        return
+    if coll == COLL_ALLTOALL:
+        cma_offer(self, seq, at, cma_big(self, self.e.x.B))
+        return
+    o = self.e.call.offs
+    for q in range(P):
+        n = o[2 * q + 1] - o[2 * q]
+        whole += n * P
+        if n > most:
+            most = n
+    if at == NULL:                        # (in place: the own block in the output)
+        at = dst_p + o[2 * self.e.dir.pos]
+    cma_offer(self, seq, at, most >= self.cma_bytes and whole >= self.cma_total)
+
+
+cdef bint cma_agreed(Engine self) noexcept nogil:
+    """After the channel-0 round (every rank has written its xsrc): did every rank offer the
+    single copy?  The same answer on every rank; if so, note where every rank's source lies."""
+    cdef int par = self.cur_seq & 1, r
+    cdef uint64_t v
+    cdef Cma *m = &self.e.cma
+    if not self.seg.block(self.e.rank).xsrc[par] & SHM_XSRC_OFFERED:
+        return False
+    for r in range(self.e.nranks):
+        v = self.seg.block(r).xsrc[par]
+        if not v & SHM_XSRC_OFFERED:
+            return False
+        m.src[r] = v & ~SHM_XSRC_OFFERED
+    m.mode = DIRECT_ALLGATHER if self.coll == COLL_ALLGATHER else DIRECT_ALLTOALL
+    return True

@@ -35,6 +35,7 @@ cdef extern from "_csrc/layout.h" nogil:
         SHM_MAX_DIMS
         SHM_FLAG_MISMATCH
         SHM_NOTE_MAX
+    uint64_t SHM_XSRC_OFFERED
     ctypedef struct shm_desc_head:
         uint64_t seq
         uint64_t nbytes
@@ -73,9 +74,11 @@ cdef extern from "_csrc/layout.h" nogil:
         uint64_t call
         uint64_t place[2][4]
         uint64_t direct
+        uint64_t xsrc[2]
         shm_desc desc[2]
         uint32_t note_len
-        char note[508]
+        char note[500]
+        uint64_t probe
 
 
 # progress() results (also what every primitive, algorithm step and wait returns: RC_DONE is
@@ -195,6 +198,26 @@ cdef struct Xchg:
     int src_next          # the source looked at first by the next ready() (round robin)
 
 
+cdef struct Cma:
+    # The single copy of private buffers (alg_cma.pxi): each receiver reads what it gets
+    # straight out of its senders' buffers, with process_vm_readv.
+    int state             # CMA_UNKNOWN (not probed yet), CMA_YES, CMA_NO, CMA_OFF (switched off)
+    uint64_t token        # this rank's probe word (its address is the rank block's `probe`)
+    int *pids             # [P] every rank's process (the probe's, the reads')
+    uint64_t *src         # [P] the call's: where each rank's source lies in its process
+    int mode              # the collective (DIRECT_ALLGATHER or DIRECT_ALLTOALL)
+    uint64_t chunk        # bytes read at a time (CMA_CHUNK)
+    int s                 # the source read now: the s-th before this rank (s = 1 .. P - 1; P:
+    uint64_t off          # every one read), and how many bytes of its block are
+    int own_done          # this rank's own block copied (alltoall)
+    int published         # this rank has read all it gets, and said so (`direct`)
+    int finished          # every rank that reads this rank's buffer has said so
+    int err               # the errno of a failed read (0: none), its source, and since when
+    int err_rank
+    int64_t err_since
+    uint64_t n_calls, n_bytes     # calls run so, and bytes read
+
+
 cdef struct Eng:
     # What the nogil code of one rank sees: the segment, the waiting policy and counters, the
     # channels, and the call in progress.
@@ -216,6 +239,7 @@ cdef struct Eng:
     Call call
     Direct dir
     Xchg x
+    Cma cma
 
 
 # An algorithm runs one channel of a call in steps.  ready() says which step can run now without

@@ -12,7 +12,7 @@
     proxylink   inter=: ProxyLink, the leader's side
     multinode   forming them: from_mpi, NodeGroup (Group(size, inter=)), spanning_member
 
-mpi4py is imported lazily, where MPI is used.  It may import: the front end (shmtree.front,
+mpi4py is imported lazily, where MPI is used.  It may import: the front end (shmtree.frontend.front,
 calls, collectives), the p2p layer, the groups and machine layers, the engine, the leaves,
-and within this layer; never shmtree.communicator or subcomm, launching or torch.
+and within this layer; never shmtree.communicators.communicator or subcomm, launching or torch.
 """

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .. import calls
+from ..frontend import calls
 from ..codes import (ABORT_FAILED, ABORT_TIMEOUT, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL,
                      KIND_BARRIER, KIND_BROADCAST, KIND_EXSCAN, KIND_GATHER, KIND_NAMES,
                      KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SCAN, KIND_SCATTER, ranks_text)

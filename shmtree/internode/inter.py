@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from .. import _kernels
-from ..calls import split_bounds as _pieces
+from ..frontend.calls import split_bounds as _pieces
 from ..codes import ABORT_FAILED, ABORT_TIMEOUT, ranks_text
 from ..errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 

@@ -30,14 +30,15 @@ import weakref
 
 import numpy as np
 
-from .. import _engine, calls
-from ..calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
+from .. import _engine
+from ..frontend import calls, repro as _repro
+from ..frontend.calls import (ALLGATHER, ALLTOALL, BARRIER, BROADCAST, EXSCAN, GATHER, REDUCE_SCATTER, SCAN,
                      SCATTER, split_bounds as _pieces)
 from ..codes import (KIND_ALLGATHER, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST, KIND_EXSCAN,
                      KIND_GATHER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER)
-from ..collectives import _fold, _identity
+from ..frontend.collectives import _fold, _identity
 from ..errors import CollectiveMismatchError, ShmtreeError
-from ..front import Front
+from ..frontend.front import Front
 from ..groups import session
 from ..groups.group import Group  # noqa: F401  (multinode.from_mpi makes a node's group as nodes.Group)
 from .agreement import (LOCAL_ERROR, NONE, _NOTHING, _Agreement, _apart, _bare, _free_key,
@@ -133,6 +134,8 @@ class Spanning(Survive, SpanningMessages, _Agreement, Front, Pipelines):
 
     def _executor(self, spec):
         """The function that runs a parsed call across the nodes (its `call`: its name)."""
+        if spec.reproducible and spec.coll not in (SCAN, EXSCAN):
+            return _repro.spanning(self, spec)        # (deterministic=True, Accumulator)
         return {BROADCAST: self._exec_broadcast, ALLGATHER: self._exec_allgather,
                 BARRIER: self._exec_barrier, ALLTOALL: self._exec_alltoall,
                 GATHER: self._exec_gather, SCATTER: self._exec_scatter,
@@ -465,8 +468,7 @@ class Spanning(Survive, SpanningMessages, _Agreement, Front, Pipelines):
         which folds its rows in rank order; exchange 2 sends prefix row r back to rank r."""
         a, out, deadline, opc = spec.array, spec.out, spec.deadline, spec.opc
         exclusive = spec.coll == EXSCAN
-        kind = KIND_EXSCAN if exclusive else KIND_SCAN
-        row = _row(kind, -1, opc, a)
+        row = _row(spec.kind, -1, opc, a)     # (KIND_SCAN, KIND_EXSCAN, or deterministic's)
 
         def run():
             P, me = self.size, self.rank

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from .. import calls
-from ..calls import split_bounds as _pieces
+from ..frontend import calls
+from ..frontend.calls import split_bounds as _pieces
 from .inter import Link
 
 __all__ = ["Pipelines"]

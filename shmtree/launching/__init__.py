@@ -8,7 +8,7 @@
     heal        pools that heal (Pool(on_failure="shrink" | "respawn")): the pool's Healer,
                 its control memory, the workers' side
 
-It may import every layer below it: the communicator (shmtree.communicator), internode,
+It may import every layer below it: the communicator (shmtree.communicators.communicator), internode,
 p2p, groups, machine, the leaves; and within this layer.  Only the API (shmtree.api,
 shmtree's __init__) and the tools above (shmtree.bench) import it.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from ..groups import group as _group, session
-from ..communicator import Communicator
+from ..communicators.communicator import Communicator
 from ..internode.multinode import spanning_member
 
 __all__ = ["join"]

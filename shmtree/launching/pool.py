@@ -3,7 +3,7 @@
 Each worker joins once, with its own rank, as it starts (`_pool_worker_init`), then runs tasks
 that use the module-level calls.  Around that:
   - tasks: every task is wrapped (`_Task`, `_run_as_task`) so the member is marked busy while it
-    runs and idle between tasks (what the stall check of shmtree.communicator looks for), and a
+    runs and idle between tasks (what the stall check of shmtree.communicators.communicator looks for), and a
     task that raises while other members wait for it in a collective aborts the group in its
     words; map and friends deal tasks one at a time; `pool.run` is SPMD on the workers;
   - the watch thread (parent side): once the group is aborted, every outstanding job fails with

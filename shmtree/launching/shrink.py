@@ -17,7 +17,7 @@ import os
 import time
 import weakref
 
-from ..communicator import Communicator
+from ..communicators.communicator import Communicator
 from ..errors import PeerLostError, ShmtreeError
 from ..groups import session, survive
 from ..groups.subgroup import SubGroup, sub_plan

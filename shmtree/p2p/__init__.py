@@ -10,7 +10,7 @@
                 Status, the operations; the transports' sizes and times
 
 The native quick paths are shmtree._p2p (Cython).  It may import: the groups layer (session),
-the front end's calls and requests (shmtree.calls, shmtree.requests), the engine extensions
+the front end's calls and requests (shmtree.frontend.calls, shmtree.frontend.requests), the engine extensions
 (shmtree._p2p, _moving), the leaves, and within this layer; never internode, the
 communicator, launching or torch.
 """

@@ -9,8 +9,8 @@ import numpy as np
 
 from .. import _p2p
 from ..groups import session
-from ..calls import deadline_of, movable
-from ..requests import Request
+from ..frontend.calls import deadline_of, movable
+from ..frontend.requests import Request
 from .messages import Transport
 from .records import (ANY_SOURCE, ANY_TAG, Status, _Recv, _Send, _launcher_pid, _set_status,
                       _status_arg)

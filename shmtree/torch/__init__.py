@@ -54,6 +54,7 @@ The package (issue 36; one module, shmtree/torch.py, before)::
     gathers     all_gather, reduce_scatter, gather, scatter, all_to_all  } mixins of
     coalesced   the coalesced forms                                       } ProcessGroupShmtree
     p2p         send, recv, recv from any source                          }
+    reproducible  the reduction mode (set_reduction, SHMTREE_TORCH_REDUCTION) }
     works       the Work objects and the calls they run
     tensors     gloo's checks of the tensor lists, numpy views, packing, the local reduction
     options     the backend's constants, ReduceOps, options objects, timeouts, their errors
@@ -78,7 +79,7 @@ import torch  # noqa: F401
 import torch.distributed as dist  # noqa: F401
 from torch.futures import Future  # noqa: F401
 
-from .. import calls  # noqa: F401
+from ..frontend import calls  # noqa: F401
 from ..arrays import as_numpy  # noqa: F401
 from ..codes import KIND_ALLTOALL  # noqa: F401
 from ..errors import CollectiveMismatchError  # noqa: F401
@@ -86,7 +87,9 @@ from ..groups.group import Group  # noqa: F401
 from ..p2p.records import ANY_SOURCE, QUICK_BYTES, Status  # noqa: F401
 from .backend import ProcessGroupShmtree  # (registers the backend "shmtree")
 from .options import BACKEND, INLINE_BYTES, QUICK_P2P_BYTES, SUPPORTED, ArgumentError
+from .reproducible import REDUCTION_ENV, REDUCTIONS, communicator, reduction, set_reduction
 from .survive import failed_ranks, shrink_group        # after a failure (issue 38)
 
 __all__ = ["BACKEND", "SUPPORTED", "ProcessGroupShmtree", "ArgumentError", "QUICK_P2P_BYTES",
-           "INLINE_BYTES", "failed_ranks", "shrink_group"]
+           "INLINE_BYTES", "REDUCTION_ENV", "REDUCTIONS", "set_reduction", "reduction",
+           "communicator", "failed_ranks", "shrink_group"]

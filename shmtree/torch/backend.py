@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import queue
 import threading
 import warnings
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .. import calls
+from ..frontend import calls
 from ..groups.group import Group
 from .options import (BACKEND, INLINE_BYTES, SUPPORTED, _AllreduceOptions, _BarrierOptions,
                       _BroadcastOptions, _OP, _ROOT, _ReduceOptions, _TIMEOUT, _TOKEN_KEY,
@@ -25,6 +26,7 @@ from .tensors import (_ALIGN, _SPARSE, _STRIDED, _check_dense, _check_match, _ch
 from .coalesced import _Coalesced
 from .gathers import _Gathers
 from .p2p import _PointToPoint
+from .reproducible import REDUCTION_ENV, _Reproducible, _reduction_mode
 from .survive import _Survive                # abort, get_error (issue 38)
 from .works import _DoneWork, _Failed, _FailedWork, _PostedWork, _call, _done, _settle
 
@@ -41,7 +43,8 @@ def _unsupported(method, what):
     return refuse
 
 
-class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, dist.ProcessGroup):
+class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, _Reproducible,
+                          dist.ProcessGroup):
     """The process group of backend "shmtree" (see the docstring of shmtree.torch).
 
     Its operations are written in four places: here (the work objects, all_reduce, broadcast,
@@ -51,6 +54,8 @@ class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, dist.Pr
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
+        self._reduction = _reduction_mode(os.environ.get(REDUCTION_ENV) or "default",
+                                          REDUCTION_ENV)     # (reproducible.py)
         self._timeout = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
             else None
         if rank == 0:
@@ -210,8 +215,11 @@ class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, dist.Pr
         if len(tensors) == 1 and tensors[0].layout == _STRIDED:
             _check_avg(red, tensors, "all_reduce")
             a = _strided_view(tensors[0])
+            if self._exact(red, a):
+                return self._summed(a, secs, lambda: self._divide(tensors, red))
             return self._work([_call(calls.allreduce, self._comm, a,
-                                     "sum" if red == "avg" else red, out=a, timeout=secs)],
+                                     "sum" if red == "avg" else red, out=a, timeout=secs,
+                                     **self._reproducibly(red))],
                               a.nbytes, lambda: self._divide(tensors, red))
         if not tensors:
             raise _invalid("allreduce", "requires non-empty tensor list")
@@ -240,8 +248,11 @@ class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, dist.Pr
             for t in tensors:
                 t.detach().copy_(acc)
             return tensors
+        if self._exact(red, a):
+            return self._summed(a, secs, finish)
         return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
-                                 out=a, timeout=secs)], a.nbytes, finish)
+                                 out=a, timeout=secs, **self._reproducibly(red))], a.nbytes,
+                          finish)
 
     def _sparse_allreduce(self, tensors, secs):
         """Sparse COO allreduce, as gloo's: the list summed locally and coalesced; every rank's
@@ -350,7 +361,8 @@ class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, dist.Pr
         _check_avg(red, tensors, "reduce")
         a = _view(tensors[0])
         return self._work([_call(calls.reduce, comm, a, "sum" if red == "avg" else red, root,
-                                 out=a if comm.rank == root else None, timeout=secs)],
+                                 out=a if comm.rank == root else None, timeout=secs,
+                                 **self._reproducibly(red))],
                           a.nbytes, lambda: self._divide(tensors, red, comm.rank == root))
     def barrier(self, opts=None, *args, **kwargs):
         """barrier(opts) and barrier(timeout=None)."""

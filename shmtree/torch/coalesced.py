@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import calls
+from ..frontend import calls
 from .options import (_AllreduceCoalescedOptions, _OP, _ReduceScatterOptions, _TIMEOUT, _check_avg,
                       _form, _invalid, _op, _seconds)
 from .tensors import (_STRIDED, _check_dense, _check_pairs, _flat, _layout_name, _packed,
@@ -46,9 +46,12 @@ class _Coalesced:
             for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.detach().copy_(piece.view(t.shape))
             return tensors
+        secs = _seconds(opts.timeout, self._timeout)
+        if self._exact(red, a):
+            return self._summed(a, secs, finish)
         return self._work([_call(calls.allreduce, self._comm, a, "sum" if red == "avg" else red,
-                                 out=a, timeout=_seconds(opts.timeout, self._timeout))],
-                          a.nbytes, finish)
+                                 out=a, timeout=secs, **self._reproducibly(red))], a.nbytes,
+                          finish)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][j] gets rank r's input_list[j]: one allgather of their bytes."""
@@ -135,7 +138,7 @@ class _Coalesced:
             w = _view(whole)
             nbytes += w.nbytes
             made.append(_call(calls.reduce_scatter, comm, w, "sum" if red == "avg" else red,
-                              out=_view(block), timeout=secs))
+                              out=_view(block), timeout=secs, **self._reproducibly(red)))
 
         def finish():
             for which, block in blocks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import calls
+from ..frontend import calls
 from ..codes import KIND_ALLTOALL
 from ..errors import CollectiveMismatchError
 from .options import (ArgumentError, _AllgatherOptions, _GatherOptions, _OP, _ROOT,
@@ -198,8 +198,8 @@ class _Gathers:
             if put is not None:
                 put()
             return self._divide(output_tensors, red)
-        return self._work([_call(calls.reduce_scatter, comm, w, base, out=o, timeout=secs)],
-                          w.nbytes, finish)
+        return self._work([_call(calls.reduce_scatter, comm, w, base, out=o, timeout=secs,
+                                 **self._reproducibly(red))], w.nbytes, finish)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         """reduce_scatter_tensor: input holds size blocks of output's size, dim 0 rank-major."""
@@ -223,8 +223,8 @@ class _Gathers:
                 put()
             return self._divide([output], red)
         return self._work([_call(calls.reduce_scatter, comm, a, "sum" if red == "avg" else red,
-                                 out=out, timeout=_seconds(opts.timeout, self._timeout))],
-                          a.nbytes, finish)
+                                 out=out, timeout=_seconds(opts.timeout, self._timeout),
+                                 **self._reproducibly(red))], a.nbytes, finish)
 
     all_gather_single = _allgather_base          # (the names torch >= 2.10 calls)
     reduce_scatter_single = _reduce_scatter_base

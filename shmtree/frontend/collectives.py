@@ -24,30 +24,21 @@ import pickle
 
 import numpy as np
 
-from . import _engine, _moving, calls
+from .. import _engine, _moving
+from . import calls, repro
 from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, EXSCAN, GATHER, REDUCE,
                     REDUCE_SCATTER, SCAN, SCATTER, CallSpec)
-from .codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL, KIND_BARRIER,
+from ..codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL, KIND_BARRIER,
                     KIND_COUNTS, KIND_ROOT_STEP, KIND_SCAN_BACK, WORDS_BYTES, grouped, kind_name,
                     ranks_text)
-from .errors import CollectiveMismatchError
-from .ops import OP_NAMES, dtype_words as _dtype_words
+from ..errors import CollectiveMismatchError
+from ..ops import OP_NAMES, dtype_words as _dtype_words
 
+from .rounds import _Rounds, _plain, _unmeta, error_words  # noqa: F401  (the mixin)
 __all__ = ["Executors"]
 
 _out_for = calls.out_for     # (a module name: the output a broadcast's rank gets made when the
                              # data follows, _bcast_output; a test makes it fail there)
-
-
-@functools.lru_cache(maxsize=256)
-def _unmeta(raw: bytes):
-    return pickle.loads(raw)
-
-
-def _plain(a):
-    """a, or a C-contiguous aligned copy of it."""
-    flags = a.flags
-    return a if (flags.c_contiguous and flags.aligned) else np.array(a, order="C")
 
 
 WORK_BYTES = 64 << 20       # Executors._work: scratch kept up to this size
@@ -55,7 +46,7 @@ KIND_A2AV = KIND_COUNTS + KIND_ROOT_STEP * KIND_ALLTOALL    # alltoall(counts=)'
                             # first round carries the counts (engine/alg_exchange.pxi)
 
 
-class Executors:
+class Executors(_Rounds):
     """The executors of Communicator (which provides rank, size, _call: one engine call made
     and driven to its end, and _drive / _interrupted / _call_name)."""
 
@@ -65,6 +56,8 @@ class Executors:
         if spec.error is not None:
             raise spec.error
         coll = spec.coll
+        if spec.reproducible and coll != SCAN and coll != EXSCAN:
+            return repro.prepared(self, spec)     # (deterministic=True, Accumulator: repro.py)
         if coll == ALLREDUCE or coll == REDUCE:
             return functools.partial(self._reducing, spec)
         if coll == BROADCAST:
@@ -447,77 +440,6 @@ class Executors:
                 + "; ".join(f"{ranks_text(rs)}: {text}" for rs, text in grouped(said)))
         return table[:, :w], said
 
-    def _said(self, exc, kind, deadline):
-        """A disagreement this rank found after a round of its call (an out= that does not fit
-        what the round said: the root's dtype or block, the rows the others send): said in
-        place of the call's next round, so that every other rank's call ends with
-        CollectiveMismatchError naming it; then raised here as a CollectiveMismatchError too,
-        with its own words (a ValueError as well).  An out= that this rank's own arguments
-        show wrong is a plain ValueError, raised at the parse."""
-        self._error_round(kind, error_words(exc), deadline)
-        raise CollectiveMismatchError(*exc.args) from None
-
-    # ---- broadcast ----
-
-    def _broadcast(self, spec):
-        """broadcast, normalised: the root's array C-contiguous and aligned, out= a temporary
-        when the engine cannot write it as it is."""
-        a, root, out = spec.array, spec.root, spec.out
-        me = self.rank
-        if me == root:
-            a = _plain(a)
-        copy_back = None
-        if out is not None and not _engine.fits(out, out if a is None else a):
-            copy_back, out = out, np.empty(out.shape if a is None else a.shape,
-                                           out.dtype if a is None else a.dtype)
-        claim = out if a is None else a
-        got = self._call(BROADCAST, a, out, None, root, spec.kind, spec.deadline)
-        if type(got) is tuple:
-            got = self._broadcast_rest(got, claim, root, out, spec.kind, spec.deadline)
-        return calls.finish(got, copy_back)
-
-    def _broadcast_rest(self, got, a, root, out, kind, deadline):
-        """broadcast after its first round, when the data did not come (engine/bcast.pxi,
-        bcast_ended: (what bcast_read said, the round, its room)); a is what this rank passed
-        (or its out=)."""
-        P, me = self.size, self.rank
-        said, first, room = got
-        if said[0] == "long":                 # the root's dtype and shape follow, pickled
-            meta = np.zeros(said[1], np.uint8)
-            if me == root:
-                meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
-            self._bytes_round(meta, kind, deadline)
-            dtype, shape = _unmeta(meta.tobytes())
-            wrong = _engine.wrong_claims(first, P, _engine.claim(dtype, shape))
-            said = ("mismatch", dtype, shape, wrong) if wrong else ("data", dtype, shape)
-        tag, dtype, shape = said[:3]
-        if tag == "mismatch":               # (every rank read the same claims: all are here)
-            words = self._words_round("nothing" if a is None else
-                                      f"shape {tuple(a.shape)} and dtype "
-                                      f"{_dtype_words(a.dtype)}", deadline)
-            wrong = [r for r in said[3] if r != root]
-            raise CollectiveMismatchError(
-                f"shmtree: ranks disagree on the collective call: broadcast(root={root}): the "
-                f"root passed shape {tuple(shape)} and dtype {_dtype_words(dtype)}; "
-                + "; ".join(f"{ranks_text(rs)} passed {text}" for rs, text in
-                            grouped(words, wrong))
-                + "; every rank must pass None, or an array (or out=) of the root's shape and "
-                  "dtype")
-        result, copy_back = calls.out_for(out, shape, dtype, "broadcast")
-        nbytes = result.nbytes
-        if not nbytes:
-            return calls.finish(result, copy_back)
-        view = calls.bytes_of(result)
-        if tag == "inline":
-            at = _engine.CLAIM_BYTES * P + _engine.META_BYTES
-            view[...] = first[at:at + nbytes]
-            return calls.finish(result, copy_back)
-        if me == root and _moving.address(result) != _moving.address(a):
-            view[...] = calls.bytes_of(a)     # (the data leaves from the root's output; numpy's
-        self._call(BROADCAST, None, view, None, root, kind, deadline,   # copy minds overlap)
-                   _engine.DATA_ONLY)
-        return calls.finish(result, copy_back)
-
     def _bcast_output(self, said):
         """The output of a rank that passed neither an array nor out=, when the data follows
         the round in the same call: ("data", dtype, shape) is what the round said."""
@@ -544,15 +466,6 @@ class Executors:
 
 
 _NOTHING = np.empty(0, np.uint8)
-
-
-def error_words(exc) -> bytes:
-    """A local error as an error round carries it (at most _engine.ERROR_TEXT bytes)."""
-    text = f"{type(exc).__name__}: {str(exc).removeprefix('shmtree: ')}".encode(
-        "utf-8", "replace")
-    if len(text) > _engine.ERROR_TEXT:
-        text = text[:_engine.ERROR_TEXT - 3].decode("utf-8", "ignore").encode() + b"..."
-    return text
 
 
 def _apart(src, dst):

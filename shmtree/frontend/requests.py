@@ -24,7 +24,7 @@ import threading
 import time
 from _thread import get_ident as _get_ident
 
-from .errors import ShmtreeError
+from ..errors import ShmtreeError
 
 __all__ = ["Request", "wait_all"]
 

@@ -20,29 +20,32 @@ import time
 
 import numpy as np
 
-from . import _engine, _kernels
-from .groups import session
-from .machine import plan as _plan
-from .codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
+from .. import _engine, _kernels
+from ..frontend import repro as _repro
+from ..groups import session
+from ..machine import plan as _plan
+from ..codes import (ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL,
                     ABORT_TIMEOUT, KIND_ALLREDUCE, KIND_BARRIER, KIND_BROADCAST, KIND_NAMES,
                     KIND_REDUCE, KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL,
                     KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_GATHER, KIND_SCATTER, KIND_SCAN,
-                    KIND_EXSCAN, KIND_SCAN_BACK, KIND_COUNTS, ROOTED, ST_IDLE, ST_LEFT, kind_name,
+                    KIND_EXSCAN, KIND_SCAN_BACK, KIND_COUNTS, KIND_DETERMINISTIC, ROOTED, ST_IDLE,
+                    ST_LEFT, kind_name,
                     ranks_text, states_text)
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
-from . import calls
-from .calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError
+from ..frontend import calls
+from ..frontend.calls import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCE, REDUCE_SCATTER, destination as
                     _destination, dtype_digest as _dtype_digest, dtype_text as _dtype_text)
-from .collectives import KIND_A2AV, Executors, error_words, gather_gathers
-from .front import DECLINED, Front, Persistent
-from .groups.group import Group
-from .ops import OP_NAMES, OPS, dtype_name
-from .requests import Progress, Request, wait_all
-from .groups.shared import SharedArrays
-from .p2p.methods import Messages  # point-to-point (issue 24)
-from .groups.survive import Survive, lost_error  # revoke, agree, shrink (issue 38)
-from .groups.sentinel import unwatch, watch     # a member's death, at once (issue 38)
+from ..frontend.collectives import KIND_A2AV, Executors, error_words, gather_gathers
+from ..frontend.front import DECLINED, Front, Persistent
+from ..groups.group import Group
+from ..ops import OP_NAMES, OPS, dtype_name
+from ..frontend.requests import Progress, Request, wait_all
+from ..groups.shared import SharedArrays
+from ..p2p.methods import Messages  # point-to-point (issue 24)
+from ..groups.survive import Survive, lost_error  # revoke, agree, shrink (issue 38)
+from ..groups.sentinel import unwatch, watch     # a member's death, at once (issue 38)
 
+from .quick import _Quick, _BOUND, _KINDS  # noqa: F401  (the hooks' mixin)
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
            "reduce_scatter", "barrier", "iallreduce", "ibroadcast", "ireduce", "iallgather",
            "ireduce_scatter", "ibarrier", "Request", "wait_all", "empty", "zeros", "rank",
@@ -55,7 +58,6 @@ __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allga
 STALL_SLICE_S = 0.02        # engine time slice between liveness / signal / timeout checks
 SLICE_NS = int(STALL_SLICE_S * 1e9)
 FULL_SCAN_S = 1.0           # every member (not only tree neighbours) is checked this often
-_ENGINE_RESULT = object()   # (_bound_run: return the engine's result)
 RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay idle before
                             # the members waiting for it in a collective give up
 
@@ -64,7 +66,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(Survive, Messages, Front, Executors):
+class Communicator(Survive, _Quick, Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
@@ -106,265 +108,6 @@ class Communicator(Survive, Messages, Front, Executors):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
                         "rank's membership); send the Group instead and call group.join(rank) "
                         "in the worker, or use shmtree.run / shmtree.Pool")
-
-    # ---- the front end's hooks (front.py): every public collective comes through them ----
-
-    def _quick(self, coll, array, op, out, root, timeout):
-        """The engine's C twin of the parse (Engine.call), for a blocking call when no
-        nonblocking call is outstanding: the result, or DECLINED (nothing has run: the call is
-        parsed and run by _run).  The deadline is only computed when the call outlasts its
-        first time slice (a clock read less on the hot path)."""
-        eng = self._engine
-        if self._gen != session._fork_gen or self._closed or self.group._closed:
-            return DECLINED
-        progress = self._progress
-        if progress is not None and (progress.outstanding or progress.is_current_thread()):
-            return DECLINED
-        if coll == calls.GATHER:              # (small ones only)
-            return self._quick_small(eng, coll, array, op, out, root, timeout)
-        if coll == calls.SCATTER:             # (axis=None: front.scatter)
-            if type(root) is not int or not 0 <= root < self.size:
-                return DECLINED
-            kind = KIND_SCATTER + KIND_ROOT_STEP * root
-            a = array if self.rank == root else None
-            got = self._quick_call(eng, calls.SCATTER, a, out, None, kind, timeout,
-                                   _engine.SCATTER_ROWS, root=root)
-            if type(got) is tuple:            # (what the round left to Python: rare)
-                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, kind,
-                                          None if timeout is None
-                                          else time.monotonic() + timeout)
-            return got
-        tag = 0
-        if coll == BROADCAST or coll == REDUCE:
-            if type(root) is not int or not 0 <= root < self.size:
-                return DECLINED
-        elif coll in _DIGESTED:               # allgather, alltoall, scan, exscan
-            if type(array) is not np.ndarray:
-                return DECLINED
-            if coll == ALLTOALL and op is not None:     # alltoall(counts=): op is the counts
-                return self._quick_alltoallv(eng, array, op, out, timeout)
-            dt = array.dtype
-            if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
-                self._digest_of = (dt, _dtype_digest(dt))
-            tag = self._digest_of[1]
-        kind = _KINDS[coll] + KIND_ROOT_STEP * root
-        try:
-            start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, root, kind, timeout, tag)
-            if got is None:
-                return DECLINED
-            rc, result = got
-            if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
-        except BaseException as exc:
-            self._interrupted(eng, exc)
-            raise
-        if coll == BROADCAST and type(result) is tuple:
-            claim = out if array is None else array
-            return self._broadcast_rest(result, claim, root, out, kind,
-                                        None if start is None else start + timeout)
-        return result
-
-    def _quick_alltoallv(self, eng, a, counts, out, timeout):
-        """_quick of alltoall(counts=): the one engine call the executor makes
-        (Executors._alltoall), the counts in its first round; DECLINED where the engine cannot
-        take the arguments as they are (the parse then says what is wrong, or normalises)."""
-        if not (self._counts_inline or self._counts_travel()):
-            return DECLINED
-        try:
-            start = None if timeout is None else time.monotonic()
-            got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
-            if got is None:
-                return DECLINED
-            rc, result = got
-            if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
-        except BaseException as exc:
-            self._interrupted(eng, exc)
-            raise
-        if type(result) is tuple:             # (the round says the ranks disagree)
-            self._counts_disagree(result[1], a, out,
-                                  None if start is None else start + timeout)
-        return result
-
-    def _quick_small(self, eng, coll, a, op, out, root, timeout):
-        """_quick of a small gather (axis=None): the one engine allgather its executor runs
-        (Executors._gather: the same descriptor).  DECLINED for anything else (a large call,
-        an argument the parse must look at first).  (Scan and exscan are the engine's own
-        calls: Engine.call's SCAN, EXSCAN, which decline what they do not take.)"""
-        P = self.size
-        if type(a) is not np.ndarray or not a.flags.c_contiguous:
-            return DECLINED
-        if not gather_gathers(a.nbytes, P, self._plan.small_bytes):
-            return DECLINED
-        dt = a.dtype
-        if dt is not self._digest_of[0]:
-            self._digest_of = (dt, _dtype_digest(dt))
-        if type(root) is not int or not 0 <= root < P:
-            return DECLINED
-        mine = root == self.rank
-        if mine and out is not None and type(out) is not np.ndarray:
-            return DECLINED
-        got = self._quick_call(eng, ALLGATHER, a, out if mine else None, None,
-                               KIND_GATHER + KIND_ROOT_STEP * root, timeout,
-                               self._digest_of[1])
-        return got if got is DECLINED or mine else None
-
-    def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
-                    root=0):
-        """One engine call of a quick path, driven to its end: its result, or DECLINED."""
-        try:
-            start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, root, kind, timeout, tag, dims, offs)
-            if got is None:
-                return DECLINED
-            rc, result = got
-            if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
-        except BaseException as exc:
-            self._interrupted(eng, exc)
-            raise
-        return result
-
-    def _bind(self, spec, slow):
-        """A persistent call's engine call with its arguments bound (persistent.py): for a
-        plain ndarray call of an engine collective, a function of no arguments that makes the
-        call as _quick would and returns its result, or runs slow() (the bound spec, parsed
-        already, through _start) when it cannot: the communicator unusable, nonblocking calls
-        outstanding, the engine declining the arrays.  None for the other calls."""
-        coll = spec.coll
-        a, out, timeout = spec.array, spec.out, spec.timeout
-        if coll == calls.GATHER:
-            return self._bind_gather(spec, slow)
-        if coll == calls.SCATTER:
-            return self._bind_scatter(spec, slow)
-        if coll == ALLTOALL and spec.counts is not None:
-            return self._bind_alltoallv(spec, slow)
-        if coll not in _BOUND or (coll == ALLGATHER and spec.axis is not None):
-            return None
-        if (a is not None and type(a) is not np.ndarray) or \
-                (out is not None and type(out) is not np.ndarray):
-            return None
-        if coll == BROADCAST and a is None and out is None:
-            return None                       # (its output is the first call's: not bound yet)
-        tag = _dtype_digest(a.dtype) if coll in _DIGESTED else 0
-        root = spec.root or 0
-        op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
-        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
-        claim = out if a is None else a
-
-        if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
-            return self._bound_run(coll, a, out, op, root, kind, tag, slow)
-
-        def run():
-            if self._closed or group._closed or self._gen != session._fork_gen:
-                return slow()
-            progress = self._progress
-            if progress is not None and (progress.outstanding or progress.is_current_thread()):
-                return slow()
-            try:
-                start = None if timeout is None else time.monotonic()
-                got = eng.call(coll, a, out, op, root, kind, timeout, tag)
-                if got is None:
-                    return slow()
-                rc, result = got
-                if rc != done:
-                    result = self._finish(eng, rc, None if start is None else start + timeout,
-                                          result)
-            except BaseException as exc:
-                self._interrupted(eng, exc)
-                raise
-            if type(result) is tuple:         # (a broadcast whose data did not come yet)
-                return self._broadcast_rest(result, claim, root, out, kind,
-                                            None if start is None else start + timeout)
-            return result
-        return run
-
-    def _bind_alltoallv(self, spec, slow):
-        """_bind of alltoall(counts=) with its out= bound (given, or the first call's result):
-        the one engine call of _quick_alltoallv, its arguments prebound."""
-        a, out, counts = spec.array, spec.out, spec.counts
-        if type(a) is not np.ndarray or type(out) is not np.ndarray \
-                or spec.timeout is not None or not self._counts_travel():
-            return None
-        eng, group, done = self._engine, self.group, _engine.DONE
-
-        def run():
-            progress = self._progress
-            if self._closed or group._closed or self._gen != session._fork_gen or (
-                    progress is not None and (progress.outstanding
-                                              or progress.is_current_thread())):
-                return slow()
-            try:
-                got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, None, 0, None, counts)
-                if got is None:
-                    return slow()
-                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
-            except BaseException as exc:
-                self._interrupted(eng, exc)
-                raise
-            if type(result) is tuple:
-                self._counts_disagree(result[1], a, out, None)
-            return result
-        return run
-
-    def _bind_gather(self, spec, slow):
-        """_bind of a small gather (axis=None, what Executors._gather runs as one allgather):
-        that one engine call, into the root's bound output or a scratch array elsewhere."""
-        a, out, P = spec.array, spec.out, self.size
-        mine = self.rank == spec.root
-        if spec.axis is not None or type(a) is not np.ndarray or spec.timeout is not None \
-                or not gather_gathers(a.nbytes, P, self._plan.small_bytes) \
-                or (mine and type(out) is not np.ndarray):
-            return None
-        dst = out if mine else np.empty((P,) + a.shape, a.dtype)
-        return self._bound_run(ALLGATHER, a, dst, None, 0, spec.kind, _dtype_digest(a.dtype),
-                               slow, dst if mine else None)
-
-    def _bind_scatter(self, spec, slow):
-        """_bind of a scatter (axis=None, no timeout): the one engine call of the quick path,
-        its round's rare outcomes (a tuple) finished as the quick path does."""
-        root, out = spec.root, spec.out
-        a = spec.array if self.rank == root else None
-        if spec.axis is not None or spec.timeout is not None or (
-                self.rank == root and type(a) is not np.ndarray) or type(out) is not np.ndarray:
-            return None                       # (out None: the first call's result, bound then)
-        bound = self._bound_run(calls.SCATTER, a, out, None, root, spec.kind,
-                                _engine.SCATTER_ROWS, slow)
-
-        def run():
-            got = bound()
-            if type(got) is tuple:
-                return self._scatter_rest(got, a, out, root, _engine.SCATTER_ROWS, spec.kind,
-                                          None)
-            return got
-        return run
-
-    def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
-        """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
-        child, nonblocking calls outstanding: then slow(), the bound spec through _start), one
-        Engine.call, and its result - or `give`, when given (a gather's output)."""
-        eng, group, done = self._engine, self.group, _engine.DONE
-
-        def run():
-            progress = self._progress
-            if self._closed or group._closed or self._gen != session._fork_gen or (
-                    progress is not None and (progress.outstanding
-                                              or progress.is_current_thread())):
-                return slow()
-            try:
-                got = eng.call(coll, a, out, op, root, kind, None, tag)
-                if got is None:
-                    return slow()
-                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
-            except BaseException as exc:
-                self._interrupted(eng, exc)
-                raise
-            return result if give is _ENGINE_RESULT else give
-        return run
 
     def _call(self, coll, array, out, op, root, kind, deadline, tag=0, dims=None, offs=None):
         """One engine call of a normalised message (collectives.py), by the thread that holds
@@ -715,6 +458,8 @@ class Communicator(Survive, Messages, Front, Executors):
                 what = "a different call"
             elif base == KIND_BARRIER:
                 what = "barrier"
+            elif base == KIND_DETERMINISTIC:
+                what = _repro.described(kind, opc, dtc, shape, nbytes)
             elif dtc == _U1 and opc == OPS["bor"] and base not in _REDUCING_KINDS:
                 what = _moved_text(kind, shape, nbytes)   # bytes moved: shape, item size, dtype
             else:
@@ -731,13 +476,6 @@ class Communicator(Survive, Messages, Front, Executors):
 
 
 _U1 = _kernels.DTYPE_CODES["u1"]
-_BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER,
-          calls.SCAN, calls.EXSCAN)        # (the engine collectives a Persistent binds)
-_DIGESTED = (ALLGATHER, ALLTOALL, calls.SCAN, calls.EXSCAN)  # (their descriptors carry the
-                                                             # dtype's digest: Engine.call's tag)
-_KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
-          KIND_ALLTOALL, KIND_BARRIER, KIND_GATHER, KIND_SCATTER, KIND_SCAN, KIND_EXSCAN)
-                                                   # (by collective number: calls.ALLREDUCE ...)
 
 
 def _engine_name(coll):
@@ -776,10 +514,10 @@ _CONCURRENT = ("shmtree: another thread of this rank is inside a collective on t
                "communicator; collectives of one rank must not overlap")
 
 # this process's communicator lives in shmtree.session (a leaf: the membership state)
-from .groups.session import current  # noqa: E402
+from ..groups.session import current  # noqa: E402
 
 # allreduce, broadcast, ..., ibarrier, empty, zeros: Front's methods, on current()
-from .front import module_functions as _module_functions  # noqa: E402
+from ..frontend.front import module_functions as _module_functions  # noqa: E402
 globals().update(_module_functions(current))
 
 

@@ -42,15 +42,15 @@ import weakref
 
 import numpy as np
 
-from . import front as _front
-from .groups import session
-from .codes import ABORT_FAILED, ST_IDLE, ST_LEFT, ranks_text
+from ..frontend import front as _front
+from ..groups import session
+from ..codes import ABORT_FAILED, ST_IDLE, ST_LEFT, ranks_text
 from .communicator import Communicator
-from .errors import CollectiveMismatchError, ShmtreeError
-from .internode.inter import Link
-from .internode.nodes import Spanning
-from .internode.remote import free_comm, message_comm
-from .groups.subgroup import SubGroup, sub_plan
+from ..errors import CollectiveMismatchError, ShmtreeError
+from ..internode.inter import Link
+from ..internode.nodes import Spanning
+from ..internode.remote import free_comm, message_comm
+from ..groups.subgroup import SubGroup, sub_plan
 
 __all__ = ["make_split", "make_split_by", "level_color", "sub_plan", "SubGroup",
            "SubCommunicator", "SubSpanning", "LEVELS"]
@@ -322,8 +322,8 @@ def _across_proxies(comm, part, color, groups, nodes, spanning, oks, offers, loc
     when the communicator closes).  Each proxy relays its communicator's messages between
     nodes (mailbox.Proxy.start_relay: the launcher maps this node's part, whose leader still
     holds its segment's descriptor here), the launcher's pid known to the part's members."""
-    from .internode.mailbox import Mailbox, Proxy, split_record
-    from .internode.proxylink import ProxyLink
+    from ..internode.mailbox import Mailbox, Proxy, split_record
+    from ..internode.proxylink import ProxyLink
     here = nodes[comm.rank]
     keys, extra = [], []
     for c in spanning:

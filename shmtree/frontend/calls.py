@@ -26,11 +26,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.ma import MaskedArray      # (np.ma is imported lazily: look it up once)
 
-from . import _moving
-from .codes import (KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER, KIND_BROADCAST,
-                    KIND_EXSCAN, KIND_GATHER, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ROOT_STEP,
-                    KIND_SCAN, KIND_SCATTER)
-from .ops import reduction_codes
+from .. import _moving
+from ..accumulator import Accumulator, accumulable
+from ..codes import (DET_ACCUMULATE, DET_ALLREDUCE, DET_EXSCAN, DET_REDUCE, DET_REDUCE_SCATTER,
+                    DET_SCAN, KIND_ALLGATHER, KIND_ALLREDUCE, KIND_ALLTOALL, KIND_BARRIER,
+                    KIND_BROADCAST, KIND_DETERMINISTIC, KIND_EXSCAN, KIND_GATHER, KIND_REDUCE,
+                    KIND_REDUCE_SCATTER, KIND_ROOT_STEP, KIND_SCAN, KIND_SCATTER, det_kind)
+from ..ops import OPS, reduction_codes
 
 __all__ = ["CallSpec", "allreduce", "reduce", "reduce_scatter", "broadcast", "allgather",
            "barrier", "alltoall", "gather", "scatter", "scan", "exscan", "split_bounds", "destination", "out_for", "finish", "deadline_of"]
@@ -79,32 +81,90 @@ class CallSpec(NamedTuple):
         """The name of its Request ("iallreduce"), or of the blocking call."""
         return ("i" if self.posted else "") + self.name
 
+    @property
+    def reproducible(self) -> bool:
+        """A reproducible call (repro.py): deterministic=True, or an Accumulator allreduce
+        (allreduce of an Accumulator, reproducible=True).  Its kind says which (codes.DET_*),
+        so that ranks that disagree on it disagree on the call."""
+        return self.kind % KIND_ROOT_STEP == KIND_DETERMINISTIC
+
 
 
 # ---- the parsers: one per collective ----
 
 
-def allreduce(comm, array, op="sum", out=None, timeout=None, posted=False):
-    return _reducing(comm, "allreduce", ALLREDUCE, KIND_ALLREDUCE, array, op, out, timeout,
-                     None, posted)
+def allreduce(comm, array, op="sum", out=None, timeout=None, posted=False,
+              deterministic=False, reproducible=False):
+    """allreduce; deterministic=True: the op in rank order (repro.py); reproducible=True, or
+    an Accumulator for `array`: the exact sum (an Accumulator allreduce)."""
+    if (reproducible is not False and _flag(reproducible, "reproducible")) or \
+            type(array) is Accumulator:
+        return _accumulating(comm, array, op, out, timeout, posted, deterministic)
+    kind = KIND_ALLREDUCE
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_ALLREDUCE)
+    return _reducing(comm, "allreduce", ALLREDUCE, kind, array, op, out, timeout, None, posted)
 
 
-def reduce(comm, array, op="sum", root=0, out=None, timeout=None, posted=False):
+def reduce(comm, array, op="sum", root=0, out=None, timeout=None, posted=False,
+           deterministic=False):
     root = check_root(root, comm.size)
     if comm.rank != root:
         out = None                    # (ignored away from the root, which alone gets a result)
-    return _reducing(comm, "reduce", REDUCE, KIND_REDUCE + KIND_ROOT_STEP * root, array, op,
-                     out, timeout, root, posted)
+    kind = KIND_REDUCE + KIND_ROOT_STEP * root
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_REDUCE, root)
+    return _reducing(comm, "reduce", REDUCE, kind, array, op, out, timeout, root, posted)
 
 
-def reduce_scatter(comm, array, op="sum", out=None, timeout=None, posted=False):
+def reduce_scatter(comm, array, op="sum", out=None, timeout=None, posted=False,
+                   deterministic=False):
     a = _not_masked(array)
     if a.ndim == 0:
         raise ValueError("shmtree: reduce_scatter needs an array of at least 1 dimension")
     scatter_shape(a, out, comm.size, comm.rank)          # (checks out)
     opc, dtc = reduction_codes(op, a.dtype)
-    return CallSpec("reduce_scatter", REDUCE_SCATTER, KIND_REDUCE_SCATTER, a, out, op, opc, dtc,
+    kind = KIND_REDUCE_SCATTER
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_REDUCE_SCATTER)
+    return CallSpec("reduce_scatter", REDUCE_SCATTER, kind, a, out, op, opc, dtc,
                     timeout=timeout, deadline=deadline_of(timeout), posted=posted)
+
+
+def _flag(value, name):
+    """A bool argument (True, False or numpy's bools), else ValueError."""
+    if value is True or value is False or isinstance(value, np.bool_):
+        return bool(value)
+    raise ValueError(f"shmtree: {name} must be True or False, got {value!r}")
+
+
+def _accumulating(comm, array, op, out, timeout, posted, deterministic):
+    """An Accumulator allreduce: of an Accumulator (the Accumulator of every rank's terms is
+    the result; out= has no place), or reproducible=True (each rank's array one term; the
+    exact sum rounded once, into out= when given)."""
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        raise ValueError("shmtree: allreduce: deterministic=True and reproducible=True (or an "
+                         "Accumulator) are two ways to make a sum reproducible: pass one")
+    try:
+        opc = OPS[op]
+    except (KeyError, TypeError):
+        opc = -1
+    if opc != OPS["sum"]:
+        raise ValueError(f"shmtree: allreduce: an Accumulator (reproducible=True) sums: op must "
+                         f"be 'sum' (np.add), got {op!r}")
+    kind = det_kind(DET_ACCUMULATE)
+    if type(array) is Accumulator:
+        if out is not None:
+            raise ValueError("shmtree: allreduce of an Accumulator returns a new Accumulator: "
+                             "out= has no place (acc.result(), then copy)")
+        return CallSpec("allreduce", ALLREDUCE, kind, array, None, op, opc, -1,
+                        timeout=timeout, deadline=deadline_of(timeout), posted=posted)
+    a = _not_masked(array)
+    accumulable(a.dtype)              # (a TypeError for a dtype it does not sum)
+    if out is not None:
+        check_destination(a, out)
+    return CallSpec("allreduce", ALLREDUCE, kind, a, out, op, opc, -1, timeout=timeout,
+                    deadline=deadline_of(timeout), posted=posted)
 
 
 def _reducing(comm, name, coll, kind, array, op, out, timeout, root, posted):
@@ -267,15 +327,22 @@ def _scattered(array, out, axis, P, root):
     return a
 
 
-def scan(comm, array, op="sum", out=None, timeout=None, posted=False):
+def scan(comm, array, op="sum", out=None, timeout=None, posted=False, deterministic=False):
     """scan: rank r gets the reduction of ranks 0..r in rank order (the dtypes and ops of
-    allreduce)."""
-    return _scanning(comm, "scan", SCAN, KIND_SCAN, array, op, out, timeout, posted)
+    allreduce).  deterministic=True: the same call (a scan folds in rank order always), said
+    in its kind, so that every rank must pass it."""
+    kind = KIND_SCAN
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_SCAN)
+    return _scanning(comm, "scan", SCAN, kind, array, op, out, timeout, posted)
 
 
-def exscan(comm, array, op="sum", out=None, timeout=None, posted=False):
+def exscan(comm, array, op="sum", out=None, timeout=None, posted=False, deterministic=False):
     """exscan: rank r gets the reduction of ranks 0..r-1; rank 0 the op's identity."""
-    return _scanning(comm, "exscan", EXSCAN, KIND_EXSCAN, array, op, out, timeout, posted)
+    kind = KIND_EXSCAN
+    if deterministic is not False and _flag(deterministic, "deterministic"):
+        kind = det_kind(DET_EXSCAN)
+    return _scanning(comm, "exscan", EXSCAN, kind, array, op, out, timeout, posted)
 
 
 def _scanning(comm, name, coll, kind, array, op, out, timeout, posted):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 
 from .calls import deadline_of
-from .errors import ShmtreeError
+from ..errors import ShmtreeError
 
 __all__ = ["Persistent", "DECLINED"]
 
@@ -96,7 +96,7 @@ class Persistent(functools.partial):
         """Bind spec: p() becomes its engine call (Communicator._bind) or the dispatch."""
         self._spec = spec
         if self._torch and spec.out is not None:
-            from .arrays import _to_torch
+            from ..arrays import _to_torch
             self._given = _to_torch(spec.out)
         run = self._comm._bind(spec, self._slow) if spec.error is None else None
         if run is None:
