@@ -3,9 +3,9 @@ the members its communicators wait for, and aborts a group (ABORT_DIED) the mome
 dies while a member is inside a call it has not completed (docs/design.md, "Survive").
 
 The abort rings every rank's bell, so every rank asleep in that call wakes at once: without
-the sentinel a rank sees a death at the end of its engine time slice (20 ms,
-shmtree.communicators.communicator).  Watched: every other member of a group of up to SENTINEL_ALL ranks, the tree
-and ring neighbours in larger ones.  A member that dies between calls is remembered and
+the sentinel a rank sees a death at the end of its engine time slice (20 ms, communicators/
+communicator.py).  Watched: every other member of a group of up to SENTINEL_ALL ranks, the
+tree and ring neighbours in larger ones.  A member that dies between calls is remembered and
 looked at again every DEAD_LOOK_S, until some member enters a call it has not completed (a
 member that closed its communicator first is no loss).  Only the sentinel's thread opens and
 closes its pidfds: a descriptor number closed under a poll() could name another process's pidfd
