@@ -12,8 +12,8 @@ pipelined chunk by chunk through lock-free rings in shared memory (Patarasuk & Y
 """
 from ._version import __version__
 from . import _moved  # noqa: F401  (the old import paths of the moved modules: issue 36)
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, ShmtreeError,
-                     WorkerError)
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError, RevokedError,
+                     ShmtreeError, WorkerError)
 from .machine.topology import Topology
 from .api import (Communicator, Group, Persistent, Pool, Request, allgather, allreduce, barrier,
                   broadcast, current, empty, iallgather, iallreduce, ibarrier, ibroadcast,
@@ -41,5 +41,5 @@ __all__ = [
     "ANY_SOURCE", "ANY_TAG", "Status",
     "Topology",
     "ShmtreeError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
-    "WorkerError",
+    "WorkerError", "RevokedError",
 ]

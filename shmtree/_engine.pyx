@@ -1146,3 +1146,4 @@ include "engine/msg_scan.pxi"
 include "engine/msg_alltoallv.pxi"
 include "engine/bcast.pxi"
 include "engine/scatter.pxi"
+include "engine/survive.pxi"     # (groups/survive.py: the survive region's words)

@@ -39,6 +39,7 @@ from .communicators.communicator import (Communicator, Persistent, Request, allg
 from .groups.group import Group, _rebuild_group  # noqa: F401  (_rebuild_group: see above)
 from .launching import joining  # noqa: F401  (registers Group.join's maker)
 from .communicators import subcomm  # noqa: F401  (registers Front.split's makers)
+from .launching import shrink  # noqa: F401  (registers comm.shrink's maker)
 from .launching.launch import run
 from .launching.pool import Pool
 

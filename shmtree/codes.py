@@ -80,6 +80,7 @@ ABORT_STALL = 7        # rank = a Pool member that waited on idle members (note)
 ABORT_LEFT = 8         # rank = a member that waited on one that left the group for good (note)
 ABORT_TASK = 9         # rank = a Pool member whose task raised while others waited for it (note)
 ABORT_INIT = 10        # rank = a Pool member whose initializer raised (note)
+ABORT_REVOKED = 11     # rank = the member that called comm.revoke() (groups/survive.py)
 NOTED = (ABORT_TIMEOUT, ABORT_FAILED, ABORT_STALL, ABORT_LEFT, ABORT_TASK, ABORT_INIT)
 
 # what a member is doing (its rank block's state word): a Pool worker is idle between tasks;

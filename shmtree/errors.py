@@ -52,10 +52,12 @@ class CollectiveMismatchError(ShmtreeError, ValueError):
 class PeerLostError(ShmtreeError):
     """A member of the group died, or the group was aborted (by an error or timeout elsewhere).
 
-    Every rank waiting in a collective raises it: typically within tens of milliseconds of a
-    death (a tree neighbour checks every 20 ms), at most about a second later (every member is
-    checked once a second).  A zombie counts as dead.  Once the group is aborted every later
-    call raises it at once.
+    Every rank waiting in a collective raises it: within milliseconds of a death (a thread of
+    each member process sleeps on its peers' pidfds and aborts the group when one it waits for
+    exits), else at the end of an engine time slice (a tree neighbour checks every 20 ms), at
+    most about a second later (every member is checked once a second).  A zombie counts as
+    dead.  Once the group is aborted every later call raises it at once; ``agree`` and
+    ``shrink`` still work (a communicator of the survivors).
 
     Examples
     --------
@@ -71,6 +73,31 @@ class PeerLostError(ShmtreeError):
     Traceback (most recent call last):
         ...
     shmtree.errors.WorkerError: rank 1 failed: exited with code 3 without reporting a result
+    """
+
+
+class RevokedError(PeerLostError):
+    """The communicator was revoked: by ``comm.revoke()`` on some rank, so every pending and
+    later call on it fails on every rank.
+
+    A `PeerLostError`: code that handles a lost peer handles a revocation the same way.  The
+    message names the rank that revoked.  What still works on a revoked communicator:
+    ``agree``, ``failed_ranks``, ``shrink`` and ``close`` (docs/design.md, "Survive").
+
+    Examples
+    --------
+    >>> import shmtree
+    >>> def step(comm):
+    ...     comm.barrier()                        # (every rank has joined)
+    ...     if comm.rank == 0:
+    ...         comm.revoke()
+    ...     try:
+    ...         while True:
+    ...             comm.barrier()
+    ...     except shmtree.RevokedError as exc:
+    ...         return type(exc).__name__, "rank 0 revoked" in str(exc)
+    >>> shmtree.run(step, 2)
+    [('RevokedError', True), ('RevokedError', True)]
     """
 
 

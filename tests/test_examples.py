@@ -37,7 +37,8 @@ API_MODULES = ("shmtree.frontend.front", "shmtree.frontend.moves", "shmtree.fron
                "shmtree.frontend.forms", "shmtree.frontend.memory", "shmtree.api",
                "shmtree.launching.launch", "shmtree.launching.pool", "shmtree.errors",
                "shmtree.frontend.persistent", "shmtree.frontend.requests",
-               "shmtree.launching.joining", "shmtree.accumulator")
+               "shmtree.launching.joining", "shmtree.accumulator",
+               "shmtree.groups.survive")
 
 
 def _import_root():

@@ -17,6 +17,7 @@
     shmtree-bench torch [...]          torch.distributed: backend shmtree beside gloo (every op,
                                        FSDP and DDP steps, bfloat16)
     shmtree-bench idle [...]           a waiting rank's CPU use and wake-up time
+    shmtree-bench survive [...]        a lost rank: detection, revoke, agree, shrink, respawn
     shmtree-bench --version            "shmtree-bench <shmtree's version>"
 
 Arguments that do not start with a command name go to ``allreduce``, so ``shmtree-bench
@@ -37,14 +38,14 @@ import sys
 import threading
 
 from . import (commands, compare, idle, machine, multinode, overlap, p2p, persistent, plot,
-               repro, scaling, split, torchdist)
+               repro, scaling, split, survive, torchdist)
 from .commands import QUICK_MATRIX_SIZE, QUICK_TARGET_S
 from .harness import BenchError
 from .measure import COLLECTIVES, TARGET_S
 from .units import format_size, parse_dtype, parse_op, parse_size, parse_sizes
 
 COMMANDS = ("allreduce", "compare", "numa", "topology", "overlap", "multinode", "scaling",
-            "p2p", "persistent", "split", "torch", "idle", "repro")
+            "p2p", "persistent", "split", "torch", "idle", "repro", "survive")
 DEFAULT_SIZES = {"allreduce": "8:64M:x8", "compare": "8,32K,2M,16M,64M", "numa": "32K,2M,64M",
                  "scaling": scaling.DEFAULT_SIZES}
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE      # 141, as a shell reports a tool killed by SIGPIPE
@@ -232,6 +233,7 @@ def build_parser():
     idle.add_parser(sub, _arg, _positive)            # a waiting rank's CPU and wake-up
     repro.add_parser(sub, _arg, _positive, parse_sizes, parse_dtype, scaling.parse_nprocs,
                      _positive_seconds, _output_arguments, _group_arguments)     # (issue 37)
+    survive.add_parser(sub, _arg, _positive)         # a lost rank (issue 38)
     return parser
 
 
@@ -358,7 +360,8 @@ def _main(argv):
                 "scaling": scaling.cmd_scaling, "p2p": p2p.cmd_p2p,
                 "split": split.cmd_split, "persistent": persistent.cmd_persistent,
                 "torch": torchdist.cmd_torch, "idle": idle.cmd_idle,
-                "repro": repro.cmd_repro}[args.command](args)
+                "repro": repro.cmd_repro,
+                "survive": survive.cmd_survive}[args.command](args)
     except BenchError as exc:
         print(f"shmtree-bench: error: {exc}", file=sys.stderr)
         return 1

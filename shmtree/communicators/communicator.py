@@ -42,6 +42,8 @@ from ..ops import OP_NAMES, OPS, dtype_name
 from ..frontend.requests import Progress, Request, wait_all
 from ..groups.shared import SharedArrays
 from ..p2p.methods import Messages  # point-to-point (issue 24)
+from ..groups.survive import Survive, lost_error  # revoke, agree, shrink (issue 38)
+from ..groups.sentinel import unwatch, watch     # a member's death, at once (issue 38)
 
 from .quick import _Quick, _BOUND, _KINDS  # noqa: F401  (the hooks' mixin)
 __all__ = ["Communicator", "current", "allreduce", "broadcast", "reduce", "allgather",
@@ -64,7 +66,7 @@ RAISED_GRACE_S = 0.5        # Pool: how long a member whose task raised may stay
 # the communicator
 
 
-class Communicator(_Quick, Messages, Front, Executors):
+class Communicator(Survive, _Quick, Messages, Front, Executors):
     """One rank's handle on its group: `rank`, `size`, `allreduce`, `barrier`, `close`."""
 
     _restores_mask = True       # close() gives back the mask joining pinned (not a split's)
@@ -100,6 +102,7 @@ class Communicator(_Quick, Messages, Front, Executors):
         self._positions = {}                 # block offsets by ring position, per call shape
         self._digest_of = (None, 0)          # (dtype, its digest) of the last allgather,
                                              # alltoall, scan
+        watch(self)                          # (groups/sentinel.py: the members' deaths)
 
     def __reduce__(self):
         raise TypeError("shmtree: a Communicator cannot be sent to another process (it is one "
@@ -245,6 +248,7 @@ class Communicator(_Quick, Messages, Front, Executors):
                                    "completion callback (its calls run in that thread)")
             self._progress.stop()
         self._messages_drain()        # (messages.py: outstanding isends finish first)
+        unwatch(self)
         self._closed = True
         if self._pid == os.getpid() and self._gen == session._fork_gen:
             try:
@@ -321,7 +325,8 @@ class Communicator(_Quick, Messages, Front, Executors):
                 rc = None
                 continue
             if rc == _engine.ABORTED:
-                raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+                raise lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                             f"{self.group.describe_abort()}")
             if rc == _engine.MISMATCH:
                 raise CollectiveMismatchError(self._mismatch_message(seq))
             self.group.abort(ABORT_CORRUPT, self.rank)
@@ -335,7 +340,7 @@ class Communicator(_Quick, Messages, Front, Executors):
         a peer died or left for good, this rank's deadline passed, or Pool members idle)."""
         group = self.group
         if group.aborted():                   # say the first cause, not a consequence
-            raise PeerLostError(f"shmtree: rank {self.rank}: {group.describe_abort()}")
+            raise lost_error(group)(f"shmtree: rank {self.rank}: {group.describe_abort()}")
         absent = self._absent(seq)
         left = [r for r, st in absent if st == ST_LEFT]        # (said before it exits)
         if left:
@@ -416,7 +421,8 @@ class Communicator(_Quick, Messages, Front, Executors):
         if self.group.closed:
             raise ShmtreeError("shmtree: the group is closed")
         if self.group.aborted():
-            raise PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}")
+            raise lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                         f"{self.group.describe_abort()}")
 
     def _find_dead(self, seq):
         """(rank, how) of a member that died (gone, a zombie, or its pid reused) before finishing

@@ -9,6 +9,10 @@
     subgroup    sub_plan and SubGroup: the plan and the group of a sub-communicator
     session     this process's membership: shmtree.current(), the fork generation
     shared      the memory of shared arrays (comm.empty / comm.zeros): SharedArrays
+    survive     revoke, agree, failed_ranks, shrink: the Survive mixin of every communicator,
+                the survive region's agreement (issue 38)
+    sentinel    a thread per member process asleep on its peers' pidfds: a death aborts the
+                group at once
 
 It makes no communicator: Group.join hands the admitted rank to the function that
 shmtree.launching.joining registers.  It may import: the machine layer, the engine

@@ -23,7 +23,7 @@ from multiprocessing import reduction
 from .. import _engine
 from ..machine import plan as _plan
 from ..codes import (ABORT_CLOSED, ABORT_CORRUPT, ABORT_DIED, ABORT_FAILED, ABORT_MEMBERSHIP,
-                    ABORT_TIMEOUT, NOTED, ST_BUSY)
+                     ABORT_REVOKED, ABORT_TIMEOUT, NOTED, ST_BUSY)
 from ..errors import PeerLostError, ShmtreeError
 from ..machine.liveness import Watch, how_gone, identity
 from ..machine.plan import SMALL_SLOTS, Plan, plan_group
@@ -231,8 +231,10 @@ class Group:
         rank = rank.__index__()
         self._verify_header()
         reason, _ = self._seg.abort_state()
-        if reason:
+        if reason and not (self.__dict__.get("_join_lost") and reason in (ABORT_DIED,
+                                                                       ABORT_REVOKED)):
             raise PeerLostError(f"shmtree: cannot join: {self.describe_abort()}")
+            # (run(on_failure="shrink") joins one a death revoked: its calls raise, it shrinks)
         if _joining is None:                        # (shmtree's __init__ imports joining)
             raise ShmtreeError("shmtree: Group.join needs shmtree.launching.joining "
                                "(import shmtree)")
@@ -341,6 +343,7 @@ class Group:
             ABORT_CLOSED: "the group was closed",
             ABORT_CORRUPT: f"rank {who} found corrupted shared memory",
             ABORT_MEMBERSHIP: "a process tried to join a full group (a worker was replaced?)",
+            ABORT_REVOKED: f"rank {who} revoked the communicator",
         }.get(reason, f"aborted (reason {reason}, rank {who})") + "; the group is aborted"
 
     def member(self, rank):

@@ -20,6 +20,7 @@ NUMA node of the process that uses it most):
         down ring of r's results            (absent at a leaf)     head | tail per child | S slots
     then, per rank r (a group of several):
         r's outbox for the exchange         (read by any rank)     S slots, no counters
+    then the survive region (groups/survive.py) control line | per rank: words, two proposals
 
 A slot is a 64-byte slot header (call seq, descriptor digest, chunk index, flags) followed by the
 chunk payload.  Channel 0 is the latency channel (small slots, a flat tree): every call starts with
@@ -52,6 +53,14 @@ def round_up(n: int, to: int) -> int:
 def ring_header_bytes(ntails: int) -> int:
     """Head line + one tail line per consumer, rounded to a page (slots start page-aligned)."""
     return round_up(LINE * (1 + ntails), PAGE)
+
+
+def survive_geometry(nranks: int) -> tuple:
+    """(bytes per rank, bytes per proposal) of the survive region (groups/survive.py): after its
+    control line, per rank a line of words and two proposals (by agree's epoch parity: tag,
+    value and a bitmask of the failed ranks)."""
+    prop = round_up(16 + (nranks + 7) // 8, LINE)
+    return LINE + 2 * prop, prop
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,9 @@ class Layout:
             for r in range(nranks):
                 self.outbox[r] = off
                 off += self.outbox_bytes
+        # the survive region (groups/survive.py: agree, shrink, a Pool worker's task), last
+        self.survive = off
+        off += round_up(LINE + nranks * survive_geometry(nranks)[0], PAGE)
         self.total = off
 
     @property

@@ -44,6 +44,7 @@ from ..groups.group import Group  # noqa: F401  (multinode.from_mpi makes a node
 from .agreement import (LOCAL_ERROR, NONE, _NOTHING, _Agreement, _apart, _bare, _free_key,
                         _no_extra, _row, _row_bytes, _row_of, _shape_text)
 from .inter import Link
+from ..groups.survive import Survive          # revoke; agree / shrink refused (issue 38)
 from .pipelines import Pipelines
 from .remote import SpanningMessages               # point-to-point (issue 24)
 
@@ -58,7 +59,7 @@ LANES_BYTES = 4 << 20          # from_mpi, nodes of one size: reductions from th
 _ALIVE = weakref.WeakSet()     # communicators to close before MPI finalizes (multinode)
 
 
-class Spanning(SpanningMessages, _Agreement, Front, Pipelines):
+class Spanning(Survive, SpanningMessages, _Agreement, Front, Pipelines):
     """A communicator across nodes: the node's shmtree group and MPI between the leaders.  The
     calls and their semantics are those of shmtree.Communicator (allreduce, broadcast, reduce,
     allgather, reduce_scatter, alltoall, gather, scatter, scan, exscan, barrier, their i-forms

@@ -17,8 +17,9 @@ import time
 import traceback
 from multiprocessing import reduction
 
-from ..codes import ABORT_FAILED
+from ..codes import ABORT_DIED, ABORT_FAILED
 from ..errors import PeerLostError, WorkerError
+from ..groups import session
 from ..groups.group import Group
 from ..machine.liveness import die_with_parent, identity, start_parent_watch
 from ..internode.multinode import refuse_proxy
@@ -149,14 +150,18 @@ class no_mpi_init:
                 os.environ["MPI4PY_RC_INITIALIZE"] = self.old
 
 
-def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
+def _run_worker(group, rank, fn, args, kwargs, conn, parent=None, shrink=False):
     die_with_parent()
     if parent is not None:
         start_parent_watch(parent)
     comm = None
     try:
+        if shrink:                          # (a rank that died before this one joined revoked
+            group._join_lost = True         # the group: join it all the same, and shrink)
         comm = group.join(rank)
         result = fn(comm, *args, **kwargs)
+        if session._current is not comm and session._usable(session._current):
+            session._current.close()            # (the one comm.shrink() made)
         conn.send((True, result))
     except BaseException as exc:
         report = (type(exc).__name__, str(exc), traceback.format_exc(),
@@ -173,7 +178,8 @@ def _run_worker(group, rank, fn, args, kwargs, conn, parent=None):
         conn.close()
 
 
-def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options):
+def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, on_failure="raise",
+        **group_options):
     """Call ``fn(comm, *args, **kwargs)`` in `nprocs` new processes; their return values by rank.
 
     SPMD: one new process per rank (fork by default), each joins a new `Group` and calls `fn`
@@ -194,6 +200,13 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
         Keyword arguments of `fn`.
     start_method : {"fork", "spawn", "forkserver"} or multiprocessing context, optional
         How the workers start; fork where the platform has it.
+    on_failure : {"raise", "shrink"}, default "raise"
+        What a worker that dies does to the others.  "raise": the group is aborted, the other
+        workers are stopped and `run` raises `WorkerError`.  "shrink": the others go on (the
+        communicator is revoked: their calls on it raise `PeerLostError`, and ``comm.shrink()``
+        gives them a communicator of the survivors); `run` returns their results, with a
+        `WorkerError` in the place of each rank that died.  A worker whose `fn` raises fails
+        the run either way.
     **group_options
         Options of `Group` (``tree``, ``chunk_bytes``, ``pin``, ``topology``, ...;
         ``inter=mpi_comm`` makes this process its node's launcher of a communicator across
@@ -234,7 +247,13 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
     """
     try:
         _check_options("shmtree.run", group_options,
-                       ("args", "kwargs", "start_method") + GROUP_OPTIONS)
+                       ("args", "kwargs", "start_method") + GROUP_OPTIONS + ("on_failure",))
+        if on_failure not in ("raise", "shrink"):
+            raise ValueError(f"shmtree.run: on_failure must be 'raise' or 'shrink', got "
+                             f"{on_failure!r}")
+        if on_failure == "shrink" and group_options.get("inter") is not None:
+            raise ValueError("shmtree.run: on_failure='shrink' is not supported across nodes "
+                             "(inter=): shrink there needs MPI's ULFM interface")
         args, kwargs = _check_args("shmtree.run", fn, args, kwargs)
         ctx = _context(start_method)
         _check_picklable("shmtree.run", ctx, fn=fn, args=args, kwargs=kwargs)
@@ -248,23 +267,26 @@ def run(fn, nprocs, *, args=(), kwargs=None, start_method=None, **group_options)
             for r in range(group.size):
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_run_worker,
-                                args=(group, r, fn, args, kwargs, send, me),
+                                args=(group, r, fn, args, kwargs, send, me,
+                                      on_failure == "shrink"),
                                 name=f"shmtree-rank-{r}")
                 with no_mpi_init(group, ctx):
                     p.start()
                 send.close()
                 procs.append(p)
                 conns.append(recv)
-            return _collect(group, procs, conns)
+            return _collect(group, procs, conns, on_failure == "shrink")
         finally:
             _stop(procs)
             for c in conns:
                 c.close()
 
 
-def _collect(group, procs, conns):
+def _collect(group, procs, conns, shrink=False):
     """Wait for every worker's report; raise WorkerError for the first root-cause failure (an
-    exception other than PeerLostError, or a death), else for the first failure seen."""
+    exception other than PeerLostError, or a death), else for the first failure seen.  With
+    `shrink`, a worker that dies revokes the group (ABORT_DIED) and the others go on: its
+    place in the results holds a WorkerError."""
     from multiprocessing.connection import wait
 
     n = len(procs)
@@ -273,9 +295,10 @@ def _collect(group, procs, conns):
     reported = [False] * n
     running = set(range(n))
     failed_at = None
+    died = []                           # (shrink: the workers that died, in order)
     while running:
         waitables = [conns[r] for r in listening] + [procs[r].sentinel for r in running]
-        ready = wait(waitables, timeout=0.2)
+        ready = wait(waitables, timeout=0.2 if not died or group.aborted() else 0.002)
         for r in list(listening):
             if conns[r] in ready:
                 listening.discard(r)
@@ -294,7 +317,17 @@ def _collect(group, procs, conns):
                 procs[r].join()
                 running.discard(r)
                 if not reported[r]:
+                    if shrink:
+                        results[r] = WorkerError(group.global_rank(r),
+                                                 _death(procs[r].exitcode))
+                        died.append(r)
+                        continue
                     failures.append((False, r, _death(procs[r].exitcode), ""))
+        if died and not group.aborted() and all(
+                group.member(r)[0] or r in died or r not in running for r in range(n)):
+            group.abort(ABORT_DIED, died[0])    # (revoked at once, waiters woken; once every
+                                                # worker has joined: a revoked group refuses
+                                                # to be joined)
         if failures and failed_at is None:
             failed_at = time.monotonic()
             group.abort(ABORT_FAILED, failures[0][1])
@@ -303,6 +336,8 @@ def _collect(group, procs, conns):
     if failures:
         lost, r, text, tb = sorted(failures, key=lambda f: f[0])[0]   # root causes first
         raise WorkerError(group.global_rank(r), text, tb or text)
+    if shrink and all(isinstance(x, WorkerError) for x in results):
+        raise results[0]                         # (every worker died)
     return results
 
 

@@ -21,6 +21,7 @@ import weakref
 
 from ..machine import plan as _plan
 from ..groups import session
+from . import heal
 from ..codes import (ABORT_DIED, ABORT_INIT, ABORT_MEMBERSHIP, ABORT_TASK, KIND_NAMES, ST_BUSY,
                     ST_IDLE, ranks_text)
 from ..errors import PeerLostError, ShmtreeError, WorkerError
@@ -67,7 +68,7 @@ def _pool_failure(group) -> str:
 # the worker side: joining, tasks
 
 
-def _pool_worker_init(group, initializer, initargs, parent):
+def _pool_worker_init(group, initializer, initargs, parent, heals=None):
     """A Pool worker's start: take the next rank, join, run the user's initializer.  A worker
     whose initializer raises aborts the group in its own words and stays alive (one that exited
     would be replaced, and its replacement fail the same way, over and over)."""
@@ -80,6 +81,8 @@ def _pool_worker_init(group, initializer, initargs, parent):
     # ever.  A worker dies on SIGTERM, as multiprocessing's own workers do.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     start_parent_watch(parent)
+    if heals is not None:                      # on_failure="shrink" | "respawn": heal.py
+        return heal.worker_start(*heals, initializer, initargs)
     session._set_pool_group(group)
     rank = group.claim_rank()
     if rank >= group.size:
@@ -104,7 +107,13 @@ def _pool_worker_init(group, initializer, initargs, parent):
 def _run_as_task(fn, args, kwargs):
     """Run one pool task in a worker: the member is busy while it runs (idle members are what
     the stall detector looks for), and a task that raises while other members wait for this one
-    in a collective aborts the group, saying why, instead of leaving them waiting."""
+    in a collective aborts the group, saying why, instead of leaving them waiting.  (In a pool
+    that heals, heal.task_scope first moves the worker to the pool's current group.)"""
+    with heal.task_scope():
+        return _run_in_group(fn, args, kwargs)
+
+
+def _run_in_group(fn, args, kwargs):
     comm = session._current
     comm = getattr(comm, "local", comm)       # (across nodes: this node's communicator)
     if comm is None or comm._closed or comm.group.closed or comm._gen != session._fork_gen:
@@ -156,6 +165,11 @@ def _spmd_task(fn, args, kwargs):
     another before every worker has one), then fn(comm, ...).  Returns (rank, ok, payload); a
     failure's payload ranks how likely it is the root cause: 0 the task's own exception, 1 a
     shmtree error this rank found (a stall, a peer gone), 2 the group aborted elsewhere."""
+    with heal.task_scope():                    # (a pool that heals: heal.py)
+        return _spmd_part(fn, args, kwargs)
+
+
+def _spmd_part(fn, args, kwargs):
     comm = session.current()
     r = getattr(comm, "local", comm).rank     # (this node's rank, across nodes)
     try:
@@ -180,6 +194,11 @@ def _spmd_task(fn, args, kwargs):
 #                                where map, map_async, starmap and starmap_async all go
 #   Pool._help_stuff_finish(inqueue, task_handler, size)   (static; inqueue._rlock, ._reader)
 #                                called by terminate() to drain the task queue
+#   Pool._setup_queues           makes _inqueue, _outqueue, _quick_put, _quick_get (a pool
+#                                that heals makes its own task queue, heal.TaskQueue)
+#   Pool.Process(ctx, ...)       what the worker handler starts a worker with (a shrinking
+#                                pool: heal.Vacant places), and multiprocessing.pool.worker's
+#                                locals job and i (heal._task_ids: the task a worker runs)
 #   Pool._task_handler, Pool._worker_handler (threads with a ._state: RUN / TERMINATE),
 #   Pool._change_notifier, Pool._outqueue._wlock
 #                                the handlers' last steps, before terminate() kills workers
@@ -212,7 +231,19 @@ class _PoolInternals(multiprocessing.pool.Pool):
         self._state = multiprocessing.pool.INIT       # multiprocessing's __del__ reads it
 
     def _worker_processes(self):
-        return list(self._pool)
+        return [p for p in self._pool if p.pid is not None]     # (not heal.Vacant places)
+
+    def _setup_queues(self):
+        if getattr(self, "_shm_heals", None) is None:
+            return super()._setup_queues()
+        # a pool that heals: its workers wait for a task without holding the task queue's read
+        # lock (heal.TaskQueue), and say when they hold the result queue's write lock
+        # (heal.ResultQueue), so that a worker killed while idle or sending a result does not
+        # keep either from the others (multiprocessing's _setup_queues, with those queues)
+        self._inqueue = heal.TaskQueue(ctx=self._ctx)
+        self._outqueue = heal.ResultQueue(ctx=self._ctx)
+        self._quick_put = self._inqueue._writer.send
+        self._quick_get = self._outqueue._reader.recv
 
     def _map_async(self, func, iterable, mapper, chunksize=None, callback=None,
                    error_callback=None):
@@ -278,7 +309,8 @@ class Pool(_PoolInternals):
     the collective's number; a task that raises while others wait for it makes them fail at
     once, with its exception in the message; a worker that dies fails the outstanding jobs with
     `PeerLostError`.  After any of these the pool is broken: later calls raise
-    `PeerLostError`.
+    `PeerLostError` - unless it heals (``on_failure="shrink"`` or ``"respawn"``): then only
+    the tasks the failure reached fail, and the later ones run in a new group.
 
     Parameters
     ----------
@@ -295,6 +327,14 @@ class Pool(_PoolInternals):
         How the workers start; fork where the platform has it.
     stall_timeout : float, default 10.0
         Seconds a member waits in a collective while members that have not made it are idle.
+    on_failure : {"raise", "shrink", "respawn"}, default "raise"
+        What a worker that dies (or a group that is aborted) does to the pool.  "raise": the
+        pool is broken, later calls raise `PeerLostError`.  "shrink": the pool goes on with
+        the survivors, in a new group of their number (renumbered in their old order).
+        "respawn": a new worker takes the dead one's place (and runs the initializer) in a new
+        group of the same size.  Either way the task the dead worker ran fails with
+        `PeerLostError` naming its rank (and so do the tasks that waited for it in a
+        collective), and the later tasks run in the new group.
     **group_options
         Options of `Group` (``tree``, ``chunk_bytes``, ``inter=``, ...).
 
@@ -333,16 +373,27 @@ class Pool(_PoolInternals):
     """
 
     def __init__(self, processes=None, *, initializer=None, initargs=(), context=None,
-                 stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, **group_options):
+                 stall_timeout=_plan.DEFAULT_STALL_TIMEOUT, on_failure="raise",
+                 **group_options):
         self._mark_starting()
-        self._shm_group = None
+        self._shm_group = self._shm_heals = self._shm_healer = None
         try:
+            if on_failure not in ("raise", "shrink", "respawn"):
+                raise ValueError(f"shmtree.Pool: on_failure must be 'raise', 'shrink' or "
+                                 f"'respawn', got {on_failure!r}")
+            if on_failure != "raise":
+                if group_options.get("inter") is not None:
+                    raise ValueError(f"shmtree.Pool: on_failure={on_failure!r} is not supported "
+                                     "across nodes (inter=): a new group there needs MPI's "
+                                     "ULFM interface")
+                self._shm_heals = on_failure
             if "maxtasksperchild" in group_options:
                 raise TypeError("shmtree.Pool: maxtasksperchild is not supported: each worker "
                                 "is a rank of the group for the pool's whole life (a worker "
                                 "that exits takes its rank with it)")
             _check_options("shmtree.Pool", group_options,
-                           ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS)
+                           ("processes", "initializer", "initargs", "context") + GROUP_OPTIONS
+                           + ("on_failure",))
             if initializer is not None and not callable(initializer):
                 raise TypeError(f"shmtree.Pool: initializer must be callable, got "
                                 f"{initializer!r}")
@@ -357,25 +408,40 @@ class Pool(_PoolInternals):
                                 stall_timeout=stall_timeout, **group_options)
         try:
             parent = identity()
+            initial = (self._shm_group, initializer, tuple(initargs), parent)
+            if self._shm_heals is not None:
+                self._shm_healer = heal.Healer(self._shm_heals, self._shm_group,
+                                               dict(group_options, stall_timeout=stall_timeout))
+                initial = (None, initializer, tuple(initargs), parent,
+                           (self._shm_healer.control, self._shm_heals))
+                self.Process = heal.Starter(weakref.ref(self))    # (shrink: no replacements)
             with no_mpi_init(self._shm_group, ctx):
-                super().__init__(self._shm_group.size, _pool_worker_init,
-                                 (self._shm_group, initializer, tuple(initargs), parent),
-                                 context=ctx)
+                super().__init__(self._shm_group.size, _pool_worker_init, initial, context=ctx)
         except BaseException:
+            if self._shm_healer is not None:
+                self._shm_healer.close()
             self._shm_group.close()
             raise
-        weakref.finalize(self, Group.close, self._shm_group)
         self._shm_stop = threading.Event()
-        self._shm_watch = threading.Thread(target=_watch_pool,
-                                           args=(weakref.ref(self), self._shm_group,
-                                                 self._shm_stop),
-                                           name="shmtree-pool-watch", daemon=True)
+        if self._shm_healer is not None:
+            weakref.finalize(self, self._shm_healer.close)
+            self._shm_watch = threading.Thread(target=heal.watch_pool,
+                                               args=(weakref.ref(self), self._shm_healer,
+                                                     self._shm_stop, _fail_jobs, POOL_WATCH_S),
+                                               name="shmtree-pool-heal", daemon=True)
+        else:
+            weakref.finalize(self, Group.close, self._shm_group)
+            self._shm_watch = threading.Thread(target=_watch_pool,
+                                               args=(weakref.ref(self), self._shm_group,
+                                                     self._shm_stop),
+                                               name="shmtree-pool-watch", daemon=True)
         self._shm_watch.start()
         try:
             self._await_workers()
         except BaseException:
             self.terminate()
             raise
+        self._shm_started = True
 
     def _await_workers(self):
         """Return once every worker has joined and run the initializer; raise if one failed (the
@@ -409,6 +475,11 @@ class Pool(_PoolInternals):
         return self._shm_group
 
     def _check_group(self):
+        healer = self._shm_healer
+        if healer is not None:                  # (a pool that heals: broken once none is left)
+            if healer.broken is not None:
+                raise PeerLostError(f"shmtree.Pool: the pool is broken: {healer.broken}")
+            return
         if self._shm_group is not None and self._shm_group.aborted():
             raise PeerLostError(f"shmtree.Pool: the pool is broken: "
                                 f"{_pool_failure(self._shm_group)}")
@@ -507,6 +578,8 @@ class Pool(_PoolInternals):
     def _shm_done(self):
         """Close the group and end the watch thread (a fork after the pool, as run's, copies no
         thread of it: Python >= 3.12 warns of forking a process with threads)."""
+        if self._shm_healer is not None:
+            self._shm_healer.close()
         if self._shm_group is not None:
             self._shm_group.close()
         watch = getattr(self, "_shm_watch", None)

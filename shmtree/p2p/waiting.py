@@ -8,6 +8,7 @@ from ..codes import (ABORT_DIED, ABORT_FAILED, ABORT_LEFT, ABORT_STALL, ABORT_TI
                      ST_IDLE, ST_LEFT)
 from ..errors import CollectiveTimeoutError, PeerLostError, ShmtreeError
 from .records import ANY_SOURCE, ANY_TAG, LOOK_S, _G, _broken_text
+from ..groups.survive import lost_error
 
 
 class _Waiting:
@@ -219,7 +220,8 @@ class _Waiting:
     def fail_all(self, exc, op=None):
         """Fail every posted operation (the group is aborted, closed): `op` with exc, the
         others with PeerLostError (exc None: all of them)."""
-        lost = PeerLostError(f"shmtree: rank {self.rank}: {self.group.describe_abort()}") \
+        lost = lost_error(self.group)(f"shmtree: rank {self.rank}: "
+                                      f"{self.group.describe_abort()}") \
             if not self.group._closed else ShmtreeError("shmtree: the group is closed")
         if exc is not None and op is None:
             lost = exc

@@ -88,7 +88,8 @@ from ..p2p.records import ANY_SOURCE, QUICK_BYTES, Status  # noqa: F401
 from .backend import ProcessGroupShmtree  # (registers the backend "shmtree")
 from .options import BACKEND, INLINE_BYTES, QUICK_P2P_BYTES, SUPPORTED, ArgumentError
 from .reproducible import REDUCTION_ENV, REDUCTIONS, communicator, reduction, set_reduction
+from .survive import failed_ranks, shrink_group        # after a failure (issue 38)
 
 __all__ = ["BACKEND", "SUPPORTED", "ProcessGroupShmtree", "ArgumentError", "QUICK_P2P_BYTES",
            "INLINE_BYTES", "REDUCTION_ENV", "REDUCTIONS", "set_reduction", "reduction",
-           "communicator"]
+           "communicator", "failed_ranks", "shrink_group"]

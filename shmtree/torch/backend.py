@@ -27,6 +27,7 @@ from .coalesced import _Coalesced
 from .gathers import _Gathers
 from .p2p import _PointToPoint
 from .reproducible import REDUCTION_ENV, _Reproducible, _reduction_mode
+from .survive import _Survive                # abort, get_error (issue 38)
 from .works import _DoneWork, _Failed, _FailedWork, _PostedWork, _call, _done, _settle
 
 
@@ -42,7 +43,7 @@ def _unsupported(method, what):
     return refuse
 
 
-class ProcessGroupShmtree(_Gathers, _Coalesced, _PointToPoint, _Reproducible,
+class ProcessGroupShmtree(_Survive, _Gathers, _Coalesced, _PointToPoint, _Reproducible,
                           dist.ProcessGroup):
     """The process group of backend "shmtree" (see the docstring of shmtree.torch).
 
