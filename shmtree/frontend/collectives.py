@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import pickle
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from ..codes import (KIND_ALLGATHER, KIND_ALLGATHER_LENGTHS, KIND_ALLTOALL, KIND
 from ..errors import CollectiveMismatchError
 from ..ops import OP_NAMES, dtype_words as _dtype_words
 
-from .rounds import _Rounds, _plain, _unmeta, error_words  # noqa: F401  (the mixin)
+from .rounds import _Rounds, _plain, error_words  # noqa: F401  (the mixin)
 __all__ = ["Executors"]
 
 _out_for = calls.out_for     # (a module name: the output a broadcast's rank gets made when the
@@ -281,11 +280,7 @@ class Executors(_Rounds):
         P, me = self.size, self.rank
         said, first, room = got
         if said[0] == "long":                 # the root's dtype and shape follow, pickled
-            meta = np.zeros(said[1], np.uint8)
-            if me == root:
-                meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
-            self._bytes_round(meta, kind, deadline)
-            dtype, shape = _unmeta(meta.tobytes())
+            dtype, shape = self._long_description(said[1], a, root, kind, deadline)
             nbytes = dtype.itemsize * math.prod(shape)
             wrong = _engine.scatter_claims_wrong(first, P, mode, dtype, shape, nbytes)
             said = ("mismatch", dtype, shape, wrong) if wrong else ("data", dtype, shape)

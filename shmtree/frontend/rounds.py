@@ -65,6 +65,16 @@ class _Rounds:
             got = self._broadcast_rest(got, claim, root, out, spec.kind, spec.deadline)
         return calls.finish(got, copy_back)
 
+    def _long_description(self, length, a, root, kind, deadline):
+        """The root's (dtype, shape) when its first round said "long" (a dtype or shape too
+        complex for the round: broadcast's and scatter's): pickled by the root (a, its array)
+        into a round of `length` bytes of its own, read alike on every rank."""
+        meta = np.zeros(length, np.uint8)
+        if self.rank == root:
+            meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
+        self._bytes_round(meta, kind, deadline)
+        return _unmeta(meta.tobytes())
+
     def _broadcast_rest(self, got, a, root, out, kind, deadline):
         """broadcast after its first round, when the data did not come (engine/bcast.pxi,
         bcast_ended: (what bcast_read said, the round, its room)); a is what this rank passed
@@ -72,11 +82,7 @@ class _Rounds:
         P, me = self.size, self.rank
         said, first, room = got
         if said[0] == "long":                 # the root's dtype and shape follow, pickled
-            meta = np.zeros(said[1], np.uint8)
-            if me == root:
-                meta[:] = np.frombuffer(_engine.long_meta(a), np.uint8)
-            self._bytes_round(meta, kind, deadline)
-            dtype, shape = _unmeta(meta.tobytes())
+            dtype, shape = self._long_description(said[1], a, root, kind, deadline)
             wrong = _engine.wrong_claims(first, P, _engine.claim(dtype, shape))
             said = ("mismatch", dtype, shape, wrong) if wrong else ("data", dtype, shape)
         tag, dtype, shape = said[:3]
