@@ -171,6 +171,11 @@ def _size(comm, where, d):
     if isinstance(where, int):
         return where
     what, delta = where
+    if what == "chain":             # (the chain's least bytes per rank, or else scan_gathers')
+        least = comm._engine.scan_chain_from()
+        if least and least * comm.size > _engine.SCAN_GATHER_BYTES:
+            return max(0, least // d.itemsize + delta)
+        what = "gather"
     limit = comm._plan.small_bytes if what == "inline" else _engine.SCAN_GATHER_BYTES
     return max(0, limit // (comm.size * d.itemsize) + delta)
 
@@ -225,9 +230,14 @@ def scan_worker(comm, cases):
             p = init(x, op=op)
             before = len(rec.colls)
             got = p.start().wait()
+        elif how == "overlap":                         # (out= overlaps the input, shifted)
+            z = np.zeros(n + 3, x.dtype)
+            z[:n] = x
+            got = fn(z[:n], op=op, out=z[3:])
         else:
             raise AssertionError(how)
-        out.append((n, wire(np.asarray(got)), rec.colls[before:]))
+        out.append((n, wire(np.asarray(got)), rec.colls[before:],
+                    rec.scan_takes(n * x.dtype.itemsize)))
     return comm._plan.small_bytes, out
 
 
@@ -243,31 +253,50 @@ WAYS = [(d, op, n, ex, how) for d, op in (("float32", "sum"), ("float64", "min")
         for ex in (False, True)
         for how in ("out", "inplace", "strided", "strided_out", "2d", "timeout", "i", "init",
                     "init_out", "start")]
+# the reduce's chain (engine/alg_chain.pxi: from its least size on, when the ring order is the
+# rank order): odd sizes around it, every op of a float and an int, in place and overlapping
+CHAIN = [(d, op, ("chain", delta), ex, how)
+         for d, op in (("float32", "sum"), ("float64", "min"), ("float32", "max"),
+                       ("int16", "prod"), ("uint8", "bxor"), ("complex64", "prod"),
+                       ("float16", "sum"), ("bool", "band"))
+         for delta in (0, 1, 4099) for ex in (False, True) for how in ("plain", "inplace")]
+CHAIN += [("float64", "sum", ("chain", 7), ex, how) for ex in (False, True)
+          for how in ("overlap", "strided", "init", "i", "out")]
 if ml_dtypes:
     EDGES += [("bfloat16", "max", ("inline", 1), ex, "plain") for ex in (False, True)]
+    CHAIN += [("bfloat16", "min", ("chain", 1), ex, "plain") for ex in (False, True)]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 def test_scan_and_exscan_every_way_in(P):
-    cases = BASE + EDGES + WAYS
+    cases = BASE + EDGES + WAYS + CHAIN
     outs = run_ok(scan_worker, P, args=(cases,), stall_timeout=None)
     small = outs[0][0]
+    chained = 0
     for i, (dtype, op, where, ex, how) in enumerate(cases):
         d = dt(dtype)
         n = outs[0][1][i][0]
+        what_case = (dtype, op, where, n, ex, how)
         want = scan_expected(P, dtype, op, n, i, ex)
-        gathers = _engine.scan_gathers(n * d.itemsize, P, small)
+        takes = outs[0][1][i][3]
+        if _engine.scan_gathers(n * d.itemsize, P, small):
+            assert takes, what_case
         for rank in range(P):
-            got_n, got, colls = outs[rank][1][i]
+            got_n, got, colls, _ = outs[rank][1][i]
             assert got_n == n
             got = unwire(got)
             what = (dtype, op, where, n, ex, how, rank)
             assert got.dtype == d and got.shape == want[rank].shape, what
             assert got.tobytes() == want[rank].tobytes(), what
             # the one engine call (the fold in C), or the transpose scheme's two exchanges
-            assert colls == ([_engine.EXSCAN if ex else _engine.SCAN] if gathers else
+            # the one engine call (gathered and folded in C, or the chain), or the transpose
+            # scheme's two exchanges
+            assert colls == ([_engine.EXSCAN if ex else _engine.SCAN] if takes else
                              [_engine.ALLTOALL] * 2), (what, colls)
+        chained += takes and not _engine.scan_gathers(n * d.itemsize, P, small)
+    if P == 2:                      # (the ring order is the rank order at P = 2: the chain runs)
+        assert chained >= len(CHAIN)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,35 @@ def scan_gathers(uint64_t nbytes, uint64_t P, uint64_t small_bytes):
     return _scan_gathers(nbytes, P, small_bytes)
 
 
+cdef uint64_t _scan_chain_from(Engine self) noexcept:
+    """The least bytes per rank of a scan's chain here (_scan_chains), 0 where it never runs."""
+    cdef int P = self.e.nranks, ch = self._ring_channel(), q
+    if P < 2 or ch < 0:
+        return 0
+    for q in range(P):
+        if self.e.dir.order[q] != q:
+            return 0
+    return <uint64_t>(P - 1) * self.e.chans[ch].payload
+
+
+cdef bint _scan_chains(Engine self, uint64_t nbytes) noexcept:
+    """Does a scan or exscan of nbytes per rank (past scan_gathers) run as the reduce's chain
+    (alg_chain.pxi: CHAIN_SCAN, CHAIN_EXSCAN)?  When the ring order is the rank order (the
+    chain's neighbours are ranks r - 1 and r + 1) and the message fills at least P - 1 chunks
+    of the ring channel: then the chain's (m + P - 2) chunk steps, in which every rank receives
+    and sends the message once (the least a scan can move), beat the transpose scheme's two
+    exchanges of 2(P-1)/P of it each (Executors._scan).  The same answer on every rank (the
+    plan's order and payload)."""
+    cdef uint64_t least = _scan_chain_from(self)
+    return least != 0 and nbytes >= least
+
+
+cdef bint _scan_takes(Engine self, uint64_t nbytes) noexcept:
+    """Engine.scan_takes."""
+    return (_scan_gathers(nbytes, self.e.nranks, self.sel_limit[COLL_ALLGATHER])
+            or _scan_chains(self, nbytes))
+
+
 cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
                   uint64_t digest) except -2:
     """scan (exclusive False) and exscan: array a plain C-contiguous aligned ndarray whose
@@ -37,22 +66,27 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     past SCAN_MAX_NDIM dimensions - then op code, item size, digest; kind KIND_SCAN or
     KIND_EXSCAN), so a rank on either path meets the others in one call; when it ends, rows
     0 .. rank (exscan: 0 .. rank - 1) are folded into the output (engine/scan.pxi).  In a
-    group of one the call is whole at once (Engine.alone).  Declined (-1) beyond
-    scan_gathers: the transpose scheme (Executors._scan) takes it."""
+    group of one the call is whole at once (Engine.alone).  Past scan_gathers, the reduce's
+    chain in rank order where _scan_chains says so (_scan_chain_begin); else declined (-1):
+    the transpose scheme (Executors._scan) takes it."""
     cdef int P = self.e.nranks, me = self.e.rank, opc, dtc, nd, i, rc, q, alg
     cdef cnp.ndarray a, res, stack, bounds
     cdef uint64_t block, total
     cdef uint64_t *bp
     cdef int64_t given[SCAN_MAX_NDIM + 3]
     cdef char *base
+    cdef bint chain
     if type(array) is not _NDARRAY:
         return -1
     a = <cnp.ndarray>array
     if not _codes(a, op, &opc, &dtc) or not fold_supported(opc, dtc):
         return -1
     block = cnp.PyArray_NBYTES(a)
+    chain = False
     if not _scan_gathers(block, P, self.sel_limit[COLL_ALLGATHER]):
-        return -1
+        if not _scan_chains(self, block):
+            return -1
+        chain = True
     nd = cnp.PyArray_NDIM(a)
     if out is None:
         res = <cnp.ndarray>empty_like(a, -1)
@@ -87,6 +121,8 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     given[nd + 1] = cnp.PyArray_ITEMSIZE(a)
     given[nd + 2] = <int64_t>digest
     nd += 3
+    if chain:
+        return _scan_chain_begin(self, a, res, opc, dtc, kind, exclusive, nd, given)
     total = block * P
     alg = select(self, COLL_ALLGATHER, total)
     # (what the call uses is made before it begins: an allocation may let another thread in)
@@ -127,6 +163,33 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     self.scan.upto = me if exclusive else me + 1
     self.scan.op = opc
     self.scan.dtype = dtc
+    return RC_DONE
+
+
+cdef int _scan_chain_begin(Engine self, cnp.ndarray a, cnp.ndarray res, int opc, int dtc,
+                           int kind, bint exclusive, int nd, int64_t *given) except -2:
+    """msg_scan's chain (_scan_chains): the reduce's chain from rank 0 to rank P - 1, each
+    rank keeping its prefix (alg_chain.pxi).  Each chunk of the output is written as its
+    chunk of the input is read, so an output that overlaps the input (other than being it,
+    for a scan) reads a copy of the input; exscan's rank 0 holds the op's identity from the
+    start.  No single copy (the shared arrays' path is an allreduce's: begin_call)."""
+    cdef uint64_t block = cnp.PyArray_NBYTES(a)
+    cdef int rc
+    src = a
+    if block and _ranges_overlap(a, res) and (exclusive or
+                                               cnp.PyArray_DATA(a) != cnp.PyArray_DATA(res)):
+        src = np.array(a, copy=True, order="C")
+    self.result = res
+    rc = self.may_begin()
+    if rc != RC_DONE:
+        return rc
+    if exclusive and self.e.rank == 0:
+        fold_identity(opc, dtc, <char *>cnp.PyArray_DATA(res), cnp.PyArray_SIZE(a))
+    self.e.call.root = self.e.nranks - 1
+    self.e.call.coll_kind = CHAIN_EXSCAN if exclusive else CHAIN_SCAN
+    self.begin_call(src, res, <const char *>cnp.PyArray_DATA(<cnp.ndarray>src),
+                    <char *>cnp.PyArray_DATA(res), block, cnp.PyArray_ITEMSIZE(a), opc, dtc,
+                    kind, nd, given, COLL_REDUCE, ALG_RING)
     return RC_DONE
 
 

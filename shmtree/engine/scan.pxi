@@ -138,6 +138,52 @@ cdef void fold_step(int opc, int dtc, char *dst, const char *a, const char *b,
     get_kernel(opc, dtc)(dst, srcs, 2, n)
 
 
+cdef inline void _fold_fn(int opc, int dtc, void *d, const void **s, int nsrc,
+                          Py_ssize_t n) noexcept nogil:
+    """A kernel's call (reduce_fn) folded pairwise, left to right, with fold_step."""
+    cdef int i
+    if nsrc == 1:
+        if d != s[0]:
+            memcpy(d, s[0], n * fold_itemsize(dtc))
+        return
+    fold_step(opc, dtc, <char *>d, <const char *>s[0], <const char *>s[1], n)
+    for i in range(2, nsrc):
+        fold_step(opc, dtc, <char *>d, <const char *>d, <const char *>s[i], n)
+
+
+cdef void _fold_min_f4(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MIN, DT_F4, d, s, nsrc, n)
+cdef void _fold_max_f4(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MAX, DT_F4, d, s, nsrc, n)
+cdef void _fold_min_f8(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MIN, DT_F8, d, s, nsrc, n)
+cdef void _fold_max_f8(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MAX, DT_F8, d, s, nsrc, n)
+cdef void _fold_min_f2(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MIN, DT_F2, d, s, nsrc, n)
+cdef void _fold_max_f2(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MAX, DT_F2, d, s, nsrc, n)
+cdef void _fold_min_bf16(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MIN, DT_BF16, d, s, nsrc, n)
+cdef void _fold_max_bf16(void *d, const void **s, int nsrc, Py_ssize_t n) noexcept nogil:
+    _fold_fn(OP_MAX, DT_BF16, d, s, nsrc, n)
+
+
+cdef reduce_fn fold_kernel(int opc, int dtc) noexcept nogil:
+    """The kernel of a scan's chain (alg_chain.pxi: pred op own, two operands a step): the
+    reduction kernel, or numpy's rule for min and max of floats (fold_step's), so that the
+    chain's bits are the fold's."""
+    if not fold_by_numpy_rule(opc, dtc):
+        return get_kernel(opc, dtc)
+    if dtc == DT_F4:
+        return _fold_max_f4 if opc == OP_MAX else _fold_min_f4
+    if dtc == DT_F8:
+        return _fold_max_f8 if opc == OP_MAX else _fold_min_f8
+    if dtc == DT_F2:
+        return _fold_max_f2 if opc == OP_MAX else _fold_min_f2
+    return _fold_max_bf16 if opc == OP_MAX else _fold_min_bf16
+
+
 cdef void fold_identity(int opc, int dtc, char *dst, int64_t n) noexcept nogil:
     """dst = n items of the op's identity (exscan's rank 0: collectives._identity's values):
     sum, bor, bxor 0; prod 1; band all ones (bool True); min the largest value (+inf, bool

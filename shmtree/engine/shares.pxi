@@ -158,13 +158,16 @@ cdef void cma_place(Engine self, uint64_t seq, int coll, int alg, const char *sr
     allgather - its bytes in all (every rank's output: P x its result) at least cma_total and
     its largest block at least cma_bytes - or a large exchange (cma_big).  The source: the
     allgather's own block (its input, or in place its row of the output), the exchange's
-    input.  (Scatter's call offers after its own round begins: msg_scatter.)"""
+    input.  Other calls write no word, and their first phase reads none (scatter's and
+    alltoall(counts=)'s calls offer after their own first round: msg_scatter, xv_handover)."""
     cdef int P = self.e.nranks, q
     cdef uint64_t most = 0, n, whole = 0
     cdef const uint64_t *o
     cdef const char *at = src_p
-    if self.e.cma.state != CMA_YES or alg == ALG_INLINE or (coll != COLL_ALLGATHER
-                                                            and coll != COLL_ALLTOALL):
+    if alg == ALG_INLINE or (coll != COLL_ALLGATHER and coll != COLL_ALLTOALL):
+        return                            # (no word: only these calls read it, when their
+                                          # first phase ends: Engine._run_call)
+    if self.e.cma.state != CMA_YES:
         cma_offer(self, seq, NULL, False)
         return
     if coll == COLL_ALLTOALL:

@@ -139,7 +139,8 @@ cdef struct Call:
     int check_desc                # compare descriptors (the channel-0 round)
     int mismatch
     const void **srcs             # scratch: the operands of one fused reduction (nchild + 1)
-    int coll_kind                 # chain algorithms: CHAIN_BCAST or CHAIN_REDUCE
+    int coll_kind                 # chain algorithms: CHAIN_BCAST, CHAIN_REDUCE, CHAIN_SCAN or
+                                  # CHAIN_EXSCAN
     int root                      # rooted collectives: the root's ring position
     const uint64_t *offs          # block algorithms: [lo, hi) of each ring position's block
 
@@ -147,6 +148,8 @@ cdef struct Call:
 cdef enum:
     CHAIN_BCAST = 1
     CHAIN_REDUCE = 2
+    CHAIN_SCAN = 3                # (a reduce's chain from rank 0 in rank order, every position
+    CHAIN_EXSCAN = 4              # keeping its prefix: alg_chain.pxi, msg_scan)
 
 
 cdef struct Direct:

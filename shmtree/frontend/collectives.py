@@ -312,9 +312,11 @@ class Executors(_Rounds):
         return result
 
     def _scan(self, spec):
-        """scan / exscan.  Small (scan_gathers): the engine's own call (Engine.call's SCAN,
-        EXSCAN: one allgather of the inputs, each rank folding the rows it needs in C), the
-        very call the quick path and a persistent call make.  Else the transpose scheme:
+        """scan / exscan.  Where the engine takes it (scan_takes): the engine's own call
+        (Engine.call's SCAN, EXSCAN: small ones one allgather of the inputs, each rank folding
+        the rows it needs in C; large ones, when the ring order is the rank order, the
+        reduce's chain with every rank keeping its prefix), the very call the quick path and
+        a persistent call make.  Else the transpose scheme:
         exchange 1 sends block b (np.array_split of the items into P) of every rank to rank b,
         which folds its P rows in rank order; exchange 2 sends prefix row r back to rank r.
         Bytes sent per rank: 2(P-1)/P x."""
@@ -325,7 +327,7 @@ class Executors(_Rounds):
         result, dst, copy_back = calls.destination(a, spec.out)
         src = _plain(a)
         digest = calls.dtype_digest(dt)
-        if scan_gathers(a.nbytes, P, self._plan.small_bytes):
+        if self._engine.scan_takes(a.nbytes):   # (gathered, or the chain)
             self._call(spec.coll, src, dst.reshape(src.shape), (spec.opc, spec.dtc), 0, kind,
                        deadline, digest)
             if copy_back is not None:
