@@ -122,6 +122,8 @@ for _ch in np.typecodes["All"]:
 cdef dict _OP_CODE_OF = {**_kernels.OP_CODES, **_kernels.UFUNC_CODES}   # the kernels' one op
                                                                         # table
 cdef object _UFUNC = np.ufunc
+cdef object _DISCARD = object()      # (Engine.call's out= for an allgather whose result is
+DISCARD = _DISCARD                   # not wanted: a gather away from its root; msg_allgather)
 
 
 cdef bint _reducible(cnp.ndarray a, op, int *opc, int *dtc):

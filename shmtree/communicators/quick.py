@@ -26,8 +26,9 @@ from ..frontend.front import DECLINED, Persistent
 _ENGINE_RESULT = object()   # (_bound_run: return the engine's result)
 _BOUND = (ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, calls.BARRIER,
           calls.SCAN, calls.EXSCAN)        # (the engine collectives a Persistent binds)
-_DIGESTED = (ALLGATHER, ALLTOALL, calls.SCAN, calls.EXSCAN)  # (their descriptors carry the
-                                                             # dtype's digest: Engine.call's tag)
+_DIGESTED = (ALLGATHER, ALLTOALL, calls.SCAN, calls.EXSCAN, calls.GATHER)  # (their descriptors
+                                                    # carry the dtype's digest: Engine.call's tag)
+_GATHER, _SCATTER = calls.GATHER, calls.SCATTER
 _KINDS = (KIND_ALLREDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_ALLGATHER,
           KIND_ALLTOALL, KIND_BARRIER, KIND_GATHER, KIND_SCATTER, KIND_SCAN, KIND_EXSCAN)
                                                    # (by collective number: calls.ALLREDUCE ...)
@@ -49,9 +50,7 @@ class _Quick:
         progress = self._progress
         if progress is not None and (progress.outstanding or progress.is_current_thread()):
             return DECLINED
-        if coll == calls.GATHER:              # (small ones only)
-            return self._quick_small(eng, coll, array, op, out, root, timeout)
-        if coll == calls.SCATTER:             # (axis=None: front.scatter)
+        if coll == _SCATTER:                  # (axis=None: front.scatter)
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
             kind = KIND_SCATTER + KIND_ROOT_STEP * root
@@ -64,10 +63,11 @@ class _Quick:
                                           else time.monotonic() + timeout)
             return got
         tag = 0
+        away = False                          # (a gather away from its root: no result)
         if coll == BROADCAST or coll == REDUCE:
             if type(root) is not int or not 0 <= root < self.size:
                 return DECLINED
-        elif coll in _DIGESTED:               # allgather, alltoall, scan, exscan
+        elif coll in _DIGESTED:               # allgather, alltoall, scan, exscan, gather
             if type(array) is not np.ndarray:
                 return DECLINED
             if coll == ALLTOALL and op is not None:     # alltoall(counts=): op is the counts
@@ -76,10 +76,20 @@ class _Quick:
             if dt is not self._digest_of[0]:  # (numpy's plain dtypes are singletons)
                 self._digest_of = (dt, _dtype_digest(dt))
             tag = self._digest_of[1]
+            if coll == _GATHER:               # small ones: the one engine allgather of its
+                if type(root) is not int or not 0 <= root < self.size or not gather_gathers(
+                        array.nbytes, self.size, self._plan.small_bytes):
+                    return DECLINED           # executor (Executors._gather), whose blocks
+                if root != self.rank:         # the root keeps
+                    away = True
+                    out = _engine.DISCARD
+                elif out is not None and type(out) is not np.ndarray:
+                    return DECLINED
         kind = _KINDS[coll] + KIND_ROOT_STEP * root
         try:
             start = None if timeout is None else time.monotonic()
-            got = eng.call(coll, array, out, op, root, kind, timeout, tag)
+            got = eng.call(ALLGATHER if coll == _GATHER else coll, array, out, op, root, kind,
+                           timeout, tag)
             if got is None:
                 return DECLINED
             rc, result = got
@@ -93,7 +103,7 @@ class _Quick:
             claim = out if array is None else array
             return self._broadcast_rest(result, claim, root, out, kind,
                                         None if start is None else start + timeout)
-        return result
+        return None if away else result
 
     def _quick_alltoallv(self, eng, a, counts, out, timeout):
         """_quick of alltoall(counts=): the one engine call the executor makes
@@ -117,29 +127,6 @@ class _Quick:
             self._counts_disagree(result[1], a, out,
                                   None if start is None else start + timeout)
         return result
-
-    def _quick_small(self, eng, coll, a, op, out, root, timeout):
-        """_quick of a small gather (axis=None): the one engine allgather its executor runs
-        (Executors._gather: the same descriptor).  DECLINED for anything else (a large call,
-        an argument the parse must look at first).  (Scan and exscan are the engine's own
-        calls: Engine.call's SCAN, EXSCAN, which decline what they do not take.)"""
-        P = self.size
-        if type(a) is not np.ndarray or not a.flags.c_contiguous:
-            return DECLINED
-        if not gather_gathers(a.nbytes, P, self._plan.small_bytes):
-            return DECLINED
-        dt = a.dtype
-        if dt is not self._digest_of[0]:
-            self._digest_of = (dt, _dtype_digest(dt))
-        if type(root) is not int or not 0 <= root < P:
-            return DECLINED
-        mine = root == self.rank
-        if mine and out is not None and type(out) is not np.ndarray:
-            return DECLINED
-        got = self._quick_call(eng, ALLGATHER, a, out if mine else None, None,
-                               KIND_GATHER + KIND_ROOT_STEP * root, timeout,
-                               self._digest_of[1])
-        return got if got is DECLINED or mine else None
 
     def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
                     root=0):

@@ -57,6 +57,9 @@ cdef class Engine:
                                       # and its output (filled from them when the call ends:
                                       # xchg_inline_finish)
     cdef uint64_t x_src_n             # an exchange's input bytes (place: the single copy)
+    cdef object x_B, x_buf            # alltoall's byte matrix of equal blocks (x_block each)
+    cdef uint64_t x_block             # and its inline round's bytes, kept for the next call
+    cdef object ag_buf                # an allgather's output that nobody wants (DISCARD), kept
     cdef Xv xv                        # alltoall(counts=): its first round carries the counts
     cdef object xv_buf, xv_a, xv_out, xv_B    # (engine/msg.pxi, msg_alltoallv): the round
                                       # (reused), the input, the output, the byte matrix B

@@ -196,7 +196,9 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
                        offs) except -2:
     """allgather.  offs None: array a C-contiguous, aligned ndarray without Python objects; out
     None (a new array) or a writable C-contiguous, aligned ndarray of its dtype and of shape
-    (P, *array.shape), which array is row `rank` of or is clear of; the descriptor's shape is
+    (P, *array.shape), which array is row `rank` of or is clear of, or DISCARD (the result is
+    not wanted: a small gather away from its root; into the engine's own bytes, kept from
+    call to call, the result None); the descriptor's shape is
     array.shape + (itemsize, digest).  offs given (allgather(axis=0), blocks of their own
     sizes): array this rank's bytes (uint8), out the whole result's bytes (uint8), offs the
     block bounds by ring position, dims the descriptor's shape.  Selection: inline (a bitwise
@@ -209,11 +211,15 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
     cdef uint64_t block, nbytes, lo, hi
     cdef uint64_t *op
     cdef int64_t given[MAX_NDIM]
-    if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY):
+    cdef bint discard = out is _DISCARD
+    if type(array) is not _NDARRAY or (out is not None and type(out) is not _NDARRAY
+                                       and not discard):
         return -1
     a = <cnp.ndarray>array
     if (not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
             or cnp.PyDataType_FLAGS(<cnp.dtype>cnp.PyArray_DESCR(a)) & 1):
+        return -1
+    if discard and offs is not None:
         return -1
     if offs is None:
         nd = cnp.PyArray_NDIM(a)
@@ -221,10 +227,16 @@ cdef int msg_allgather(Engine self, array, out, int kind, uint64_t digest, dims,
             return -1
         block = cnp.PyArray_NBYTES(a)
         nbytes = block * P
-        if out is None:
+        if discard:                       # (into the engine's own bytes, kept: no result)
+            if self.ag_buf is None or <uint64_t>cnp.PyArray_NBYTES(self.ag_buf) < nbytes:
+                self.ag_buf = np.empty(max(nbytes, <uint64_t>4096), np.uint8)
+            out = None
+            o = <cnp.ndarray>self.ag_buf
+        elif out is None:
             out = empty_like(a, P)
-        o = <cnp.ndarray>out
-        if (cnp.PyArray_NDIM(o) != nd + 1 or cnp.PyArray_DIMS(o)[0] != P
+        if not discard:
+            o = <cnp.ndarray>out
+        if not discard and (cnp.PyArray_NDIM(o) != nd + 1 or cnp.PyArray_DIMS(o)[0] != P
                 or memcmp(cnp.PyArray_DIMS(o) + 1, cnp.PyArray_DIMS(a),
                           nd * sizeof(cnp.npy_intp)) != 0
                 or not cnp.PyArray_IS_C_CONTIGUOUS(o) or not cnp.PyArray_ISALIGNED(o)
@@ -376,7 +388,10 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
                                               <cnp.dtype>cnp.PyArray_DESCR(o))):
             return -1
         block = cnp.PyArray_NBYTES(a) // P
-        bmat = np.full(P * P, block, np.uint64)
+        if self.x_B is None or self.x_block != block:     # (kept: the same blocks next call)
+            self.x_B = np.full(P * P, block, np.uint64)
+            self.x_block = block
+        bmat = <cnp.ndarray>self.x_B
         for i in range(nd):
             given[i] = cnp.PyArray_DIMS(a)[i]
         given[nd] = cnp.PyArray_ITEMSIZE(a)
@@ -415,10 +430,13 @@ cdef int msg_alltoall(Engine self, array, out, int kind, uint64_t digest, dims,
     self.offs_ref = bmat
     self.e.x.m = xchg_tables(&self.e, bp)
     if alg == ALG_INLINE:                 # every rank's sends in one bitwise-or round
-        full = np.zeros(total, np.uint8)
+        if self.x_buf is None or <uint64_t>cnp.PyArray_NBYTES(self.x_buf) < total:
+            self.x_buf = np.empty(max(total, <uint64_t>4096), np.uint8)   # (kept: reused)
+        full = self.x_buf
         for p in range(me):
             for i in range(P):
                 row += bp[p * P + i]
+        memset(cnp.PyArray_DATA(full), 0, total)
         if sent:
             memcpy(<char *>cnp.PyArray_DATA(full) + row, cnp.PyArray_DATA(a), sent)
         self.x_full = full
