@@ -420,3 +420,48 @@ def test_a_scan_whose_peer_never_comes_times_out_then_every_rank_raises():
     outs = run_ok(late_worker, 2, stall_timeout=None)
     assert outs[0][0] == "CollectiveTimeoutError" and "exscan" in outs[0][1], outs
     assert outs[1][0] == "PeerLostError", outs
+
+
+# ---------------------------------------------------------------------------------------------
+# exscan of two ranks past the single copy's sizes: rank 0's input, received whole
+
+
+def pair_worker(comm, cases):
+    eng = comm._engine
+    eng.cma_bytes, eng.cma_total = 4096, 0      # (every exscan past the chain's least size)
+    return scan_worker(comm, cases), eng.cma_counts(), eng.cma_state
+
+
+PAIR = [(d, op, ("chain", delta), True, how)
+        for d, op in (("float64", "max"), ("int16", "prod"), ("complex64", "sum"),
+                      ("float16", "min"))
+        for delta in (0, 4099) for how in ("plain", "inplace", "overlap", "out")]
+PAIR += [("float32", "sum", ("chain", 1), False, "plain")]   # (a scan keeps the chain)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cma", [True, False])
+def test_exscan_of_two_ranks_receives_rank_0s_input_whole(cma, monkeypatch):
+    """msg_scan's pair (_scan_pair_begin): rank 1's exscan is rank 0's input, moved by the
+    exchange (cross-memory attach where allowed: one copy) into its output; rank 0's the
+    op's identity.  Against numpy, in place and with out= overlapping the input, the single
+    copy allowed and forced off."""
+    if cma:
+        monkeypatch.delenv("SHMTREE_CMA", raising=False)
+    else:
+        monkeypatch.setenv("SHMTREE_CMA", "0")
+    outs = run_ok(pair_worker, 2, args=(PAIR,), stall_timeout=None)
+    for i, (dtype, op, where, ex, how) in enumerate(PAIR):
+        n = outs[0][0][1][i][0]
+        want = scan_expected(2, dtype, op, n, i, ex)
+        for rank in range(2):
+            got_n, got, colls, takes = outs[rank][0][1][i]
+            got = unwire(got)
+            assert takes and colls == [_engine.EXSCAN if ex else _engine.SCAN]
+            assert got.tobytes() == want[rank].tobytes(), (dtype, op, n, ex, how, rank)
+    counts, state = outs[1][1], outs[1][2]
+    if cma and state == "yes":      # (rank 1 read rank 0's inputs: the exscans but the scan,
+        # and the first where a peer had not published its probe word when it began)
+        assert counts["calls"] >= len(PAIR) - 2 and counts["bytes"] > 0, counts
+    else:
+        assert counts["calls"] == 0, counts
