@@ -561,12 +561,15 @@ def bytes_worker(comm, n):
                        ("broadcast", lambda: comm.broadcast(x if comm.rank == 1 else None, 1)),
                        ("reduce", lambda: comm.reduce(x, root=2 % comm.size)),
                        ("reduce_scatter", lambda: comm.reduce_scatter(x)),
-                       ("allgather", lambda: comm.allgather(x[:n // comm.size]))):
+                       ("allgather", lambda: comm.allgather(x[:n // comm.size])),
+                       ("scan", lambda: comm.scan(x)), ("exscan", lambda: comm.exscan(x))):
         comm.barrier()
         before = comm.stats()["bytes_sent"]
         call()
         out[name] = comm.stats()["bytes_sent"] - before
     out["small_bytes"] = comm.group.plan.small_bytes
+    least = comm._engine.scan_chain_from()
+    out["chain"] = bool(least) and x.nbytes >= least and comm._engine.scan_takes(x.nbytes)
     return out
 
 
@@ -576,7 +579,8 @@ def bytes_worker(comm, n):
 def test_ring_algorithms_send_the_minimum(P, tree, monkeypatch):
     """Bytes each rank publishes into rings for a message of X bytes: the allreduce 2(P-1)/P X,
     broadcast X (the chain's last rank 0), reduce X (the root 0), reduce_scatter and allgather
-    (P-1)/P X (plus the broadcast's first round: 8P + 96 + 64 bytes, up and/or down)."""
+    (P-1)/P X (plus the broadcast's first round: 8P + 96 + 64 bytes, up and/or down); scan and
+    exscan on the chain X (rank P-1 0)."""
     monkeypatch.setenv("SHMTREE_CMA", "0")  # (the rings' bytes: the single copy by cross-memory
                                              # attach has its own count, test_cma.py)
     n = 60000 * P
@@ -596,6 +600,10 @@ def test_ring_algorithms_send_the_minimum(P, tree, monkeypatch):
         assert got["reduce"] == (0 if rank == 2 % P else X), (rank, got)
         assert got["reduce_scatter"] == (P - 1) * X // P, (rank, got)
         assert got["allgather"] == (P - 1) * (n // P) * 8, (rank, got)   # (P-1)/P of the result
+        if got["chain"]:                # scan, exscan: the reduce's chain in rank order
+            assert got["scan"] == got["exscan"] == (0 if rank == P - 1 else X), (rank, got)
+    if tree == "ring" and P == 2:
+        assert outs[0]["chain"], outs   # (two ranks: the ring order is the rank order)
 
 
 def killed_inside_ring_algorithm(comm, which):
@@ -609,7 +617,8 @@ def killed_inside_ring_algorithm(comm, which):
     calls = {"broadcast": lambda: comm.broadcast(x, root=0),
              "reduce": lambda: comm.reduce(x, root=0),
              "reduce_scatter": lambda: comm.reduce_scatter(x),
-             "allgather": lambda: comm.allgather(x[: n // comm.size])}
+             "allgather": lambda: comm.allgather(x[: n // comm.size]),
+             "scan": lambda: comm.scan(x), "exscan": lambda: comm.exscan(x)}
     comm.barrier()
     if comm.rank == 1:                               # dies a few ms into the call
         threading.Timer(0.004, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -623,7 +632,8 @@ def killed_inside_ring_algorithm(comm, which):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("which", ["broadcast", "reduce", "reduce_scatter", "allgather"])
+@pytest.mark.parametrize("which", ["broadcast", "reduce", "reduce_scatter", "allgather", "scan",
+                                   "exscan"])
 def test_dead_peer_inside_a_ring_algorithm(which):
     """SIGKILL of a rank while the others are inside one of the engine's own algorithms: the run
     names the dead rank, and no one hangs."""
