@@ -151,7 +151,8 @@ def test_the_transport_lock_is_a_mutex_between_threads():
     assert not lock.locked()
 
 
-SIZES = [0, 1, 100, 256 * 1024 - 1, 256 * 1024 + 5, 5 * MiB + 3, 64 * MiB]
+SIZES = [0, 1, 100, 256 * 1024 + 5, 4 * MiB - 1, 4 * MiB + 5, 5 * MiB + 3, 64 * MiB]   # (around
+                                                 # records.CMA_BYTES, the single copy's)
 
 
 def _sizes_fn(comm, sizes):
@@ -172,7 +173,7 @@ def _sizes_fn(comm, sizes):
 @pytest.mark.parametrize("cma", ["1", "0"])
 def test_sizes_up_to_64_MiB(monkeypatch, cma):
     """Through the ring (streamed in pieces when larger than it) and read straight from the
-    sender's memory (cma=1, from 256 KiB)."""
+    sender's memory (cma=1, from records.CMA_BYTES: 4 MiB)."""
     monkeypatch.setenv("SHMTREE_P2P_CMA", cma)
     assert run_ok(_sizes_fn, 2, args=(SIZES,))[1] == [True] * len(SIZES)
 
