@@ -600,7 +600,8 @@ def test_ring_algorithms_send_the_minimum(P, tree, monkeypatch):
         assert got["reduce"] == (0 if rank == 2 % P else X), (rank, got)
         assert got["reduce_scatter"] == (P - 1) * X // P, (rank, got)
         assert got["allgather"] == (P - 1) * (n // P) * 8, (rank, got)   # (P-1)/P of the result
-        if got["chain"]:                # scan, exscan: the reduce's chain in rank order
+        if got["chain"]:                # scan, exscan: the reduce's chain in rank order (an
+            # exscan of two ranks: rank 0's input to rank 1, the exchange's, as many bytes)
             assert got["scan"] == got["exscan"] == (0 if rank == P - 1 else X), (rank, got)
     if tree == "ring" and P == 2:
         assert outs[0]["chain"], outs   # (two ranks: the ring order is the rank order)

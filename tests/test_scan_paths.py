@@ -237,7 +237,7 @@ def scan_worker(comm, cases):
         else:
             raise AssertionError(how)
         out.append((n, wire(np.asarray(got)), rec.colls[before:],
-                    rec.scan_takes(n * x.dtype.itemsize)))
+                    rec.scan_takes(n * x.dtype.itemsize, exclusive)))
     return comm._plan.small_bytes, out
 
 

@@ -237,12 +237,12 @@ cdef class Engine:
         self.result = None                # a broadcast done in this slice; else take_result)
         return rc, got
 
-    def scan_takes(self, uint64_t nbytes):
-        """Does call take a scan or exscan of nbytes per rank whole (msg_scan.pxi: gathered
-        and folded, scan_gathers, or the reduce's chain)?  Else the transpose scheme
-        (Executors._scan).  The one rule: call declines the others with it, and the parsed
-        call asks it."""
-        return _scan_takes(self, nbytes)
+    def scan_takes(self, uint64_t nbytes, bint exclusive=False):
+        """Does call take a scan (exclusive: an exscan) of nbytes per rank whole (msg_scan.pxi:
+        an exscan of two ranks' exchange, gathered and folded, scan_gathers, or the reduce's
+        chain)?  Else the transpose scheme (Executors._scan).  The one rule: call declines the
+        others with it, and the parsed call asks it."""
+        return _scan_takes(self, nbytes, exclusive)
 
     def scan_chain_from(self):
         """The least bytes per rank of a scan or exscan that runs as the reduce's chain (past

@@ -48,9 +48,17 @@ cdef bint _scan_chains(Engine self, uint64_t nbytes) noexcept:
     return least != 0 and nbytes >= least
 
 
-cdef bint _scan_takes(Engine self, uint64_t nbytes) noexcept:
+cdef bint _scan_pairs(Engine self, uint64_t nbytes) noexcept:
+    """Does an exscan of nbytes per rank run as the pair's exchange (_scan_pair_begin)?  Two
+    ranks, past the inline round's size (P x nbytes over small_bytes): rank 1's result is
+    rank 0's input, one message, where the allgather would move both inputs both ways."""
+    return self.e.nranks == 2 and nbytes * 2 > self.sel_limit[COLL_ALLGATHER]
+
+
+cdef bint _scan_takes(Engine self, uint64_t nbytes, bint exclusive) noexcept:
     """Engine.scan_takes."""
-    return (_scan_gathers(nbytes, self.e.nranks, self.sel_limit[COLL_ALLGATHER])
+    return ((exclusive and _scan_pairs(self, nbytes))
+            or _scan_gathers(nbytes, self.e.nranks, self.sel_limit[COLL_ALLGATHER])
             or _scan_chains(self, nbytes))
 
 
@@ -75,7 +83,7 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     cdef uint64_t *bp
     cdef int64_t given[SCAN_MAX_NDIM + 3]
     cdef char *base
-    cdef bint chain
+    cdef bint chain, pair
     if type(array) is not _NDARRAY:
         return -1
     a = <cnp.ndarray>array
@@ -83,7 +91,8 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
         return -1
     block = cnp.PyArray_NBYTES(a)
     chain = False
-    if not _scan_gathers(block, P, self.sel_limit[COLL_ALLGATHER]):
+    pair = exclusive and _scan_pairs(self, block)
+    if not pair and not _scan_gathers(block, P, self.sel_limit[COLL_ALLGATHER]):
         if not _scan_chains(self, block):
             return -1
         chain = True
@@ -121,7 +130,7 @@ cdef int msg_scan(Engine self, array, out, op, int kind, bint exclusive,
     given[nd + 1] = cnp.PyArray_ITEMSIZE(a)
     given[nd + 2] = <int64_t>digest
     nd += 3
-    if chain and exclusive and P == 2 and block >= self.cma_total and block >= self.cma_bytes:
+    if pair:
         return _scan_pair_begin(self, a, res, opc, dtc, kind, nd, given)
     if chain:
         return _scan_chain_begin(self, a, res, opc, dtc, kind, exclusive, nd, given)
@@ -197,14 +206,15 @@ cdef int _scan_chain_begin(Engine self, cnp.ndarray a, cnp.ndarray res, int opc,
 
 cdef int _scan_pair_begin(Engine self, cnp.ndarray a, cnp.ndarray res, int opc, int dtc,
                           int kind, int nd, int64_t *given) except -2:
-    """msg_scan's exscan of two ranks as large as the single copy's (cma_total, cma_bytes: the
-    sizes alone decide, the same answer on both ranks): rank 1's result is rank 0's input, so
-    rank 1 receives it whole by the exchange (alg_exchange.pxi; cross-memory attach where both
-    ranks' probes said yes, alg_cma.pxi: one copy, as MPI's) into its output; rank 0's is the
-    op's identity.  (Measured, P = 2, 16 MiB, on a loaded VM: 1.7 ms against the chain's 4.1;
-    a scan the same way, its fold a pass of its own after the copy, took 4.9 against the
-    chain's 3.8, so a scan keeps the chain.)  An input its own output overlaps is read from a
-    copy (rank 0's is read by rank 1 during the call)."""
+    """msg_scan's exscan of two ranks past the inline round (_scan_pairs: the sizes alone
+    decide, the same answer on both ranks): rank 1's result is rank 0's input, so rank 1
+    receives it whole by the exchange (alg_exchange.pxi: inline, or through the outboxes;
+    cross-memory attach from the single copy's sizes where both ranks' probes said yes,
+    alg_cma.pxi: one copy, as MPI's) into its output; rank 0's is the op's identity.
+    (Measured, P = 2, 16 MiB, on a loaded VM: 1.7 ms against the chain's 4.1; a scan the
+    same way, its fold a pass of its own after the copy, took 4.9 against the chain's 3.8,
+    so a scan keeps the chain.)  An input its own output overlaps is read from a copy (rank
+    0's is read by rank 1 during the call)."""
     cdef uint64_t block = cnp.PyArray_NBYTES(a)
     cdef int me = self.e.rank, rc, i
     cdef cnp.ndarray B, src = a

@@ -327,7 +327,7 @@ class Executors(_Rounds):
         result, dst, copy_back = calls.destination(a, spec.out)
         src = _plain(a)
         digest = calls.dtype_digest(dt)
-        if self._engine.scan_takes(a.nbytes):   # (gathered, or the chain)
+        if self._engine.scan_takes(a.nbytes, exclusive):   # (gathered, or the chain)
             self._call(spec.coll, src, dst.reshape(src.shape), (spec.opc, spec.dtc), 0, kind,
                        deadline, digest)
             if copy_back is not None:
