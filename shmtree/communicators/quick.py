@@ -87,22 +87,24 @@ class _Quick:
                     return DECLINED
         kind = _KINDS[coll] + KIND_ROOT_STEP * root
         try:
-            start = None if timeout is None else time.monotonic()
             got = eng.call(ALLGATHER if coll == _GATHER else coll, array, out, op, root, kind,
                            timeout, tag)
             if got is None:
                 return DECLINED
             rc, result = got
+            deadline = None                   # (computed only when needed: Engine.began)
             if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
+                if timeout is not None:
+                    deadline = eng.began() + timeout
+                result = self._finish(eng, rc, deadline, result)
+            elif timeout is not None and coll == BROADCAST and type(result) is tuple:
+                deadline = eng.began() + timeout
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
         if coll == BROADCAST and type(result) is tuple:
             claim = out if array is None else array
-            return self._broadcast_rest(result, claim, root, out, kind,
-                                        None if start is None else start + timeout)
+            return self._broadcast_rest(result, claim, root, out, kind, deadline)
         return None if away else result
 
     def _quick_alltoallv(self, eng, a, counts, out, timeout):
@@ -112,34 +114,35 @@ class _Quick:
         if not (self._counts_inline or self._counts_travel()):
             return DECLINED
         try:
-            start = None if timeout is None else time.monotonic()
             got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
             if got is None:
                 return DECLINED
             rc, result = got
+            deadline = None                   # (computed only when needed: Engine.began)
             if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
+                if timeout is not None:
+                    deadline = eng.began() + timeout
+                result = self._finish(eng, rc, deadline, result)
+            elif timeout is not None and type(result) is tuple:
+                deadline = eng.began() + timeout
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
         if type(result) is tuple:             # (the round says the ranks disagree)
-            self._counts_disagree(result[1], a, out,
-                                  None if start is None else start + timeout)
+            self._counts_disagree(result[1], a, out, deadline)
         return result
 
     def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
                     root=0):
         """One engine call of a quick path, driven to its end: its result, or DECLINED."""
         try:
-            start = None if timeout is None else time.monotonic()
             got = eng.call(coll, array, out, op, root, kind, timeout, tag, dims, offs)
             if got is None:
                 return DECLINED
             rc, result = got
             if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if start is None else start + timeout,
-                                      result)
+                result = self._finish(eng, rc, None if timeout is None
+                                      else eng.began() + timeout, result)
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
@@ -184,20 +187,22 @@ class _Quick:
             if progress is not None and (progress.outstanding or progress.is_current_thread()):
                 return slow()
             try:
-                start = None if timeout is None else time.monotonic()
                 got = eng.call(coll, a, out, op, root, kind, timeout, tag)
                 if got is None:
                     return slow()
                 rc, result = got
+                deadline = None               # (computed only when needed: Engine.began)
                 if rc != done:
-                    result = self._finish(eng, rc, None if start is None else start + timeout,
-                                          result)
+                    if timeout is not None:
+                        deadline = eng.began() + timeout
+                    result = self._finish(eng, rc, deadline, result)
+                elif timeout is not None and type(result) is tuple:
+                    deadline = eng.began() + timeout
             except BaseException as exc:
                 self._interrupted(eng, exc)
                 raise
             if type(result) is tuple:         # (a broadcast whose data did not come yet)
-                return self._broadcast_rest(result, claim, root, out, kind,
-                                            None if start is None else start + timeout)
+                return self._broadcast_rest(result, claim, root, out, kind, deadline)
             return result
         return run
 

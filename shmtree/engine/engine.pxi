@@ -237,6 +237,17 @@ cdef class Engine:
         self.result = None                # a broadcast done in this slice; else take_result)
         return rc, got
 
+    def began(self):
+        """When the last call or slice began, in time.monotonic()'s seconds (CLOCK_MONOTONIC):
+        the first look at the clock of its slice (at most 8 steps or one idle turn after its
+        start), or now where the slice has not looked yet.  A quick path's deadline is this
+        plus its timeout, computed only when the call outlasts its first slice: a clock read
+        less on every call that does not (a deadline later than the call's start by those few
+        steps at most)."""
+        if self.e.slice_end == 0:
+            return shm_now_ns() / 1e9
+        return (self.e.slice_end - self.e.slice_ns) / 1e9
+
     def scan_takes(self, uint64_t nbytes, bint exclusive=False):
         """Does call take a scan (exclusive: an exscan) of nbytes per rank whole (msg_scan.pxi:
         an exscan of two ranks' exchange, gathered and folded, scan_gathers, or the reduce's
