@@ -249,16 +249,12 @@ cdef class Engine:
         return (self.e.slice_end - self.e.slice_ns) / 1e9
 
     def scan_takes(self, uint64_t nbytes, bint exclusive=False):
-        """Does call take a scan (exclusive: an exscan) of nbytes per rank whole (msg_scan.pxi:
-        an exscan of two ranks' exchange, gathered and folded, scan_gathers, or the reduce's
-        chain)?  Else the transpose scheme (Executors._scan).  The one rule: call declines the
-        others with it, and the parsed call asks it."""
+        """Does call take a scan (exclusive: an exscan) of nbytes per rank whole?  Else the
+        transpose scheme (Executors._scan).  The one rule (msg_scan.pxi's _scan_takes)."""
         return _scan_takes(self, nbytes, exclusive)
 
     def scan_chain_from(self):
-        """The least bytes per rank of a scan or exscan that runs as the reduce's chain (past
-        scan_gathers), or 0 where the chain never runs (the ring order is not the rank
-        order)."""
+        """The least bytes per rank of a scan on the reduce's chain; 0: never here."""
         return _scan_chain_from(self)
 
     def take_result(self):
