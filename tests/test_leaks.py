@@ -282,3 +282,41 @@ def test_joined_group_dropped_without_close_leaves_no_memfd():
         os.sched_setaffinity(0, affinity)
     assert not fds, f"a joined Group dropped without close() left its memfd open: {fds}"
     assert not maps, f"a joined Group dropped without close() left its segment mapped: {maps}"
+
+
+def _pidfds():
+    got = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]":
+                got.add(fd)
+        except OSError:                 # (the listing's own descriptor, closed by now)
+            pass
+    return got
+
+
+def test_a_closed_watch_opens_no_pidfd():
+    """liveness.Watch after its group's close(): a liveness check that another thread makes
+    then (a pool's result thread asking death_of while the pool closes) reads /proc and opens
+    no pidfd, which would outlive the group (the leak check saw one after
+    test_usable::test_pool_map_with_idle_members_fails_naming_them)."""
+    from shmtree.machine.liveness import Watch
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfds here")
+    before = _pidfds()
+    w = Watch()
+    got = w.watch(("me", os.getpid()), os.getpid())
+    assert got is not None and got[1] is not None and len(_pidfds() - before) == 1
+    w.close()
+    assert _pidfds() == before
+    got = w.watch(("me again", os.getpid()), os.getpid())
+    assert got is not None and got[1] is None, got      # (alive: from /proc, no pidfd)
+    assert _pidfds() == before
+    w.drop()                    # (a forked child's copy: dropped, and may watch again)
+    v = Watch()
+    v.watch(("x", os.getpid()), os.getpid())
+    v.drop()
+    assert _pidfds() == before and not v.closed
+    assert v.watch(("y", os.getpid()), os.getpid())[1] is not None
+    v.close()
+    assert _pidfds() == before

@@ -70,6 +70,7 @@ class Watch(dict):
     checks every slice, come first); the others are read from /proc."""
 
     fds = 0
+    closed = False                     # (close()d: its group is; watch() opens no pidfd then)
 
     def watch(self, key, pid):
         """Start watching pid (already matched to its recorded start time): (start, fd), or
@@ -77,7 +78,8 @@ class Watch(dict):
         opened, so it names the matched process and not a successor with its pid."""
         fields = _stat_fields(pid)
         fd = None
-        if fields is not None and hasattr(os, "pidfd_open") and self.fds < MAX_PIDFDS:
+        if (fields is not None and hasattr(os, "pidfd_open") and self.fds < MAX_PIDFDS
+                and not self.closed):
             try:
                 fd = os.pidfd_open(pid)
             except OSError:             # (gone, or no pidfds here: the /proc reads serve)
@@ -89,6 +91,9 @@ class Watch(dict):
             if fd is not None:
                 os.close(fd)
             return None
+        if fd is not None and self.closed:      # (closed meanwhile, by another thread: a
+            os.close(fd)                        # pidfd opened now would outlive the group)
+            fd = None
         self[key] = got = (fields[1], fd)
         if fd is not None:
             self.fds += 1
@@ -96,6 +101,13 @@ class Watch(dict):
         return got
 
     def close(self):
+        """The group is closed: its pidfds go, and none is opened again."""
+        self.closed = True
+        self.drop()
+
+    def drop(self):
+        """Close the pidfds (close(), and a forked child's copy of the parent's Watch, which
+        may open its own afterwards)."""
         for _, fd in self.values():
             if fd is not None:
                 try:
@@ -123,7 +135,7 @@ _WATCHES = weakref.WeakSet()          # the Watches holding pidfds, to drop in a
 
 def _drop_after_fork():
     for w in list(_WATCHES):
-        w.close()
+        w.drop()
 
 
 os.register_at_fork(after_in_child=_drop_after_fork)
