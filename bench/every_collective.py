@@ -4,7 +4,8 @@ collective against MPI").
 
 For each process count and collective, runs ``shmtree-bench compare --collective C`` (shmtree,
 every ``--mpi-python``'s MPI and the concurrent-copy reference, in one run each), ``--rounds``
-times, and prints one markdown table per process count: per cell shmtree's time over the best
+times (round by round over every collective, so that a cell's rounds lie minutes apart), and
+prints one markdown table per process count: per cell shmtree's time over the best
 MPI's (below 1: shmtree is faster), the best of the rounds of each (the least disturbed by
 other load), with shmtree's and the best MPI's microseconds.  ``--json`` keeps every run.
 
@@ -69,11 +70,10 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     everything = {}
     for P in [int(p) for p in args.nprocs.split(",")]:
-        table = {}
-        for coll in args.collectives.split(","):
-            best = {}
-            for _ in range(args.rounds):
-                rows, _ = run_compare(coll, P, args)
+        table = {coll: {} for coll in args.collectives.split(",")}
+        for _ in range(args.rounds):          # (round by round over every collective: the
+            for coll, best in table.items():  # rounds of a cell minutes apart, so that the
+                rows, _ = run_compare(coll, P, args)    # best of them escapes a slow spell)
                 everything.setdefault(f"P{P}", {}).setdefault(coll, []).append(rows)
                 for row in rows:
                     mine, theirs = row.get("shmtree_us"), best_mpi(row)
@@ -82,7 +82,6 @@ def main(argv=None):
                                          else old[0],
                                          theirs if old[1] is None or (theirs and theirs < old[1])
                                          else old[1])
-            table[coll] = best
         sizes = sorted({s for b in table.values() for s in b})
         print(f"\nP = {P}: shmtree / best MPI (shmtree us / MPI us), best of {args.rounds} runs")
         print("| collective | " + " | ".join(size_text(s) for s in sizes) + " |")
