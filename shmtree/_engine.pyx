@@ -342,6 +342,7 @@ cdef enum:
     COLL_EXSCAN = 10        # fold of the rows this rank needs: msg_scan; calls.py's numbers)
     COLL_SCATTER = 8        # (Engine.call: scatter's round, and its exchange: scatter.pxi)
     BC_DATA_ONLY = 1        # (Engine.call's tag for BROADCAST: the data alone, no first round)
+    RANK_ORDER_TAG = 1      # (Engine.call's tag for ALLREDUCE: two ranks fold x_0 op x_1)
 # the collectives by number, for the Python layer (calls.py numbers them alike; ERROR is the
 # engine's own)
 ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERROR = (
@@ -350,6 +351,7 @@ ALLREDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, ALLGATHER, ALLTOALL, BARRIER, ERRO
 SCAN, EXSCAN = COLL_SCAN, COLL_EXSCAN
 SCATTER = COLL_SCATTER
 DATA_ONLY = BC_DATA_ONLY
+RANK_ORDER = RANK_ORDER_TAG
 
 
 cdef int drive(Eng *e, const Alg *alg) noexcept nogil:

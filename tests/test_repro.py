@@ -855,3 +855,70 @@ def test_torch_backend_reduction_modes(tmp_path, monkeypatch):
         assert g["deterministic"] == [0.0] and g["reduce_scatter"] == [0.0]
         assert g["mismatch"] is True, g
         assert g["after"] == [3.0, 3.0] and g["bad_mode"]
+
+
+# ---------------------------------------------------------------------------------------------
+# two ranks: the ring schedule itself folds x_0 op x_1 (Engine.call's RANK_ORDER)
+
+
+def pair_order_worker(comm, n, shared):
+    from shmtree import _engine
+    eng = comm._engine
+    colls = []
+
+    class Recorder:                       # (the engine calls each way in makes)
+        def call(self, coll, *args):
+            got = eng.call(coll, *args)
+            if got is not None:
+                colls.append(coll)
+            return got
+
+        def __getattr__(self, name):
+            return getattr(eng, name)
+
+    a, b = np.uint64(0x7FF8000000000001), np.uint64(0x7FF8000000000002)
+    bits = np.arange(n, dtype=np.uint64) * 2654435761 % (1 << 52) + (1023 << 52)
+    bits[::3] = a if comm.rank == 0 else b      # (NaN meets NaN: the left one is the result)
+    x = comm.empty(n, np.float64) if shared else np.empty(n)
+    x[...] = bits.view(np.float64)
+    out = {}
+    comm._engine = Recorder()
+    try:
+        for how in ("plain", "out", "init", "i"):
+            before = len(colls)
+            if how == "plain":
+                got = comm.allreduce(x, deterministic=True)
+            elif how == "out":
+                got = comm.allreduce(x, out=np.empty(n), deterministic=True, timeout=60)
+            elif how == "init":
+                got = comm.allreduce_init(x, deterministic=True)()
+            else:
+                got = comm.iallreduce(x, deterministic=True).wait()
+            out[how] = (sorted(set(got.view(np.uint64)[::3].tolist())), colls[before:],
+                        hashlib.sha256(got.tobytes()).hexdigest())
+        plain = comm.allreduce(x)
+        out["not deterministic"] = plain.view(np.uint64)[::3].tolist()
+    finally:
+        comm._engine = eng
+    return out, comm._plan.large_schedule
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("n", [1 << 17, (1 << 20) + 3])
+def test_two_ranks_deterministic_is_the_rings_own_call(n, shared):
+    """P = 2, past the inline round: deterministic=True is the plain engine allreduce, whose
+    ring schedule has rank 0 fold its own input first (every block x_0 op x_1: where NaNs of
+    two payloads meet, rank 0's), on private and on shared arrays (the single copy, whose fold
+    follows the ring's order, is not taken), every way in."""
+    from shmtree import _engine
+    outs = run_ok(pair_order_worker, 2, args=(n, shared))
+    (o0, schedule), (o1, _) = outs
+    assert schedule == "ring"
+    for how in ("plain", "out", "init", "i"):
+        nans, colls, digest = o0[how]
+        assert nans == [0x7FF8000000000001], (how, [hex(v) for v in nans])
+        assert colls == [_engine.ALLREDUCE], (how, colls)
+        assert o1[how][2] == digest, how                  # (the same bits on both ranks)
+    # the plain call folds half of the blocks x_1 op x_0 (so the test sees the rule)
+    assert 0x7FF8000000000002 in o0["not deterministic"]

@@ -12,7 +12,9 @@
 # depends on the predecessor's item t-1 alone, so the ring never needs more than two slots
 # however large the blocks (ordering items block by block would need a whole block of slots).
 # Each block is completed at exactly one rank, so every rank gets the same bits (the received
-# partial result is the first operand, the own input the second, at every rank).
+# partial result is the first operand, the own input the second, at every rank; in a call of
+# two ranks with rank_order, rank 0 puts its own first, so that every block is x_0 op x_1:
+# deterministic=True, frontend/repro.py).
 #
 # Counters: j_up items sent (t), j_down items of the predecessor consumed.
 
@@ -83,9 +85,9 @@ cdef inline int ring_send(Eng *e, Chan *c, Call *k) noexcept nogil:
         rc = send(e, c, k, &c.up, t, k.src + lo, n)
     elif s < P - 1:
         rc = recv_reduce_send(e, c, k, c.cup, 1, t - 1, &c.up, t, k.src + lo, n, False, False)
-    elif s == P - 1:
+    elif s == P - 1:                  # (rank_order, two ranks: rank 0 folds its own first)
         rc = recv_reduce_copy_send(e, c, k, c.cup, 1, t - 1, &c.up, t, k.src + lo, k.dst + lo, n,
-                                   False, False)
+                                   k.rank_order and e.rank == 0, False)
     else:
         rc = recv_copy_send(e, c, k, c.cup, t - 1, &c.up, t, k.dst + lo, n)
     if rc != RC_DONE:

@@ -202,6 +202,8 @@ cdef class Engine:
         if self.busy or budget < 0:
             return None
         self.result = None
+        self.e.call.rank_order = coll == COLL_ALLREDUCE and tag == RANK_ORDER_TAG and \
+            self.e.nranks == 2
         if coll == COLL_ALLREDUCE or coll == COLL_BARRIER:
             rc = msg_allreduce(self, array, out, op, kind, dims)
         elif coll == COLL_REDUCE:
@@ -328,8 +330,8 @@ cdef class Engine:
         if self.e.cma.state == CMA_UNKNOWN:
             self.e.cma.state = cma_probe(&self.e, True)   # (where every peer has started)
         cma_place(self, seq, coll, alg, src_p, dst_p)
-        if coll == COLL_ALLREDUCE:
-            place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE)
+        if coll == COLL_ALLREDUCE:           # (rank_order: the private paths' fold alone)
+            place(self, seq, src_p, dst_p, nbytes, alg != ALG_INLINE and not self.e.call.rank_order)
         elif coll == COLL_BROADCAST or coll == COLL_ALLGATHER:
             place(self, seq, dst_p, dst_p, nbytes, True)     # (every rank's output alone)
         elif coll == COLL_ALLTOALL:

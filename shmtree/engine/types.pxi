@@ -142,6 +142,8 @@ cdef struct Call:
     int coll_kind                 # chain algorithms: CHAIN_BCAST, CHAIN_REDUCE, CHAIN_SCAN or
                                   # CHAIN_EXSCAN
     int root                      # rooted collectives: the root's ring position
+    int rank_order                # an allreduce of two ranks folded x_0 op x_1 (Engine.call's
+                                  # RANK_ORDER: deterministic=True; alg_ring.pxi)
     const uint64_t *offs          # block algorithms: [lo, hi) of each ring position's block
 
 

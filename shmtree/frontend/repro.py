@@ -6,8 +6,9 @@ calls whose CallSpec says so (calls.CallSpec.reproducible: descriptor kind KIND_
   the P contributions: the rule of a flat tree's root; _rounding.fold_rows), whatever the plan:
   - where the plan's own schedule already folds so (P = 1; a message that travels inline in
     the latency round of a flat tree rooted at 0 with its children in rank order - one node,
-    P <= 8 -; a pipelined flat tree) - and for integer and bool dtypes, whose every op is exact
-    - the engine's call itself, with the deterministic descriptor kind;
+    P <= 8 -; a pipelined flat tree; an allreduce of two ranks, whose ring schedule folds every
+    block x_0 op x_1 under the tag _RANK_ORDER) - and for integer and bool dtypes, whose every
+    op is exact - the engine's call itself, with the deterministic descriptor kind;
   - else small messages (P x the message at most GATHER_BYTES): one allgather of every input,
     each rank folds the P rows (reduce: the root alone);
   - else, on a ring order 0..P-1 (one node), for float32/float64/complex: the engine's own
@@ -64,6 +65,7 @@ _EXACT = "biu"              # dtype kinds whose every op gives the same bits in 
 _NOTHING = np.empty(0, np.uint8)
 _U1 = _kernels.DTYPE_CODES["u1"]
 _BOR = _kernels.OP_CODES["bor"]
+_RANK_ORDER = _engine.RANK_ORDER    # (Engine.call's tag: an allreduce of two ranks folds x_0 op x_1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +83,9 @@ def prepared(comm, spec):
 
 def ordered(comm, coll, nbytes):
     """Does the engine's own call of `coll` over nbytes apply the op in rank order, as one
-    fold of the P inputs (a flat tree's root: x_0, x_1, ..., x_{P-1} in one kernel call)?"""
+    fold of the P inputs (a flat tree's root: x_0, x_1, ..., x_{P-1} in one kernel call; an
+    allreduce of two ranks under the ring schedule, made with the tag _RANK_ORDER: every block
+    x_0 op x_1)?"""
     got = comm.__dict__.get("_repro_order")
     if got is None:
         plan = comm._plan
@@ -92,7 +96,8 @@ def ordered(comm, coll, nbytes):
         return True
     if nbytes <= small_bytes:
         return small
-    return large and coll == ALLREDUCE
+    return (large or P == 2) and coll == ALLREDUCE    # (two ranks: the ring's rank 0 folds its
+                                                      # own first under _RANK_ORDER)
 
 
 def _chained(comm, dt, nbytes, root):
@@ -151,7 +156,7 @@ def _reducing(comm, spec):
     if src.dtype.kind in _EXACT or src.size == 0 or (
             ordered(comm, spec.coll, src.nbytes) and (root or 0) < DET_ROOTS):
         comm._call(spec.coll, src, dst if mine else None, (spec.opc, spec.dtc), root or 0,
-                   kind, deadline)
+                   kind, deadline, _RANK_ORDER if spec.coll == ALLREDUCE else 0)
     else:
         _rank_fold(comm, src, dst if mine else None, root, spec.opc, kind, deadline)
     if copy_back is not None and mine:
@@ -256,9 +261,7 @@ def quick(comm, coll, array, op, out, root, timeout):
         root = 0 if coll != ALLREDUCE else None
         kind = _QUICK_KINDS[coll]
     if array.dtype.kind not in _EXACT:
-        P, small_bytes, small, large = order
-        nbytes = array.nbytes
-        if not (P == 1 or (small if nbytes <= small_bytes else large and coll == ALLREDUCE)):
+        if not ordered(comm, coll, array.nbytes):     # (the one rule, the parsed call's too)
             if coll == REDUCE_SCATTER:
                 return DECLINED
             return _quick_fold(comm, array, op, out, root, kind, timeout)
@@ -272,7 +275,8 @@ def _one_call(comm, eng, coll, array, out, op, root, kind, timeout, start, dims=
     """One engine call of a quick path, driven to its end: its result, or DECLINED (the
     engine declined: nothing ran)."""
     try:
-        got = eng.call(coll, array, out, op, root, kind, timeout, 0, dims, offs)
+        got = eng.call(coll, array, out, op, root, kind, timeout,
+                       _RANK_ORDER if coll == ALLREDUCE else 0, dims, offs)
         if got is None:
             return DECLINED
         rc, result = got
@@ -360,7 +364,8 @@ def bind(comm, spec, slow):
         return None
     if a.dtype.kind not in _EXACT and not ordered(comm, spec.coll, a.nbytes):
         return None
-    return comm._bound_run(spec.coll, a, out, (spec.opc, spec.dtc), root, spec.kind, 0, slow)
+    return comm._bound_run(spec.coll, a, out, (spec.opc, spec.dtc), root, spec.kind,
+                           _RANK_ORDER if spec.coll == ALLREDUCE else 0, slow)
 
 
 # ---------------------------------------------------------------------------------------------
