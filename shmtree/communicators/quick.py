@@ -91,14 +91,7 @@ class _Quick:
                            timeout, tag)
             if got is None:
                 return DECLINED
-            rc, result = got
-            deadline = None                   # (computed only when needed: Engine.began)
-            if rc != _engine.DONE:
-                if timeout is not None:
-                    deadline = eng.began() + timeout
-                result = self._finish(eng, rc, deadline, result)
-            elif timeout is not None and coll == BROADCAST and type(result) is tuple:
-                deadline = eng.began() + timeout
+            result, deadline = self._complete(eng, got, timeout)
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
@@ -117,20 +110,27 @@ class _Quick:
             got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, timeout, 0, None, counts)
             if got is None:
                 return DECLINED
-            rc, result = got
-            deadline = None                   # (computed only when needed: Engine.began)
-            if rc != _engine.DONE:
-                if timeout is not None:
-                    deadline = eng.began() + timeout
-                result = self._finish(eng, rc, deadline, result)
-            elif timeout is not None and type(result) is tuple:
-                deadline = eng.began() + timeout
+            result, deadline = self._complete(eng, got, timeout)
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
         if type(result) is tuple:             # (the round says the ranks disagree)
             self._counts_disagree(result[1], a, out, deadline)
         return result
+
+    def _complete(self, eng, got, timeout):
+        """A begun engine call (Engine.call's (rc, result)) driven to its end: (its result, its
+        deadline for a round that follows it).  The deadline (None without a timeout) is read
+        only when it is needed - a call that outlasts its first slice, or a result that says
+        more is to come (a tuple) - from the first slice's start (Engine.began), before the
+        later slices move it on."""
+        rc, result = got
+        deadline = None
+        if timeout is not None and (rc != _engine.DONE or type(result) is tuple):
+            deadline = eng.began() + timeout
+        if rc != _engine.DONE:
+            result = self._finish(eng, rc, deadline, result)
+        return result, deadline
 
     def _quick_call(self, eng, coll, array, out, op, kind, timeout, tag, dims=None, offs=None,
                     root=0):
@@ -139,10 +139,7 @@ class _Quick:
             got = eng.call(coll, array, out, op, root, kind, timeout, tag, dims, offs)
             if got is None:
                 return DECLINED
-            rc, result = got
-            if rc != _engine.DONE:
-                result = self._finish(eng, rc, None if timeout is None
-                                      else eng.began() + timeout, result)
+            result = self._complete(eng, got, timeout)[0]
         except BaseException as exc:
             self._interrupted(eng, exc)
             raise
@@ -174,7 +171,7 @@ class _Quick:
         tag = _dtype_digest(a.dtype) if coll in _DIGESTED else 0
         root = spec.root or 0
         op = (spec.opc, spec.dtc) if spec.opc >= 0 else None
-        eng, group, kind, done = self._engine, self.group, spec.kind, _engine.DONE
+        eng, group, kind = self._engine, self.group, spec.kind
         claim = out if a is None else a
 
         if timeout is None and coll != BROADCAST:     # (the common case, as short as can be)
@@ -190,14 +187,7 @@ class _Quick:
                 got = eng.call(coll, a, out, op, root, kind, timeout, tag)
                 if got is None:
                     return slow()
-                rc, result = got
-                deadline = None               # (computed only when needed: Engine.began)
-                if rc != done:
-                    if timeout is not None:
-                        deadline = eng.began() + timeout
-                    result = self._finish(eng, rc, deadline, result)
-                elif timeout is not None and type(result) is tuple:
-                    deadline = eng.began() + timeout
+                result, deadline = self._complete(eng, got, timeout)
             except BaseException as exc:
                 self._interrupted(eng, exc)
                 raise
@@ -213,23 +203,11 @@ class _Quick:
         if type(a) is not np.ndarray or type(out) is not np.ndarray \
                 or spec.timeout is not None or not self._counts_travel():
             return None
-        eng, group, done = self._engine, self.group, _engine.DONE
+        bound = self._bound_run(ALLTOALL, a, out, None, 0, KIND_A2AV, 0, slow, offs=counts)
 
         def run():
-            progress = self._progress
-            if self._closed or group._closed or self._gen != session._fork_gen or (
-                    progress is not None and (progress.outstanding
-                                              or progress.is_current_thread())):
-                return slow()
-            try:
-                got = eng.call(ALLTOALL, a, out, None, 0, KIND_A2AV, None, 0, None, counts)
-                if got is None:
-                    return slow()
-                result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
-            except BaseException as exc:
-                self._interrupted(eng, exc)
-                raise
-            if type(result) is tuple:
+            result = bound()
+            if type(result) is tuple:         # (the round says the ranks disagree)
                 self._counts_disagree(result[1], a, out, None)
             return result
         return run
@@ -266,10 +244,12 @@ class _Quick:
             return got
         return run
 
-    def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT):
+    def _bound_run(self, coll, a, out, op, root, kind, tag, slow, give=_ENGINE_RESULT,
+                   offs=None):
         """A bound call without a timeout (_bind): the communicator's checks (closed, a forked
         child, nonblocking calls outstanding: then slow(), the bound spec through _start), one
-        Engine.call, and its result - or `give`, when given (a gather's output)."""
+        Engine.call (offs: alltoall(counts=)'s counts), and its result - or `give`, when given
+        (a gather's output)."""
         eng, group, done = self._engine, self.group, _engine.DONE
 
         def run():
@@ -279,7 +259,7 @@ class _Quick:
                                               or progress.is_current_thread())):
                 return slow()
             try:
-                got = eng.call(coll, a, out, op, root, kind, None, tag)
+                got = eng.call(coll, a, out, op, root, kind, None, tag, None, offs)
                 if got is None:
                     return slow()
                 result = got[1] if got[0] == done else self._finish(eng, got[0], None, got[1])
