@@ -24,8 +24,20 @@ bitwise or.  An element with no finite nonzero term has q = QNONE and zero limbs
 
 Every function takes C-contiguous arrays and releases the GIL.
 """
-from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t, INT64_MIN
 from libc.string cimport memset
+
+cdef extern from "accum_fast.h" nogil:
+    int shmt_acc_set_isa(int isa)
+    int shmt_acc_isa
+    int64_t shmt_acc_ulp_quanta(const double *x, int16_t *negq, Py_ssize_t n)
+    int64_t shmt_acc_ulp_limbs(const double *x, const int16_t *negq_g, int extra, int64_t *out,
+                               Py_ssize_t n)
+    int64_t shmt_acc_round_sums(const int64_t *s, const int16_t *negq_g, double *out,
+                                Py_ssize_t n)
+    int64_t shmt_acc_align2(const int16_t *q, const int64_t *limbs, const int16_t *qg, int extra,
+                            int64_t *out, Py_ssize_t n)
+    void shmt_acc_carry2(int64_t *limbs, int16_t *q, Py_ssize_t n)
 
 
 import numpy as np
@@ -284,22 +296,25 @@ def aligned(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
     cdef int64_t *dst
     cdef shmt_i128 t
     with nogil:
-        if W1 == 2 and W2 == 2:                   # (the common case, without loops)
-            for e in range(n):
-                if q[e] == C_QNONE:
-                    out[e, 0] = 0
-                    out[e, 1] = 0
-                    continue
-                d = q[e] - qg[e]
-                t = ((<shmt_i128>limbs[e, 1]) << BITS) + limbs[e, 0]
-                k = _bitlen128(t)
-                need = (k + d + extra + 2 + BITS - 1) // BITS
-                if need <= 2:                     # (then k + d < 104: the shift fits 128 bits)
-                    t = t << d
-                    out[e, 0] = <int64_t>(t & MASK)
-                    out[e, 1] = <int64_t>(t >> BITS)
-                if need > best:
-                    best = need
+        if W1 == 2 and W2 == 2 and n:             # (the common case: accum_loops.h's align2,
+            if shmt_acc_align2(&q[0], &limbs[0, 0], &qg[0], extra, &out[0, 0], n):  # then
+                for e in range(n):                # the elements it left, the general way)
+                    if out[e, 1] != INT64_MIN:
+                        if q[e] != C_QNONE and 2 > best:
+                            best = 2
+                        continue
+                    d = q[e] - qg[e]
+                    t = ((<shmt_i128>limbs[e, 1]) << BITS) + limbs[e, 0]
+                    k = _bitlen128(t)
+                    need = (k + d + extra + 2 + BITS - 1) // BITS
+                    if need <= 2:                 # (then k + d < 104: the shift fits 128 bits)
+                        t = t << d
+                        out[e, 0] = <int64_t>(t & MASK)
+                        out[e, 1] = <int64_t>(t >> BITS)
+                    if need > best:
+                        best = need
+            else:
+                best = 2
         else:
             _aligned_rows(q, limbs, qg, extra, out, &best)
     return best
@@ -347,12 +362,8 @@ def normalize_sum(int64_t[:, ::1] limbs, int16_t[::1] q):
     cdef uint64_t u
     with nogil:
         if W == 2:
-            for e in range(n):
-                u = <uint64_t>limbs[e, 0]
-                limbs[e, 0] = <int64_t>(u & MASK)
-                limbs[e, 1] += <int64_t>(u >> BITS)
-                if limbs[e, 0] == 0 and limbs[e, 1] == 0:
-                    q[e] = C_QNONE
+            if n:
+                shmt_acc_carry2(&limbs[0, 0], &q[0], n)     # (accum_loops.h's carry2)
         else:
             for e in range(n):
                 _normalize_sum_row(&limbs[e, 0], W)
@@ -494,3 +505,64 @@ def merge_rows(const int64_t[:, :, ::1] rows):
                     limbs[r, e, k] = rows[r, e, 1 + k]
     q, out, flags = combine(qs_a, limbs_a, fl_a)
     return q, out, flags, nonempty
+
+
+# ---- the float64 fast path of reproducible=True (shmtree/accumulating.py): every x one term,
+# at the quantum of its unit in the last place (accum_loops.h), without an Accumulator's state
+
+def ulp_quanta(const double[::1] x, int16_t[::1] negq):
+    """negq[e] = -(x[e]'s ulp exponent), -QNONE for a zero or non-finite x (accum_loops.h):
+    the max round's row.  Returns how many x are NaN, infinite or -0.0 (0: the fast path may
+    go on)."""
+    cdef Py_ssize_t n = x.shape[0]
+    if negq.shape[0] < n:
+        raise ValueError("shmtree: ulp_quanta: negq is shorter than x")
+    if n == 0:
+        return 0
+    cdef int64_t got
+    with nogil:
+        got = shmt_acc_ulp_quanta(&x[0], &negq[0], n)
+    return got
+
+
+def ulp_limbs(const double[::1] x, const int16_t[::1] negq_g, int extra, int64_t[:, ::1] out):
+    """Every x[e] at the group's quantum -negq_g[e], in two normalised limbs of out (a sum of
+    2**extra such rows fits): returns how many do not fit so (0: out is all written)."""
+    cdef Py_ssize_t n = x.shape[0]
+    if negq_g.shape[0] < n or out.shape[0] < n or out.shape[1] != 2:
+        raise ValueError("shmtree: ulp_limbs: arrays of other shapes than x's")
+    if n == 0:
+        return 0
+    cdef int64_t got
+    with nogil:
+        got = shmt_acc_ulp_limbs(&x[0], &negq_g[0], extra, &out[0, 0], n)
+    return got
+
+
+def round_sums(const int64_t[:, ::1] sums, const int16_t[::1] negq_g, double[::1] out):
+    """The column sums of ulp_limbs times 2**-negq_g[e], rounded once to nearest even into
+    out: returns how many elements are not a normal double's case (0: out is the result; else
+    the caller rounds the general way)."""
+    cdef Py_ssize_t n = out.shape[0]
+    if negq_g.shape[0] < n or sums.shape[0] < n or sums.shape[1] != 2:
+        raise ValueError("shmtree: round_sums: arrays of other shapes than out's")
+    if n == 0:
+        return 0
+    cdef int64_t got
+    with nogil:
+        got = shmt_acc_round_sums(&sums[0, 0], &negq_g[0], &out[0], n)
+    return got
+
+
+def use_isa(int isa):
+    """The instruction set of accum_loops.h's loops: 1 AVX2 (where the CPU has it), 0 the
+    build's baseline (tests compare the two).  Returns whether it took."""
+    return bool(shmt_acc_set_isa(isa))
+
+
+def isa():
+    """The instruction set in use: 1 AVX2, 0 the baseline."""
+    return shmt_acc_isa
+
+
+use_isa(1)

@@ -922,3 +922,158 @@ def test_two_ranks_deterministic_is_the_rings_own_call(n, shared):
         assert o1[how][2] == digest, how                  # (the same bits on both ranks)
     # the plain call folds half of the blocks x_1 op x_0 (so the test sees the rule)
     assert 0x7FF8000000000002 in o0["not deterministic"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Accumulator's element loops (shmtree/_csrc/accum_loops.h): the baseline and the AVX2
+# copies, against Python integers; reproducible=True's float64 path and its ways back to the
+# general one
+
+def _isas():
+    from shmtree import _accum
+    have = [0] + ([1] if _accum.use_isa(1) else [])
+    _accum.use_isa(1)
+    return have
+
+
+def _value(q, limbs):
+    """The exact values of a state (q int16[n], limbs int64[n, W]) as Fractions."""
+    out = []
+    for e in range(q.shape[0]):
+        if q[e] == 32767:
+            out.append(F(0))
+            continue
+        v = sum(int(limbs[e, k]) << (52 * k) for k in range(limbs.shape[1]))
+        out.append(F(v) * F(2) ** int(q[e]))
+    return out
+
+
+def _kernel_terms(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)
+    x[3::11] = -x[3::11]
+    x[::7] = 0.0
+    x[5::13] = rng.standard_normal(x[5::13].shape) * 1e-310       # (subnormals)
+    x[6::17] = 2.0 ** 52 + rng.integers(0, 2 ** 20, x[6::17].shape)
+    return x
+
+
+@pytest.mark.parametrize("isa", [0, 1])
+def test_accumulator_loops_are_exact_on_every_instruction_set(isa):
+    from shmtree import _accum
+    if isa not in _isas():
+        pytest.skip("this CPU has no AVX2")
+    n = 3001
+    try:
+        assert _accum.use_isa(isa) and _accum.isa() == isa
+        for seed in range(3):
+            x = _kernel_terms(n, seed)
+            q, limbs, flags = _accum.from_values(x)
+            want = [F(v) for v in x]
+            assert _value(q, limbs) == want
+            # aligned: every element at a lower quantum (shifts 0..70: the loop's and the
+            # general way's), where it fits two limbs with a bit of headroom, else not written
+            shift = np.random.default_rng(seed).integers(0, 71, n)
+            qg = np.where(q == 32767, 0, q - shift).astype(np.int16)
+            out = np.full((n, 2), 12345, np.int64)
+            best = _accum.aligned(q, limbs, qg, 1, out)
+            fits = np.array([q[e] == 32767 or (abs(int(limbs[e, 1]) * 2 ** 52 + int(limbs[e, 0]))
+                                                .bit_length() + int(shift[e]) + 1 + 2 + 51)
+                             // 52 <= 2 for e in range(n)])
+            assert best == (2 if fits.all() else best) and (best > 2) == (not fits.all())
+            got = _value(np.where(q == 32767, 32767, qg).astype(np.int16), out)
+            assert all(got[e] == want[e] for e in range(n) if fits[e])
+            assert all(0 <= out[e, 0] < 2 ** 52 for e in range(n) if fits[e])
+            # a column sum of two aligned states, carried: the exact sums
+            sums = out.copy()
+            sums[fits] += out[fits][::-1]
+            qs = np.where(q == 32767, 32767, qg).astype(np.int16)
+            pairs = np.where(fits)[0]
+            sums2 = np.zeros_like(out)
+            sums2[pairs] = out[pairs] * 2                      # (x + x, limb by limb)
+            _accum.normalize_sum(sums2, qs)
+            assert all(_value(qs[e:e + 1], sums2[e:e + 1])[0] == 2 * want[e] for e in pairs)
+            assert all(qs[e] == 32767 for e in pairs if x[e] == 0)
+            # the float64 path: quanta, limbs at the group's quantum, sums rounded
+            negq = np.empty(n, np.int16)
+            assert _accum.ulp_quanta(x, negq) == 0
+            other = _kernel_terms(n, seed + 10)
+            negq2 = np.empty(n, np.int16)
+            _accum.ulp_quanta(other, negq2)
+            group = np.maximum(negq, negq2)
+            la, lb = np.empty((n, 2), np.int64), np.empty((n, 2), np.int64)
+            bad = _accum.ulp_limbs(x, group, 1, la) + _accum.ulp_limbs(other, group, 1, lb)
+            near = np.array([x[e] == 0 or other[e] == 0 or
+                             abs(math.frexp(x[e])[1] - math.frexp(other[e])[1]) < 20
+                             for e in range(n)])
+            if bad:                                    # (only where the terms lie far apart)
+                assert not near.all()
+            sel = [e for e in range(n) if near[e] and abs(x[e]) > 1e-300 and
+                   abs(other[e]) > 1e-300]
+            assert sel
+            qg2 = (-group).astype(np.int16)
+            for e in sel:
+                assert _value(qg2[e:e + 1], la[e:e + 1])[0] == F(x[e])
+            s = la + lb
+            y = np.empty(n)
+            _accum.round_sums(s, group, y)
+            for e in sel:
+                exact = float(F(x[e]) + F(other[e]))
+                assert y[e] == exact or not (2.3e-308 < abs(exact) < 1.7e308)
+        specials = np.array([1.0, -0.0, np.inf, -np.inf, np.nan, 0.0, 5e-324])
+        negq = np.empty(7, np.int16)
+        assert _accum.ulp_quanta(specials, negq) == 4
+        assert list(negq) == [52, -32767, -32767, -32767, -32767, -32767, 1074]
+    finally:
+        _accum.use_isa(1)
+
+
+def fast_path_worker(comm, n, case, isa):
+    from shmtree import _accum
+    _accum.use_isa(isa)
+    x = fast_path_terms(comm.size, n, case)[comm.rank]
+    y = np.full(n, 7.0)
+    try:
+        comm.allreduce(x, out=y, reproducible=True)
+    except (ValueError, OverflowError) as exc:
+        return type(exc).__name__
+    return digest(y)
+
+
+def fast_path_terms(P, n, case):
+    rng = np.random.default_rng(zlib.crc32(f"{P} {n} {case}".encode()))
+    t = rng.standard_normal((P, n))
+    if case == "spread":                 # (terms 2**60 apart: more than two words)
+        t[0, 11] *= 2.0 ** 60
+    elif case == "special":
+        t[P - 1, 5] = -0.0
+    elif case == "subnormal":            # (sums below the least normal double)
+        t[:, :40] *= 1e-309
+    elif case == "tiny":                 # (quanta below -1022 everywhere)
+        t *= 1e-300
+    elif case == "overflow":
+        t[:, 3] = 1.5e308
+    elif case == "cancel":
+        t[0] += 1e16
+        t[1] -= 1e16
+    return t
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("isa", [0, 1])
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_reproducible_float64_path_and_its_ways_back(nprocs, isa):
+    """reproducible=True of float64 past the small path: the two-word rounds of ulp-aligned
+    terms, and where they do not serve (a -0.0 term, terms too far apart, results that are
+    not normal doubles, an overflow) the general path: the same bits as the Accumulator of
+    every rank's terms, on every rank, on either instruction set."""
+    if isa not in _isas():
+        pytest.skip("this CPU has no AVX2")
+    n = 4099
+    for case in ("plain", "cancel", "spread", "special", "subnormal", "tiny", "overflow"):
+        got = run_ok(fast_path_worker, nprocs, args=(n, case, isa))
+        try:
+            want = digest(Accumulator.of(fast_path_terms(nprocs, n, case)).result())
+        except OverflowError:
+            want = "OverflowError"
+        assert got == [want] * nprocs, case

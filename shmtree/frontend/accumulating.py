@@ -8,6 +8,8 @@ the group's lowest bit of every element (a max of int16), then every rank's limb
 in 2 words summed by the engine's int64 allreduce (a trailer row counts the elements that did
 not fit, and the flags a result depends on: the wider words and a bitwise-or round of the flags
 only when needed); a small one is one allgather of every rank's state, merged locally.
+reproducible=True of float64 past the small path takes the same two rounds without a state
+(_ulp_sum: every term at its unit in the last place; docs/design.md).
 """
 from __future__ import annotations
 
@@ -38,21 +40,64 @@ def accumulated(rounds, spec):
     if type(given) is Accumulator:
         return allreduce_accumulator(rounds, given)
     comm = rounds.comm
+    result, dst, copy_back = calls.destination(given, spec.out)
     if given.dtype == np.float64:             # (every state a scratch array of the call's)
         n = given.size
         x = np.ascontiguousarray(given).reshape(-1)
-        state = _accum.from_values(x, _scratch(comm, "q", (n,), np.int16),
-                                   _scratch(comm, "limbs", (n, 2), np.int64),
-                                   _scratch(comm, "flags", (n,), np.uint8))
-        acc = Accumulator._made(given.shape, given.dtype, *state, True)
+        if rounds.size == 1 or _small(rounds, n) or not _ulp_sum(rounds, x, dst, comm):
+            state = _accum.from_values(x, _scratch(comm, "q", (n,), np.int16),
+                                       _scratch(comm, "limbs", (n, 2), np.int64),
+                                       _scratch(comm, "flags", (n,), np.uint8))
+            acc = Accumulator._made(given.shape, given.dtype, *state, True)
+            total = allreduce_accumulator(rounds, acc, comm)
+            total._result_into(dst.reshape(-1), dst)
     else:
-        acc = Accumulator._of_one(given)
-    total = allreduce_accumulator(rounds, acc, comm)
-    result, dst, copy_back = calls.destination(given, spec.out)
-    total._result_into(dst.reshape(-1) if dst.dtype == np.float64 else None, dst)
+        total = allreduce_accumulator(rounds, Accumulator._of_one(given), comm)
+        total._result_into(None, dst)
     if copy_back is not None:
         copy_back[...] = dst.reshape(copy_back.shape)
     return result
+
+
+def _small(rounds, n):
+    """Is an Accumulator allreduce of n elements the small one (one allgather of every rank's
+    state)?"""
+    return rounds.small and (n + 1) * (1 + SMALL_WORDS) * 8 * rounds.size <= SMALL_STATE
+
+
+def _ulp_sum(rounds, x, dst, scratch):
+    """reproducible=True of float64 terms x (one per rank and element), past the small path,
+    without an Accumulator's state: every x at its unit in the last place (_accum.ulp_quanta:
+    the group's least of every element, a max of int16), then every x at that quantum in two
+    words summed by the engine's int64 allreduce, rounded once into dst (C-contiguous float64:
+    the exact sums rounded to nearest even, the bits of the general path's result).  Returns
+    False, dst not written, where the group has a NaN, an infinity or a -0.0 term (the first
+    round's last entry), or an element whose terms lie too far apart for two words (the
+    second's): the caller goes the general way."""
+    n, P = x.shape[0], rounds.size
+    dims = list(dst.shape) if dst.ndim <= 28 else [dst.size]
+    dims.append(calls.dtype_digest(dst.dtype))
+    neg = _scratch(scratch, "neg", (n + 1,), np.int16)
+    neg[n] = int(_accum.ulp_quanta(x, neg[:n]) > 0)
+    rounds.allreduce(neg, "max", dims)
+    if neg[n]:
+        return False
+    out = _scratch(scratch, "out", (n + 1, 2), np.int64)
+    out[n, 0] = int(_accum.ulp_limbs(x, neg[:n], max(1, (P - 1).bit_length()), out[:n]) > 0)
+    out[n, 1] = 0
+    rounds.allreduce(out, "sum", dims)
+    if out[n, 0]:
+        return False
+    flat = dst.reshape(-1)
+    if _accum.round_sums(out[:n], neg[:n], flat):
+        # (a subnormal or out-of-range result somewhere: the sums as an Accumulator's state,
+        # rounded the general way, which also raises as math.fsum does on an overflow)
+        q = np.negative(neg[:n])
+        limbs = out[:n]
+        _accum.normalize_sum(limbs, q)
+        flags = np.full(n, _accum.FLAG_OTHER, np.uint8)
+        Accumulator._made(dst.shape, dst.dtype, q, limbs, flags, True)._result_into(flat, dst)
+    return True
 
 
 def _scratch(comm, name, shape, dtype):
@@ -82,7 +127,7 @@ def allreduce_accumulator(rounds, acc, scratch=None):
         [calls.dtype_digest(acc.dtype)]
     if P == 1:
         return acc.copy()
-    if rounds.small and (n + 1) * (1 + SMALL_WORDS) * 8 * P <= SMALL_STATE:
+    if _small(rounds, n):
         rows = np.empty((P, n + 1, 1 + SMALL_WORDS), np.int64)
         rounds.allgather(_accum.small_rows(q, limbs, flags, nonempty, SMALL_WORDS), rows,
                          dims + [-1])
