@@ -28,12 +28,25 @@ _NAMES = "float16, bfloat16, float32, float64, complex64, complex128"
 
 def _real_dtype(dt):
     """The dtype of an accumulator's real parts (complex: its parts'), or TypeError."""
+    return _format(dt)[0]
+
+
+def _format(dt):
+    """(the dtype of dt's real parts, its bits of precision, its least and greatest normal
+    exponents), or TypeError; remembered per dtype (a dtype's .name is a Python property that
+    costs more than the rest of a small call)."""
+    got = _TAKEN.get(dt)
+    if got is not None:
+        return got
     name = dt.name
-    if name in _REAL:
-        return np.dtype(_REAL[name])
-    if name in _FORMATS and dt.isnative and dt.fields is None:
-        return dt
-    raise TypeError(f"shmtree: Accumulator sums floats ({_NAMES}), not {dt}")
+    real = np.dtype(_REAL[name]) if name in _REAL else dt
+    if real.name not in _FORMATS or not (dt.isnative and dt.fields is None):
+        raise TypeError(f"shmtree: Accumulator sums floats ({_NAMES}), not {dt}")
+    got = _TAKEN[dt] = (real,) + _FORMATS[real.name]
+    return got
+
+
+_TAKEN = {}
 
 
 def accumulable(dtype) -> np.dtype:
@@ -245,8 +258,7 @@ class Accumulator:
     def _result_into(self, flat, dst, strict=True):
         """result(), written into dst (an ndarray of this shape and dtype) when given, through
         flat (dst's float64 items as one C-contiguous row, or None) without a copy."""
-        real = _real_dtype(self._dtype)
-        p, emin, emax = _FORMATS[real.name]
+        real, p, emin, emax = _format(self._dtype)
         out = flat if flat is not None else np.empty(self._q.shape[0], np.float64)
         invalid, overflow = _rounding.rounded(self._q, self._limbs, self._flags, p, emin, emax,
                                            out)
