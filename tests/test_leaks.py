@@ -320,3 +320,69 @@ def test_a_closed_watch_opens_no_pidfd():
     assert v.watch(("y", os.getpid()), os.getpid())[1] is not None
     v.close()
     assert _pidfds() == before
+
+
+def test_two_threads_checking_one_member_open_one_pidfd(monkeypatch):
+    """Two threads checking the same member of one group for the first time (a Pool's caller
+    naming why the pool broke while its watch thread does the same: the leak check saw pidfds
+    left after test_usable::test_pool_map_with_idle_members_fails_naming_them on a loaded
+    machine) watch it through one pidfd, which the group's close() closes: the second one
+    opened in the first one's place was never closed."""
+    from shmtree.machine.liveness import Watch, how_gone, identity
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfds here")
+    real_open = os.pidfd_open
+    cond, inside = threading.Condition(), []
+
+    def slow_open(pid, *args):          # (each opener waits, 2 s at most, for the other one)
+        with cond:
+            inside.append(threading.current_thread().name)
+            cond.notify_all()
+            cond.wait_for(lambda: len(inside) >= 2, timeout=2.0)
+        return real_open(pid, *args)
+
+    monkeypatch.setattr(os, "pidfd_open", slow_open)
+    pid, ctime = identity()
+    before = _pidfds()
+    w = Watch()
+    said = {}
+
+    def check():
+        said[threading.current_thread().name] = how_gone(w, ("me", pid), pid, ctime)
+
+    threads = [threading.Thread(target=check, name=f"checker {i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert said == {"checker 0": "", "checker 1": ""}, said
+    assert len(_pidfds() - before) == 1, (inside, _pidfds() - before)
+    w.close()
+    assert _pidfds() == before, f"pidfds left after close(): {_pidfds() - before}"
+
+
+def test_a_watch_forked_while_another_thread_watches_is_usable_in_the_child():
+    """Watch's lock, held by a thread of the parent (one inside watch()) at the fork, is not
+    held in the child: the child's own liveness checks go on."""
+    from shmtree.machine.liveness import Watch
+    w = Watch()
+    with w._lock:                       # (as a thread inside watch() at the fork)
+        child = os.fork()
+        if child == 0:
+            try:
+                got = w.watch(("me", os.getpid()), os.getpid())
+                os._exit(0 if got is not None else 1)
+            except BaseException:
+                os._exit(2)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    if not done:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    w.close()
+    assert done, "the forked child's watch() waited for a lock no thread of it holds"
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -67,47 +67,62 @@ class Watch(dict):
     """how_gone's cache of one group's members: key -> (start field, pidfd or None).  Its
     pidfds are closed by close(), and in a child this process forks (they are the parent's).
     At most MAX_PIDFDS of them: the first members watched (a rank's tree neighbours, which it
-    checks every slice, come first); the others are read from /proc."""
+    checks every slice, come first); the others are read from /proc.  Threads of one process
+    may check the same group at once (a Pool's caller and its watch thread, both naming why
+    the pool broke, while it closes): watch() and close() hold its lock, so a member is
+    watched through one pidfd, and none is opened by or left in a closed Watch."""
 
     fds = 0
     closed = False                     # (close()d: its group is; watch() opens no pidfd then)
 
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        _WATCHES.add(self)
+
     def watch(self, key, pid):
         """Start watching pid (already matched to its recorded start time): (start, fd), or
         None when it is gone already.  The pidfd is checked against the start field after it is
-        opened, so it names the matched process and not a successor with its pid."""
-        fields = _stat_fields(pid)
-        fd = None
-        if (fields is not None and hasattr(os, "pidfd_open") and self.fds < MAX_PIDFDS
-                and not self.closed):
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:             # (gone, or no pidfds here: the /proc reads serve)
-                fd = None
-            if fd is not None and _stat_fields(pid) != fields:
-                os.close(fd)
-                fd, fields = None, _stat_fields(pid)
-        if fields is None:
-            if fd is not None:
-                os.close(fd)
-            return None
-        if fd is not None and self.closed:      # (closed meanwhile, by another thread: a
-            os.close(fd)                        # pidfd opened now would outlive the group)
+        opened, so it names the matched process and not a successor with its pid.  A key that
+        another thread has watched meanwhile keeps its entry (a second pidfd, put in its place,
+        would never be closed)."""
+        with self._lock:
+            got = self.get(key)
+            if got is not None:
+                return got
+            fields = _stat_fields(pid)
             fd = None
-        self[key] = got = (fields[1], fd)
-        if fd is not None:
-            self.fds += 1
-            _WATCHES.add(self)
-        return got
+            if (fields is not None and hasattr(os, "pidfd_open") and self.fds < MAX_PIDFDS
+                    and not self.closed):
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:         # (gone, or no pidfds here: the /proc reads serve)
+                    fd = None
+                if fd is not None and _stat_fields(pid) != fields:
+                    os.close(fd)
+                    fd, fields = None, _stat_fields(pid)
+            if fields is None:
+                if fd is not None:
+                    os.close(fd)
+                return None
+            self[key] = got = (fields[1], fd)
+            if fd is not None:
+                self.fds += 1
+            return got
 
     def close(self):
         """The group is closed: its pidfds go, and none is opened again."""
-        self.closed = True
-        self.drop()
+        with self._lock:
+            self.closed = True
+            self._drop()
 
     def drop(self):
-        """Close the pidfds (close(), and a forked child's copy of the parent's Watch, which
-        may open its own afterwards)."""
+        """Close the pidfds (a forked child's copy of the parent's Watch, which may open its own
+        afterwards)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self):
         for _, fd in self.values():
             if fd is not None:
                 try:
@@ -116,7 +131,6 @@ class Watch(dict):
                     pass
         self.clear()
         self.fds = 0
-        _WATCHES.discard(self)
 
     def __del__(self):                 # (a group collected without close(): its pidfds too)
         try:
@@ -130,11 +144,12 @@ class Watch(dict):
         return self is other
 
 
-_WATCHES = weakref.WeakSet()          # the Watches holding pidfds, to drop in a forked child
+_WATCHES = weakref.WeakSet()          # every Watch, to drop in a forked child
 
 
 def _drop_after_fork():
     for w in list(_WATCHES):
+        w._lock = threading.Lock()    # (a thread that held it at the fork is not in the child)
         w.drop()
 
 
