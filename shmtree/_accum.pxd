@@ -1,6 +1,6 @@
 # The exact sums of shmtree.Accumulator (shmtree/_accum.pyx): the representation's constants
 # and the helpers that _accum.pyx and _rounding.pyx share.
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from *:
     """
@@ -50,3 +50,32 @@ cdef inline int _bitlen128(shmt_i128 v) noexcept nogil:
     return _bitlen(lo)
 
 
+cdef inline int _decode(double v, uint64_t *m, int *k, uint8_t *flag) noexcept nogil:
+    """v as sign * m * 2**k with m odd (returns the sign: 1 negative, 0 positive), or -1 for a
+    zero or a non-finite value (its flag in *flag)."""
+    cdef dbits b
+    b.f = v
+    cdef uint64_t u = b.u
+    cdef int neg = <int>(u >> 63)
+    cdef int ex = <int>((u >> 52) & 0x7ff)
+    cdef uint64_t man = u & MASK
+    cdef int tz
+    if ex == 0x7ff:
+        if man:
+            flag[0] = F_NAN
+        else:
+            flag[0] = F_NINF if neg else F_PINF
+        return -1
+    if ex == 0:
+        if man == 0:
+            flag[0] = F_NEGZ if neg else F_OTHER
+            return -1
+        k[0] = -1074
+    else:
+        man = man | (<uint64_t>1 << 52)
+        k[0] = ex - 1075
+    tz = shmt_ctz64(man)
+    m[0] = man >> tz
+    k[0] += tz
+    flag[0] = F_OTHER
+    return neg

@@ -51,37 +51,6 @@ FLAG_NEGZ = 8
 FLAG_OTHER = 16
 SPECIAL = FLAG_NAN | FLAG_PINF | FLAG_NINF | FLAG_NEGZ   # flags that a result depends on
 
-cdef inline int _decode(double v, uint64_t *m, int *k, uint8_t *flag) noexcept nogil:
-    """v as sign * m * 2**k with m odd (returns the sign: 1 negative, 0 positive), or -1 for a
-    zero or a non-finite value (its flag in *flag)."""
-    cdef dbits b
-    b.f = v
-    cdef uint64_t u = b.u
-    cdef int neg = <int>(u >> 63)
-    cdef int ex = <int>((u >> 52) & 0x7ff)
-    cdef uint64_t man = u & MASK
-    cdef int tz
-    if ex == 0x7ff:
-        if man:
-            flag[0] = F_NAN
-        else:
-            flag[0] = F_NINF if neg else F_PINF
-        return -1
-    if ex == 0:
-        if man == 0:
-            flag[0] = F_NEGZ if neg else F_OTHER
-            return -1
-        k[0] = -1074
-    else:
-        man = man | (<uint64_t>1 << 52)
-        k[0] = ex - 1075
-    tz = shmt_ctz64(man)
-    m[0] = man >> tz
-    k[0] += tz
-    flag[0] = F_OTHER
-    return neg
-
-
 cdef inline void _add_shifted(int64_t *row, int W, int64_t v, int off) noexcept nogil:
     """row += v * 2**off (off >= 0 bits; v signed, |v| < 2**63), unnormalised: the pieces go
     into the limbs at off // 52 and above, each < 2**52 but the last row limb's, which takes

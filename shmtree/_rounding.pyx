@@ -12,7 +12,7 @@ from libc.math cimport INFINITY, NAN, fabs, ldexp
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from shmtree._accum cimport (BITS, MASK, C_QNONE, F_NAN, F_PINF, F_NINF, F_NEGZ, F_OTHER, dbits,
-                             shmt_i128, shmt_clz64, _bitlen, _bitlen128, _load2)
+                             shmt_i128, shmt_clz64, _bitlen, _bitlen128, _load2, _decode)
 from shmtree._kernels cimport get_kernel, reduce_fn
 cimport numpy as cnp
 
@@ -243,6 +243,59 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
                 out[e] = -out[e]
     return invalid, overflow
 
+
+
+def sum_rows(const double[:, ::1] rows, double[::1] out):
+    """out[e] = the exact sum of rows[:, e] (P float64 terms per element) rounded once to
+    nearest even: the bits of Accumulator.of(rows).result(), in 128-bit integers and without
+    an Accumulator, where every term is finite and not -0.0, the terms of an element lie
+    within 125 - 53 - ceil(log2 P) bits of each other, and no sum overflows.  Returns how many
+    elements are not that case (0: out is the result; else out is not all written and the
+    caller takes the general way, which also raises as math.fsum does)."""
+    cdef Py_ssize_t P = rows.shape[0], n = rows.shape[1], e, r
+    cdef int k, qm, neg, extra = 0, top
+    cdef uint64_t mm
+    cdef uint8_t flag
+    cdef shmt_i128 acc
+    cdef Py_ssize_t bad = 0, overflow = 0
+    cdef double limit = ldexp(1.0, 1024)
+    if out.shape[0] != n:
+        raise ValueError("shmtree: sum_rows: out does not hold an element per column")
+    with nogil:
+        while (<Py_ssize_t>1 << extra) < P:
+            extra += 1
+        for e in range(n):
+            qm = 32767
+            top = -32768
+            for r in range(P):                   # (the least quantum, the highest bit)
+                neg = _decode(rows[r, e], &mm, &k, &flag)
+                if neg < 0:
+                    if flag != F_OTHER:          # (NaN, an infinity, -0.0)
+                        qm = -32768
+                        break
+                    continue
+                if k < qm:
+                    qm = k
+                if k + _bitlen(mm) > top:
+                    top = k + _bitlen(mm)
+            if qm == -32768 or (qm != 32767 and top - qm + extra > 125):
+                bad += 1
+                continue
+            if qm == 32767:                      # (every term +0.0)
+                out[e] = 0.0
+                continue
+            acc = 0
+            for r in range(P):
+                neg = _decode(rows[r, e], &mm, &k, &flag)
+                if neg == 0:
+                    acc += (<shmt_i128>mm) << (k - qm)
+                elif neg == 1:
+                    acc -= (<shmt_i128>mm) << (k - qm)
+            if acc == 0:
+                out[e] = 0.0
+            else:
+                out[e] = _round128(acc, qm, 53, -1022, limit, &overflow)
+    return bad + overflow
 
 
 def fold_rows(cnp.ndarray dst, cnp.ndarray rows, int opc, int dtc):

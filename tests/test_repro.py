@@ -1043,8 +1043,9 @@ def fast_path_worker(comm, n, case, isa):
 def fast_path_terms(P, n, case):
     rng = np.random.default_rng(zlib.crc32(f"{P} {n} {case}".encode()))
     t = rng.standard_normal((P, n))
-    if case == "spread":                 # (terms 2**60 apart: more than two words)
-        t[0, 11] *= 2.0 ** 60
+    if case == "spread":                 # (terms 2**60 / 2**100 apart: more than two words,
+        t[0, 11] *= 2.0 ** 60            # more than 128 bits)
+        t[0, 12] *= 2.0 ** 100
     elif case == "special":
         t[P - 1, 5] = -0.0
     elif case == "subnormal":            # (sums below the least normal double)
@@ -1063,17 +1064,18 @@ def fast_path_terms(P, n, case):
 @pytest.mark.parametrize("isa", [0, 1])
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_reproducible_float64_path_and_its_ways_back(nprocs, isa):
-    """reproducible=True of float64 past the small path: the two-word rounds of ulp-aligned
-    terms, and where they do not serve (a -0.0 term, terms too far apart, results that are
-    not normal doubles, an overflow) the general path: the same bits as the Accumulator of
-    every rank's terms, on every rank, on either instruction set."""
+    """reproducible=True of float64: small (one allgather of the terms, summed in 128 bits:
+    _rounding.sum_rows) and past the small path (the two-word rounds of ulp-aligned terms),
+    and where they do not serve (a -0.0 term, terms too far apart, results that are not
+    normal doubles, an overflow) the general path: the same bits as the Accumulator of every
+    rank's terms, on every rank, on either instruction set."""
     if isa not in _isas():
         pytest.skip("this CPU has no AVX2")
-    n = 4099
-    for case in ("plain", "cancel", "spread", "special", "subnormal", "tiny", "overflow"):
-        got = run_ok(fast_path_worker, nprocs, args=(n, case, isa))
-        try:
-            want = digest(Accumulator.of(fast_path_terms(nprocs, n, case)).result())
-        except OverflowError:
-            want = "OverflowError"
-        assert got == [want] * nprocs, case
+    for n in (60, 4099):
+        for case in ("plain", "cancel", "spread", "special", "subnormal", "tiny", "overflow"):
+            got = run_ok(fast_path_worker, nprocs, args=(n, case, isa))
+            try:
+                want = digest(Accumulator.of(fast_path_terms(nprocs, n, case)).result())
+            except OverflowError:
+                want = "OverflowError"
+            assert got == [want] * nprocs, (n, case)

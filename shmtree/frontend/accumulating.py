@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .. import _accum
+from .. import _accum, _rounding
 from . import calls
 from ..accumulator import Accumulator
 from .calls import ALLGATHER, ALLREDUCE, bytes_of
@@ -41,7 +41,9 @@ def accumulated(rounds, spec):
         return allreduce_accumulator(rounds, given)
     comm = rounds.comm
     result, dst, copy_back = calls.destination(given, spec.out)
-    if given.dtype == np.float64:             # (every state a scratch array of the call's)
+    if rounds.small and given.nbytes * rounds.size <= SMALL_STATE:
+        _terms_sum(rounds, given, dst)
+    elif given.dtype == np.float64:           # (every state a scratch array of the call's)
         n = given.size
         x = np.ascontiguousarray(given).reshape(-1)
         if rounds.size == 1 or _small(rounds, n) or not _ulp_sum(rounds, x, dst, comm):
@@ -57,6 +59,28 @@ def accumulated(rounds, spec):
     if copy_back is not None:
         copy_back[...] = dst.reshape(copy_back.shape)
     return result
+
+
+def _dims(shape, dtype):
+    """The shape words of an Accumulator allreduce's rounds (a disagreement between ranks is
+    the engine's to name)."""
+    return (list(shape) if len(shape) <= 28 else [math.prod(shape)]) + \
+        [calls.dtype_digest(dtype)]
+
+
+def _terms_sum(rounds, given, dst):
+    """reproducible=True, small (every rank's array, P times, at most SMALL_STATE bytes): one
+    allgather of the terms as they are, summed exactly here (every rank the same terms, so the
+    same sum) and rounded once into dst."""
+    rows = np.empty((rounds.size,) + given.shape, given.dtype)
+    rounds.allgather(np.ascontiguousarray(given), rows, _dims(given.shape, given.dtype) + [-2])
+    if given.dtype != np.float64:
+        Accumulator.of(rows, axis=0)._result_into(None, dst)
+        return
+    terms, flat = rows.reshape(rounds.size, -1), dst.reshape(-1)
+    if _rounding.sum_rows(terms, flat):      # (a special term, a wide span, an overflow)
+        Accumulator._made(given.shape, given.dtype, *_accum.from_terms(terms),
+                          True)._result_into(flat, dst)
 
 
 def _small(rounds, n):
@@ -75,8 +99,7 @@ def _ulp_sum(rounds, x, dst, scratch):
     round's last entry), or an element whose terms lie too far apart for two words (the
     second's): the caller goes the general way."""
     n, P = x.shape[0], rounds.size
-    dims = list(dst.shape) if dst.ndim <= 28 else [dst.size]
-    dims.append(calls.dtype_digest(dst.dtype))
+    dims = _dims(dst.shape, dst.dtype)
     neg = _scratch(scratch, "neg", (n + 1,), np.int16)
     neg[n] = int(_accum.ulp_quanta(x, neg[:n]) > 0)
     rounds.allreduce(neg, "max", dims)
@@ -123,8 +146,7 @@ def allreduce_accumulator(rounds, acc, scratch=None):
     whose scratch arrays hold the merged state, when the caller does not keep it)."""
     q, limbs, flags, nonempty = acc._state()
     n, P = q.shape[0], rounds.size
-    dims = (list(acc.shape) if acc.ndim <= 28 else [acc.size]) + \
-        [calls.dtype_digest(acc.dtype)]
+    dims = _dims(acc.shape, acc.dtype)
     if P == 1:
         return acc.copy()
     if _small(rounds, n):

@@ -485,8 +485,8 @@ def described(kind, opc, dtc, shape, nbytes):
     name = kind_name(kind)
     dims = [d for d in shape if d is not Ellipsis]
     if kind // KIND_ROOT_STEP == DET_ACCUMULATE:
-        if dims and dims[-1] == -1:           # (the small form's allgather)
-            dims = dims[:-1]
+        if dims and dims[-1] in (-1, -2):     # (the small forms' allgathers: of states, of
+            dims = dims[:-1]                  # reproducible=True's terms)
         if dims:
             return f"{name}(shape={tuple(dims[:-1])}, dtype {calls.dtype_text(dims[-1])})"
         return name
