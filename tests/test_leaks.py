@@ -386,3 +386,61 @@ def test_a_watch_forked_while_another_thread_watches_is_usable_in_the_child():
     w.close()
     assert done, "the forked child's watch() waited for a lock no thread of it holds"
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_check_while_another_thread_closes_the_watch_never_fails():
+    """how_gone in one thread while another closes (and so closes the pidfds of) the group's
+    Watch: every check answers ("" for a live process), none raises on a closed descriptor or
+    polls one whose number was reused; and a pidfd numbered past 1023 is checked too (poll,
+    not select)."""
+    import resource
+    from shmtree.machine.liveness import Watch, how_gone, identity
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfds here")
+    pid, ctime = identity()
+    before = _pidfds()
+    errors, answers = [], set()
+    stop = threading.Event()
+    watches = []
+
+    def checker():
+        while not stop.is_set():
+            w = watches[-1] if watches else None
+            if w is None:
+                continue
+            try:
+                answers.add(how_gone(w, ("me", pid), pid, ctime))
+            except Exception as exc:       # (an EBADF from a pidfd closed under the check)
+                errors.append(repr(exc))
+                return
+
+    t = threading.Thread(target=checker)
+    t.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not errors:
+            w = Watch()
+            w.watch(("me", pid), pid)
+            watches.append(w)
+            time.sleep(0.0005)
+            w.close()
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors, errors[:3]
+    assert answers <= {""}, answers
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip("the descriptor limit is below 1400")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    try:
+        w = Watch()
+        fd = os.pidfd_open(pid)
+        high = os.dup2(fd, 1300)
+        os.close(fd)
+        w[("me", pid)] = (w.watch(("probe", pid), pid)[0], high)
+        assert how_gone(w, ("me", pid), pid, ctime) == ""
+        w.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert _pidfds() == before

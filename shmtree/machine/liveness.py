@@ -51,7 +51,9 @@ def how_gone(procs, key, pid, ctime) -> str:
             return f"pid {pid} is gone"
     start, fd = known
     if fd is not None:
-        return f"pid {pid} is gone" if select.select([fd], [], [], 0)[0] else ""
+        gone = procs.exited(key, known)
+        if gone is not None:
+            return f"pid {pid} is gone" if gone else ""
     fields = _stat_fields(pid)
     if fields is None:
         return f"pid {pid} is gone"
@@ -109,6 +111,18 @@ class Watch(dict):
             if fd is not None:
                 self.fds += 1
             return got
+
+    def exited(self, key, known):
+        """Has the process of `known` (key's entry, with a pidfd) exited: True or False, from
+        one poll of its pidfd (poll, not select: a descriptor number past 1023 is fine), under
+        the lock; None when the entry is gone meanwhile (close() or drop() in another thread
+        closed its pidfd, whose number may name another file by now: the caller reads /proc)."""
+        with self._lock:
+            if self.get(key) is not known:
+                return None
+            p = select.poll()
+            p.register(known[1], select.POLLIN)
+            return bool(p.poll(0))
 
     def close(self):
         """The group is closed: its pidfds go, and none is opened again."""
