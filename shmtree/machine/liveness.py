@@ -100,9 +100,11 @@ class Watch(dict):
                     fd = os.pidfd_open(pid)
                 except OSError:         # (gone, or no pidfds here: the /proc reads serve)
                     fd = None
-                if fd is not None and _stat_fields(pid) != fields:
-                    os.close(fd)
-                    fd, fields = None, _stat_fields(pid)
+                if fd is not None:      # (the same process: its start time, not its state,
+                    now = _stat_fields(pid)         # which a running process changes)
+                    if now is None or now[1] != fields[1]:
+                        os.close(fd)
+                        fd, fields = None, now
             if fields is None:
                 if fd is not None:
                     os.close(fd)
