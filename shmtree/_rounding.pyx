@@ -256,7 +256,10 @@ def sum_rows(const double[:, ::1] rows, double[::1] out):
     cdef int k, qm, neg, extra = 0, top
     cdef uint64_t mm
     cdef uint8_t flag
-    cdef shmt_i128 acc
+    cdef shmt_i128 acc, t
+    cdef int64_t hi, lo
+    cdef double v
+    cdef dbits sc
     cdef Py_ssize_t bad = 0, overflow = 0
     cdef double limit = ldexp(1.0, 1024)
     if out.shape[0] != n:
@@ -274,10 +277,8 @@ def sum_rows(const double[:, ::1] rows, double[::1] out):
                         qm = -32768
                         break
                     continue
-                if k < qm:
-                    qm = k
-                if k + _bitlen(mm) > top:
-                    top = k + _bitlen(mm)
+                qm = k if k < qm else qm         # (selects: random data would mispredict)
+                top = k + _bitlen(mm) if k + _bitlen(mm) > top else top
             if qm == -32768 or (qm != 32767 and top - qm + extra > 125):
                 bad += 1
                 continue
@@ -287,14 +288,21 @@ def sum_rows(const double[:, ::1] rows, double[::1] out):
             acc = 0
             for r in range(P):
                 neg = _decode(rows[r, e], &mm, &k, &flag)
-                if neg == 0:
-                    acc += (<shmt_i128>mm) << (k - qm)
-                elif neg == 1:
-                    acc -= (<shmt_i128>mm) << (k - qm)
+                if neg >= 0:                     # (+-m, the sign without a branch)
+                    t = (<shmt_i128>mm) << (k - qm)
+                    acc += (t ^ (-(<shmt_i128>neg))) + neg
             if acc == 0:
                 out[e] = 0.0
-            else:
-                out[e] = _round128(acc, qm, 53, -1022, limit, &overflow)
+                continue
+            hi = <int64_t>(acc >> 53)            # (floor: lo in [0, 2**53); both exact
+            lo = <int64_t>(acc & ((<shmt_i128>1 << 53) - 1))    # doubles where |acc| <
+            if -(<int64_t>1 << 52) <= hi < (<int64_t>1 << 52) and -1022 <= qm <= 1023:  # 2**105
+                sc.u = (<uint64_t>(qm + 1023)) << 52   # (one addition rounds the integer to
+                v = (<double>hi * 9007199254740992.0 + <double>lo) * sc.f   # nearest even;
+                if 2.2250738585072014e-308 <= fabs(v) < INFINITY:  # 2**qm scales it exactly
+                    out[e] = v                   # where the result is a normal double)
+                    continue
+            out[e] = _round128(acc, qm, 53, -1022, limit, &overflow)
     return bad + overflow
 
 

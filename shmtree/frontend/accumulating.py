@@ -26,6 +26,9 @@ __all__ = ["accumulating", "accumulated", "allreduce_accumulator", "Local", "Acr
 
 SMALL_WORDS = 3             # an Accumulator allreduce of at most SMALL_STATE bytes in all ...
 SMALL_STATE = 64 << 10      # ... is one allgather of states of 1 + SMALL_WORDS int64 each
+SMALL_TERMS = 8 << 10       # reproducible=True of at most this per rank (and SMALL_STATE in
+                            # all): one allgather of the terms (past it, the exact sum of P
+                            # terms per element costs more here than the large form's rounds)
 
 
 def accumulating(comm, spec):
@@ -41,12 +44,12 @@ def accumulated(rounds, spec):
         return allreduce_accumulator(rounds, given)
     comm = rounds.comm
     result, dst, copy_back = calls.destination(given, spec.out)
-    if rounds.small and given.nbytes * rounds.size <= SMALL_STATE:
+    if rounds.small and given.nbytes <= SMALL_TERMS and given.nbytes * rounds.size <= SMALL_STATE:
         _terms_sum(rounds, given, dst)
     elif given.dtype == np.float64:           # (every state a scratch array of the call's)
         n = given.size
         x = np.ascontiguousarray(given).reshape(-1)
-        if rounds.size == 1 or _small(rounds, n) or not _ulp_sum(rounds, x, dst, comm):
+        if rounds.size == 1 or not _ulp_sum(rounds, x, dst, comm):
             state = _accum.from_values(x, _scratch(comm, "q", (n,), np.int16),
                                        _scratch(comm, "limbs", (n, 2), np.int64),
                                        _scratch(comm, "flags", (n,), np.uint8))
@@ -69,9 +72,9 @@ def _dims(shape, dtype):
 
 
 def _terms_sum(rounds, given, dst):
-    """reproducible=True, small (every rank's array, P times, at most SMALL_STATE bytes): one
-    allgather of the terms as they are, summed exactly here (every rank the same terms, so the
-    same sum) and rounded once into dst."""
+    """reproducible=True, small (every rank's array at most SMALL_TERMS bytes, P times at most
+    SMALL_STATE): one allgather of the terms as they are, summed exactly here (every rank the
+    same terms, so the same sum) and rounded once into dst."""
     rows = np.empty((rounds.size,) + given.shape, given.dtype)
     rounds.allgather(np.ascontiguousarray(given), rows, _dims(given.shape, given.dtype) + [-2])
     if given.dtype != np.float64:
