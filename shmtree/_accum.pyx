@@ -258,8 +258,8 @@ def aligned(const int16_t[::1] q, const int64_t[:, ::1] limbs, const int16_t[::1
             int extra, int64_t[:, ::1] out):
     """needed_limbs and realign in one pass: every element whose value at quantum qg[e], with
     `extra` bits of headroom, fits out's W limbs is written there; returns the fewest limbs
-    that hold every element (when that is more than out's, out is not all written: realign
-    into as many)."""
+    that hold every element, 2 where two limbs of both hold them all (when that is more than
+    out's, out is not all written: realign into as many)."""
     cdef Py_ssize_t n = q.shape[0], e
     cdef int W1 = limbs.shape[1], W2 = out.shape[1], k, d, need, best = 1
     cdef int64_t *dst

@@ -53,6 +53,23 @@ cdef inline bint _any_below(const int64_t *mag, int W, int end) noexcept nogil:
     return False
 
 
+cdef inline bint _scaled(double v, int q, double *r) noexcept nogil:
+    """*r = v * 2**q, where v is an integer rounded once to 53 bits (one IEEE addition of exact
+    doubles), when that product is a normal double: then it is exact, and the value rounded
+    once.  Returns whether it was (False: *r is not written; the caller rounds the general
+    way)."""
+    cdef dbits sc
+    cdef double got
+    if not -1022 <= q <= 1023:
+        return False
+    sc.u = (<uint64_t>(q + 1023)) << 52
+    got = v * sc.f
+    if 2.2250738585072014e-308 <= fabs(got) < INFINITY:
+        r[0] = got
+        return True
+    return False
+
+
 cdef inline double _round64(int64_t v, int q, int p, int emin, double limit,
                             Py_ssize_t *overflow) noexcept nogil:
     """_round128 of a v that fits 63 bits, in 64-bit arithmetic."""
@@ -159,8 +176,7 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
     cdef Py_ssize_t invalid = 0, overflow = 0
     cdef double inf = INFINITY, nan = NAN
     cdef shmt_i128 v128
-    cdef double limit = ldexp(1.0, emax + 1), v, r
-    cdef dbits sc
+    cdef double limit = ldexp(1.0, emax + 1), v
     if W > 64:
         raise ValueError(f"shmtree: an accumulator of {W} limbs (at most 64)")
     with nogil:
@@ -177,17 +193,14 @@ def rounded(const int16_t[::1] q, const int64_t[:, ::1] limbs, const uint8_t[::1
                 continue
             zero = q[e] == C_QNONE
             neg = 0
-            if not zero and W <= 2 and p == 53 and -1022 <= q[e] <= 1023:
+            if not zero and W <= 2 and p == 53:
                 # float64: the value's two limbs are exact doubles, and their sum, one IEEE
                 # addition, is the value rounded to 53 bits (to nearest even); times 2**q it
-                # is the result, exactly, when that is a normal double (else: below)
+                # is the result where that is a normal double (else: below)
                 v = <double>limbs[e, 0]
                 if W == 2:
                     v = <double>limbs[e, 1] * 4503599627370496.0 + v      # (2**52)
-                sc.u = (<uint64_t>(q[e] + 1023)) << 52
-                r = v * sc.f
-                if 2.2250738585072014e-308 <= fabs(r) < INFINITY:
-                    out[e] = r
+                if _scaled(v, q[e], &out[e]):
                     continue
                 if v == 0.0:
                     zero = True
@@ -258,8 +271,6 @@ def sum_rows(const double[:, ::1] rows, double[::1] out):
     cdef uint8_t flag
     cdef shmt_i128 acc, t
     cdef int64_t hi, lo
-    cdef double v
-    cdef dbits sc
     cdef Py_ssize_t bad = 0, overflow = 0
     cdef double limit = ldexp(1.0, 1024)
     if out.shape[0] != n:
@@ -296,12 +307,9 @@ def sum_rows(const double[:, ::1] rows, double[::1] out):
                 continue
             hi = <int64_t>(acc >> 53)            # (floor: lo in [0, 2**53); both exact
             lo = <int64_t>(acc & ((<shmt_i128>1 << 53) - 1))    # doubles where |acc| <
-            if -(<int64_t>1 << 52) <= hi < (<int64_t>1 << 52) and -1022 <= qm <= 1023:  # 2**105
-                sc.u = (<uint64_t>(qm + 1023)) << 52   # (one addition rounds the integer to
-                v = (<double>hi * 9007199254740992.0 + <double>lo) * sc.f   # nearest even;
-                if 2.2250738585072014e-308 <= fabs(v) < INFINITY:  # 2**qm scales it exactly
-                    out[e] = v                   # where the result is a normal double)
-                    continue
+            if -(<int64_t>1 << 52) <= hi < (<int64_t>1 << 52) and \
+                    _scaled(<double>hi * 9007199254740992.0 + <double>lo, qm, &out[e]):  # 2**105)
+                continue
             out[e] = _round128(acc, qm, 53, -1022, limit, &overflow)
     return bad + overflow
 
